@@ -1,0 +1,27 @@
+"""cann_ops_tilelang: PyTorch custom ops with TileLang kernels for Ascend 950 NPUs and CUDA GPUs.
+
+Every operator is a ``torch.library`` custom op ``cann_ops_tilelang::<name>`` with a fake
+implementation, so it runs in eager mode, under ``torch.compile(fullgraph=True)`` and inside the
+autograd wrappers of :mod:`cann_ops_tilelang.modeling`. Importing the package registers every op;
+it touches no device and imports neither TileLang nor torch_npu.
+"""
+
+from ._library import registered_ops
+from ._version import __version__
+from .engram import (
+    engram_fused_weight,
+    engram_gate_bwd,
+    engram_gate_fwd,
+    engram_gate_fwd_inplace,
+    engram_grad_w_reduce,
+)
+
+__all__ = [
+    "__version__",
+    "engram_fused_weight",
+    "engram_gate_bwd",
+    "engram_gate_fwd",
+    "engram_gate_fwd_inplace",
+    "engram_grad_w_reduce",
+    "registered_ops",
+]

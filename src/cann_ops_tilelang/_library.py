@@ -1,0 +1,148 @@
+"""The one helper that declares an operator of this package.
+
+An operator is written as a *prepare* function in ``fakes/``: fully annotated (its annotations are
+the schema), it validates the arguments (metadata only) and allocates the outputs with
+``new_empty``. :func:`declare` turns it into the custom op ``cann_ops_tilelang::<name>``:
+
+* the prepare function is the fake (meta) implementation, so fake and real outputs have identical
+  metadata by construction;
+* the kernels for ``"cuda"`` and ``"privateuseone"`` (Ascend NPUs through torch_npu) run the
+  prepare function, then the op's *launch* function (registered with ``@op.launch``), which gets
+  the lazily imported backend module ``cann_ops_tilelang.kernels.<backend>.<family>``, the
+  outputs and the arguments; TileLang is imported only there, on first use;
+* any other device (CPU, ...) gets a ``RuntimeError`` naming the op, the device and the devices
+  that have kernels.
+
+The returned object is a plain Python function with the prepare function's signature and
+docstring that calls ``torch.ops.cann_ops_tilelang.<name>`` (so dynamo sees the custom op and
+never traces into TileLang), with the ``CustomOpDef`` under ``.op`` and the qualified name under
+``.qualname``.
+"""
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["NAMESPACE", "declare", "registered_ops"]
+
+NAMESPACE = "cann_ops_tilelang"
+
+# device type of the dispatch key -> kernel backend package under cann_ops_tilelang.kernels
+_BACKENDS = {"cuda": "cuda", "privateuseone": "ascend"}
+_SUPPORTED = "cuda, npu"
+
+_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def registered_ops() -> dict[str, Callable[..., Any]]:
+    """All operators declared so far, by short name (a copy)."""
+    return dict(_REGISTRY)
+
+
+def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device | None:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    return item.device
+    return None
+
+
+def _device_name(device: torch.device | None) -> str:
+    if device is None:
+        return "none"
+    return "npu" if device.type == "privateuseone" else device.type
+
+
+@functools.cache
+def _backend_module(backend: str, family: str):
+    return importlib.import_module(f"{__package__}.kernels.{backend}.{family}")
+
+
+class _Op:
+    """Binds a declared op's prepare function to its launch function for one backend."""
+
+    def __init__(self, name: str, family: str, prepare: Callable[..., Any]):
+        self.name = name
+        self.family = family
+        self.prepare = prepare
+        self.signature = inspect.signature(prepare)
+        self.launch: Callable[..., None] | None = None
+
+    def unsupported(self, *args: Any, **kwargs: Any) -> Any:
+        # Bad arguments are reported as such whatever the device; then the device itself.
+        self.prepare(*args, **kwargs)
+        device = _first_device(args, kwargs)
+        raise RuntimeError(
+            f"{NAMESPACE}::{self.name}: no kernel for tensors on device '{_device_name(device)}'; "
+            f"supported devices: {_SUPPORTED}"
+        )
+
+    def kernel(self, backend: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            outputs = self.prepare(*bound.args, **bound.kwargs)
+            if self.launch is None:
+                raise NotImplementedError(f"{NAMESPACE}::{self.name} has no launch function")
+            self.launch(_backend_module(backend, self.family), outputs, **bound.arguments)
+            return outputs
+
+        run.__name__ = f"{self.name}_{backend}"
+        return run
+
+
+def declare(name: str, *, family: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """Declares ``cann_ops_tilelang::<name>`` from its prepare function (see the module docstring).
+
+    Args:
+        name: the op's short name.
+        family: the kernel family, i.e. the module ``kernels.<backend>.<family>`` that holds its
+            kernels (``"engram"``, ``"mhc"``...).
+        mutates_args: names of the arguments the op writes to, exactly.
+
+    Returns:
+        A decorator; applied to the prepare function it returns the public Python function. Register
+        the launch function with ``@public.launch``: it is called as
+        ``launch(kernels, outputs, **arguments)`` on every call on a supported device, with the
+        prepare function's result as ``outputs``; it decides itself to launch nothing for empty
+        inputs.
+    """
+
+    def wrap(prepare: Callable[..., Any]) -> Any:
+        if name in _REGISTRY:
+            raise RuntimeError(f"{NAMESPACE}::{name} is declared twice")
+        op = _Op(name, family, prepare)
+
+        def default(*args: Any, **kwargs: Any) -> Any:
+            return op.unsupported(*args, **kwargs)
+
+        functools.update_wrapper(default, prepare)
+        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=tuple(mutates_args))
+        custom.register_fake(prepare)
+        for device_type, backend in _BACKENDS.items():
+            custom.register_kernel(device_type, op.kernel(backend))
+        overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+
+        @functools.wraps(prepare)
+        def public(*args: Any, **kwargs: Any) -> Any:
+            return overload(*args, **kwargs)
+
+        def set_launch(fn: Callable[..., None]) -> Callable[..., None]:
+            op.launch = fn
+            return fn
+
+        public.op = custom
+        public.qualname = f"{NAMESPACE}::{name}"
+        public.launch = set_launch
+        public.prepare = prepare
+        _REGISTRY[name] = public
+        return public
+
+    return wrap

@@ -1,0 +1,1 @@
+"""Fake (meta) implementations, one module per op family. They never import TileLang."""

@@ -1,0 +1,130 @@
+"""Differentiable Engram gate (OPS.md §D.1) built from the four Engram primitives.
+
+Forward: ``engram_fused_weight`` then ``engram_gate_fwd(save_for_backward=True)``. Backward:
+``engram_gate_bwd`` then ``engram_grad_w_reduce`` into the weights' fp32 gradient buffers: a
+Megatron-style ``main_grad`` attribute when the parameter has one (eager mode; the weight then gets
+no ``.grad``), else fresh zeros returned as the gradient.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..engram.ops import engram_fused_weight, engram_gate_bwd, engram_gate_fwd, engram_grad_w_reduce
+
+__all__ = ["EngramGate", "engram_gate"]
+
+
+def _main_grad(weight: Tensor) -> Optional[Tensor]:
+    # main_grad is a Python attribute: only honoured in eager mode (a compiled graph sees tensors only).
+    if torch.compiler.is_compiling():
+        return None
+    buffer = getattr(weight, "main_grad", None)
+    if buffer is None:
+        return None
+    if buffer.dtype != torch.float32 or buffer.shape != weight.shape or buffer.device != weight.device:
+        raise ValueError(
+            "cann_ops_tilelang.modeling.engram_gate: argument 'main_grad': expected an fp32 buffer of the "
+            f"weight's shape {tuple(weight.shape)} on {weight.device}, got {buffer.dtype} "
+            f"{tuple(buffer.shape)} on {buffer.device}"
+        )
+    return buffer
+
+
+class _EngramGateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, kv, weight_hidden, weight_embed, clamp_value, eps, image_token_mask,
+                main_grad_hidden, main_grad_embed):
+        weight_fused = engram_fused_weight(weight_hidden, weight_embed)
+        out, dot, gate_score, rstd_x, rstd_k = engram_gate_fwd(
+            hidden_states, kv, weight_fused, eps, clamp_value, True, image_token_mask
+        )
+        ctx.save_for_backward(hidden_states, kv, weight_hidden, weight_embed, weight_fused, dot, gate_score,
+                              rstd_x, rstd_k, image_token_mask)
+        ctx.clamp_value = clamp_value
+        ctx.main_grads = (main_grad_hidden, main_grad_embed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, kv, wh, we, wf, dot, gate_score, rstd_x, rstd_k, mask = ctx.saved_tensors
+        grad_x, grad_kv, grad_w_partial = engram_gate_bwd(
+            grad_out.contiguous(), x, kv, wf, dot, gate_score, rstd_x, rstd_k, ctx.clamp_value, mask
+        )
+        main_hidden, main_embed = ctx.main_grads
+        grad_wh = main_hidden if main_hidden is not None else torch.zeros_like(wh, dtype=torch.float32)
+        grad_we = main_embed if main_embed is not None else torch.zeros_like(we, dtype=torch.float32)
+        engram_grad_w_reduce(grad_w_partial, wh, we, grad_wh, grad_we)
+        return (
+            grad_x,
+            grad_kv,
+            None if main_hidden is not None else grad_wh.to(wh.dtype),
+            None if main_embed is not None else grad_we.to(we.dtype),
+            None, None, None, None, None,
+        )
+
+
+def engram_gate(
+    hidden_states: Tensor,
+    kv: Tensor,
+    weight_hidden: Tensor,
+    weight_embed: Tensor,
+    clamp_value: float = 1e-6,
+    eps: float = 1e-6,
+    image_token_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Engram gate with autograd: ``x + sigmoid(signed_sqrt(<RMSNorm(x; wh), RMSNorm(k; we)> / sqrt(H))) * v``.
+
+    Args:
+        hidden_states: ``(*, m, H)`` bf16 (``m == 4``).
+        kv: ``(*, (m + 1) * H)`` bf16: per token the ``m`` keys then the value, flat.
+        weight_hidden: ``(m, H)`` bf16 parameter (RMSNorm weight of the hidden streams).
+        weight_embed: ``(m, H)`` bf16 parameter (RMSNorm weight of the keys).
+        clamp_value: signed-sqrt clamp.
+        eps: RMSNorm epsilon (the production value is not published; expose it).
+        image_token_mask: ``(*)`` bool or None; True tokens pass through unchanged.
+
+    Returns:
+        ``(*, m, H)`` bf16. Gradients flow to ``hidden_states``, ``kv`` and both weights; a weight
+        with an fp32 ``main_grad`` attribute gets its gradient accumulated there (eager mode only).
+    """
+    lead = hidden_states.shape[:-2]
+    m, hidden = hidden_states.shape[-2:]
+    x = hidden_states.reshape(-1, m, hidden)
+    kv3 = kv.reshape(-1, m + 1, hidden)
+    mask = None if image_token_mask is None else image_token_mask.reshape(-1)
+    out = _EngramGateFunction.apply(
+        x.contiguous(), kv3.contiguous(), weight_hidden, weight_embed, clamp_value, eps, mask,
+        _main_grad(weight_hidden), _main_grad(weight_embed),
+    )
+    return out.view(*lead, m, hidden)
+
+
+class EngramGate(nn.Module):
+    """Holds the two ``(m, H)`` bf16 RMSNorm weights of an Engram gate (initialized to ones).
+
+    Args:
+        hidden_size: ``H`` (a multiple of 256 in [512, 8192]).
+        hc_mult: number of residual streams ``m`` (4).
+        clamp_value: signed-sqrt clamp (1e-6).
+        eps: RMSNorm epsilon (1e-6).
+    """
+
+    def __init__(self, hidden_size: int, hc_mult: int = 4, clamp_value: float = 1e-6, eps: float = 1e-6,
+                 device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.hc_mult = hc_mult
+        self.clamp_value = clamp_value
+        self.eps = eps
+        self.weight_hidden = nn.Parameter(torch.ones(hc_mult, hidden_size, device=device, dtype=dtype))
+        self.weight_embed = nn.Parameter(torch.ones(hc_mult, hidden_size, device=device, dtype=dtype))
+
+    def forward(self, hidden_states: Tensor, kv: Tensor, image_token_mask: Optional[Tensor] = None) -> Tensor:
+        """``hidden_states (*, m, H)`` bf16, ``kv (*, (m + 1) * H)`` bf16 → ``(*, m, H)`` bf16."""
+        return engram_gate(hidden_states, kv, self.weight_hidden, self.weight_embed, self.clamp_value, self.eps,
+                           image_token_mask)
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, hc_mult={self.hc_mult}, clamp_value={self.clamp_value}, eps={self.eps}"

@@ -1,0 +1,246 @@
+"""CPU tier of the Engram family: fakes, opcheck, torch.compile traces, the references' backward
+against float64 autograd, and the autograd wrapper over the CPU reference kernels."""
+
+import pytest
+import torch
+from _plugins.levels import level_choice
+from engram_gate_ref import (
+    fused_weight_ref,
+    gate_bwd_ref,
+    gate_fwd_ref,
+    gate_model,
+    grad_w_reduce_ref,
+    make_inputs,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang import config
+from cann_ops_tilelang.modeling import EngramGate, engram_gate
+
+EPS, CLAMP = 1e-20, 1e-6
+TOKENS = level_choice([0, 1, 7], [0, 1, 7, 33], [0, 1, 7, 33, 130])
+HIDDEN = 512
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def all_args(tokens, masked, seed):
+    x, kv, wh, we, mask = make_inputs(tokens, HIDDEN, masked=masked, generator=gen(seed))
+    wf = fused_weight_ref(wh, we)
+    return x, kv, wh, we, wf, mask
+
+
+def metadata(t):
+    return (t.shape, t.dtype, t.stride(), t.device.type)
+
+
+# --- fakes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("save", [False, True])
+def test_fakes_match_references(tokens, masked, save, seed):
+    x, kv, wh, we, wf, mask = all_args(tokens, masked, seed)
+    real = {
+        "fused": [fused_weight_ref(wh, we)],
+        "fwd": list(gate_fwd_ref(x, kv, wf, EPS, CLAMP, save, mask)),
+    }
+    stats = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    real["bwd"] = list(gate_bwd_ref(x, x, kv, wf, *stats[1:], CLAMP, mask, partials=config.grad_w_partials("cpu")))
+    mode = FakeTensorMode()
+    with mode:
+        fx, fkv, fwh, fwe, fwf = (mode.from_tensor(t) for t in (x, kv, wh, we, wf))
+        fmask = None if mask is None else mode.from_tensor(mask)
+        fstats = [mode.from_tensor(t) for t in stats[1:]]
+        fake = {
+            "fused": [ops.engram_fused_weight(fwh, fwe)],
+            "fwd": list(torch.ops.cann_ops_tilelang.engram_gate_fwd(fx, fkv, fwf, EPS, CLAMP, save, fmask)),
+            "bwd": list(ops.engram_gate_bwd(fx, fx, fkv, fwf, *fstats, CLAMP, fmask)),
+        }
+    for key in real:
+        assert [metadata(t) for t in fake[key]] == [metadata(t) for t in real[key]], key
+
+
+# --- opcheck --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_opcheck(tokens, masked, seed):
+    x, kv, wh, we, wf, mask = all_args(tokens, masked, seed)
+    out, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    cases = [
+        (torch.ops.cann_ops_tilelang.engram_fused_weight.default, (wh, we)),
+        (torch.ops.cann_ops_tilelang.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, True, mask)),
+        (torch.ops.cann_ops_tilelang.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, False, mask)),
+        (torch.ops.cann_ops_tilelang.engram_gate_fwd_inplace.default, (x.clone(), kv, wf, EPS, CLAMP, mask)),
+        (torch.ops.cann_ops_tilelang.engram_gate_bwd.default, (out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)),
+        (torch.ops.cann_ops_tilelang.engram_grad_w_reduce.default,
+         (torch.randn(5, 4, HIDDEN, generator=gen(seed)), wh, we, torch.zeros(4, HIDDEN), torch.ones(4, HIDDEN))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+# --- torch.compile traces through the fakes --------------------------------------------------------
+
+
+def gate_model_compiled(x, kv, wf, mask):
+    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
+    return out.float() * 2, dot + g, rx * rk
+
+
+def test_compile_fullgraph_dynamic_no_recompile(seed):
+    torch._dynamo.reset()
+    compiled = torch.compile(gate_model_compiled, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for tokens in (7, 9, 17):  # (not 4, 5: duck sizing would tie T to m or m + 1)
+            x, kv, wh, we, wf, mask = all_args(tokens, True, seed + tokens)
+            got = compiled(x, kv, wf, mask)
+            want = gate_model_compiled(x, kv, wf, mask)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+
+
+def fused_weight_model(weight_hidden, weight_embed):
+    return ops.engram_fused_weight(-weight_hidden, weight_embed) + 1
+
+
+def test_compile_fused_weight_fixed_shape(seed):
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_weight_model, backend="aot_eager", fullgraph=True, dynamic=False)
+    a = torch.randn(4, 4096, generator=gen(seed)).bfloat16()
+    b = torch.randn(4, 4096, generator=gen(seed + 1)).bfloat16()
+    with torch.inference_mode():
+        got = compiled(a, b)
+    assert torch.equal(got, (-a).float() * b.float() + 1)
+
+
+def test_compile_inplace_and_bwd_graphs(seed):
+    def step(x, kv, wf, mask):
+        out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
+        gx, gkv, part = ops.engram_gate_bwd(out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+        gwh = torch.zeros_like(wf)
+        gwe = torch.zeros_like(wf)
+        ops.engram_grad_w_reduce(part, x[0], x[1], gwh, gwe)
+        y = x.clone()
+        ops.engram_gate_fwd(y, kv, wf, EPS, CLAMP, False, mask, inplace=True)
+        return gx, gkv, gwh, gwe, y
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for tokens in (6, 11):
+            x, kv, wh, we, wf, mask = all_args(tokens, True, seed + tokens)
+            for a, b in zip(compiled(x, kv, wf, mask), step(x, kv, wf, mask)):
+                assert torch.equal(a, b)
+
+
+# --- references: backward vs float64 autograd ------------------------------------------------------
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_reference_backward_vs_float64_autograd(tokens, masked, seed):
+    x, kv, wh, we, _, mask = all_args(tokens, masked, seed)
+    d = torch.float64
+    eps, clamp = 1e-6, 1e-6
+    x64, kv64, wh64, we64 = (t.to(d).requires_grad_() for t in (x, kv, wh, we))
+    out = gate_model(x64, kv64, wh64, we64, eps, clamp, mask)
+    go = torch.randn(out.shape, generator=gen(seed + 1), dtype=d)
+    out.backward(go)
+    # closed-form backward in float64 from float64 statistics
+    with torch.no_grad():
+        m = x.shape[1]
+        xd, kd = x64.detach(), kv64.detach()
+        wf = wh64.detach() * we64.detach()
+        raw = (xd * wf * kd[:, :m]).sum(-1)
+        rx = torch.rsqrt(xd.square().mean(-1) + eps)
+        rk = torch.rsqrt(kd[:, :m].square().mean(-1) + eps)
+        z = raw * rx * rk / x.shape[-1] ** 0.5
+        g = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp)), z))
+        gx, gkv, part = gate_bwd_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, partials=3)
+        gwh = torch.zeros_like(wf)
+        gwe = torch.zeros_like(wf)
+        gw = part.sum(0)
+        gwh += gw * we64.detach()
+        gwe += gw * wh64.detach()
+    for name, got, want in (("x", gx, x64.grad), ("kv", gkv, kv64.grad), ("wh", gwh, wh64.grad),
+                            ("we", gwe, we64.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+
+
+# --- the autograd wrapper over the CPU reference kernels ---------------------------------------------
+
+
+def wrapper_vs_reference(tokens, masked, seed, lead=None):
+    x, kv, wh, we, _, mask = all_args(tokens, masked, seed)
+    eps, clamp = 1e-6, 1e-6
+    go = torch.randn(x.shape, generator=gen(seed + 2)).bfloat16()
+    shape_x = x.shape if lead is None else (*lead, *x.shape[1:])
+    ours = [t.clone().requires_grad_() for t in (x.view(shape_x), kv.view(*shape_x[:-2], -1), wh, we)]
+    m_arg = None if mask is None else mask.view(shape_x[:-2])
+    out = engram_gate(*ours, clamp, eps, m_arg)
+    out.backward(go.view(shape_x))
+    ref = [t.float().clone().requires_grad_() for t in (x, kv, wh, we)]
+    ref_out = gate_model(*ref, eps, clamp, mask)
+    ref_out.backward(go.float())
+    return out.view(x.shape), ours, ref_out, ref
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_autograd_wrapper_vs_reference_autograd(masked, seed):
+    out, ours, ref_out, ref = wrapper_vs_reference(64, masked, seed, lead=(8, 8))
+    torch.testing.assert_close(out.float(), ref_out, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(ours[0].grad.float().view(ref[0].shape), ref[0].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[1].grad.float().view(ref[1].shape), ref[1].grad, rtol=8e-3, atol=7e-3)
+    # bf16 parameter gradients: compare at bf16 resolution
+    torch.testing.assert_close(ours[2].grad.float(), ref[2].grad, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(ours[3].grad.float(), ref[3].grad, rtol=1.6e-2, atol=1e-3)
+    assert ours[2].grad.dtype == torch.bfloat16
+
+
+def test_autograd_wrapper_main_grad(seed):
+    x, kv, wh, we, _, mask = all_args(16, True, seed)
+    go = torch.randn(x.shape, generator=gen(seed + 3)).bfloat16()
+    module = EngramGate(HIDDEN)
+    with torch.no_grad():
+        module.weight_hidden.copy_(wh)
+        module.weight_embed.copy_(we)
+    prior_h = torch.randn(4, HIDDEN, generator=gen(seed + 4))
+    prior_e = torch.randn(4, HIDDEN, generator=gen(seed + 5))
+    module.weight_hidden.main_grad = prior_h.clone()
+    module.weight_embed.main_grad = prior_e.clone()
+    module(x, kv.view(16, -1), mask).backward(go)
+    assert module.weight_hidden.grad is None and module.weight_embed.grad is None
+    # the expected increment: the reference partials reduced in order, as grad_w_reduce does
+    out, dot, g, rx, rk = gate_fwd_ref(x, kv, fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
+    _, _, part = gate_bwd_ref(go, x, kv, fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
+                              partials=config.grad_w_partials("cpu"))
+    want_h, want_e = prior_h.clone(), prior_e.clone()
+    grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    assert torch.equal(module.weight_hidden.main_grad, want_h)
+    assert torch.equal(module.weight_embed.main_grad, want_e)
+
+
+def test_autograd_wrapper_compiled(seed):
+    module = EngramGate(HIDDEN)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+
+    def grads(fn, x, kv, mask):
+        x = x.clone().requires_grad_()
+        module.zero_grad()
+        fn(x, kv, mask).float().square().sum().backward()
+        return [x.grad, module.weight_hidden.grad.clone(), module.weight_embed.grad.clone()]
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for tokens in (8, 12):
+            x, kv, wh, we, _, mask = all_args(tokens, True, seed + tokens)
+            kv = kv.view(tokens, -1)
+            for a, b in zip(grads(compiled, x, kv, mask), grads(module, x, kv, mask)):
+                assert torch.equal(a, b)
