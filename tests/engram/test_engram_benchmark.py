@@ -1,0 +1,138 @@
+"""Benchmarks of the Engram ops (run only when asked: ``-m benchmark``), side by side in one run: ours,
+the peer (DeepSeek tile_kernels 2.1.0, when importable), the eager PyTorch reference and the
+inductor-compiled reference, with the device-to-device copy ceiling measured in the same run.
+
+Bytes are counted as OPS.md §E.3 says; ``gbs = bytes / time_us / 1e3``. Results are compared with the
+committed baseline of the chip (tests/engram/benchmark/<chip>/test_engram_benchmark.jsonl).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+from _plugins.device import requires_cuda
+from engram_gate_ref import fused_weight_ref, gate_bwd_ref, gate_fwd_ref, grad_w_reduce_ref, make_inputs
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang import config
+
+pytestmark = [pytest.mark.benchmark, requires_cuda]
+
+EPS, CLAMP = 1e-20, 1e-6
+CASES = [(8192, 4096), (8192, 7168), (512, 4096), (512, 7168)]
+HAVE_PEER = importlib.util.find_spec("tile_kernels") is not None
+
+
+def nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def record_all(bench, case, impls, nbytes_):
+    """Times each implementation and records it; returns {impl: µs}."""
+    times = {}
+    for impl, fn in impls.items():
+        if fn is None:
+            continue
+        times[impl] = bench.time_us(fn)
+        bench.record(case, impl=impl, time_us=times[impl], bytes=nbytes_)
+    return times
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def test_copy_ceiling(bench, device):
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = bench.time_us(lambda: dst.copy_(src))
+    bench.record("copy_1GiB", impl="copy", time_us=t, bytes=2 * src.numel())
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_bench_fused_weight(bench, device, hidden):
+    wh = torch.randn(4, hidden, device=device).bfloat16()
+    we = torch.randn(4, hidden, device=device).bfloat16()
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels
+
+        peer = lambda: tile_kernels.engram.fused_weight(wh, we)  # noqa: E731
+    ref_c = compiled(fused_weight_ref)
+    record_all(bench, f"fused_weight-H{hidden}", {
+        "ours": lambda: ops.engram_fused_weight(wh, we),
+        "peer": peer,
+        "eager": lambda: fused_weight_ref(wh, we),
+        "inductor": lambda: ref_c(wh, we),
+    }, nbytes(wh, we) + 4 * wh.numel())
+
+
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("tokens,hidden", CASES)
+def test_bench_gate_fwd(bench, device, tokens, hidden, save):
+    x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
+    wf = fused_weight_ref(wh, we)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels
+
+        peer = lambda: tile_kernels.engram.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save)  # noqa: E731
+    ref_c = compiled(gate_fwd_ref)
+    io = nbytes(x, kv, wf) + x.numel() * 2 + (4 * 4 * tokens * 4 if save else 0)
+    record_all(bench, f"gate_fwd-T{tokens}-H{hidden}-save{int(save)}", {
+        "ours": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save),
+        "peer": peer,
+        "eager": lambda: gate_fwd_ref(x, kv, wf, EPS, CLAMP, save),
+        "inductor": lambda: ref_c(x, kv, wf, EPS, CLAMP, save),
+    }, io)
+
+
+@pytest.mark.parametrize("tokens,hidden", CASES)
+def test_bench_gate_bwd(bench, device, tokens, hidden):
+    x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
+    wf = fused_weight_ref(wh, we)
+    go = torch.randn_like(x, dtype=torch.float32).bfloat16()
+    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels
+
+        peer = lambda: tile_kernels.engram.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP)  # noqa: E731
+    partials = config.grad_w_partials("cuda")
+    ref_c = compiled(gate_bwd_ref)
+    io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + partials * 4 * hidden * 4
+    record_all(bench, f"gate_bwd-T{tokens}-H{hidden}", {
+        "ours": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
+        "peer": peer,
+        "eager": lambda: gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials),
+        "inductor": lambda: ref_c(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials),
+    }, io)
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_bench_grad_w_reduce(bench, device, hidden):
+    partials = config.grad_w_partials("cuda")
+    part = torch.randn(partials, 4, hidden, device=device)
+    wh = torch.randn(4, hidden, device=device).bfloat16()
+    we = torch.randn(4, hidden, device=device).bfloat16()
+    gwh = torch.zeros(4, hidden, device=device)
+    gwe = torch.zeros(4, hidden, device=device)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels
+
+        peer = lambda: tile_kernels.engram.grad_w_reduce(part, wh, we, gwh, gwe)  # noqa: E731
+
+    def ref(part, wh, we, gwh, gwe):
+        gw = part.sum(0)
+        gwh.add_(gw * we.float())
+        gwe.add_(gw * wh.float())
+
+    ref_c = compiled(ref)
+    record_all(bench, f"grad_w_reduce-P{partials}-H{hidden}", {
+        "ours": lambda: ops.engram_grad_w_reduce(part, wh, we, gwh, gwe),
+        "peer": peer,
+        "eager": lambda: grad_w_reduce_ref(part, wh, we, gwh, gwe),
+        "inductor": lambda: ref_c(part, wh, we, gwh, gwe),
+    }, nbytes(part, wh, we, gwh, gwe))

@@ -1,0 +1,271 @@
+"""Device tier of the Engram family (CUDA GPU or Ascend NPU; skipped without one): every op against
+the fp32 reference with the tolerances and bitwise contracts of OPS.md §E.2, opcheck on the device,
+torch.compile (inductor and CUDA graphs on CUDA, npugraph_ex on NPU) and the autograd wrapper."""
+
+import pytest
+import torch
+from _plugins.device import requires_cuda, requires_device, requires_npu
+from _plugins.levels import level_choice
+from engram_gate_ref import (
+    fused_weight_ref,
+    gate_bwd_ref,
+    gate_fwd_ref,
+    gate_model,
+    grad_w_reduce_ref,
+    make_inputs,
+)
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang.modeling import EngramGate, engram_gate
+
+pytestmark = requires_device
+
+EPS, CLAMP = 1e-20, 1e-6
+TOKENS = level_choice([1, 509], [0, 1, 509, 512, 8001], [0, 1, 509, 512, 4096, 8001, 16384])
+HIDDEN = level_choice([512, 4096], [512, 2560, 4096, 7168], [512, 768, 2560, 4096, 5120, 7168, 8192])
+FUSED_SHAPES = [(4, h) for h in HIDDEN] + [(1, 256), (0, 512), (8, 768)]
+
+
+def assert_equal(got, want):
+    """dtype, shape, stride and device identical, then the bytes."""
+    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+    assert got.device == want.device
+    assert torch.equal(got.view(torch.uint8) if got.numel() else got, want.view(torch.uint8) if want.numel() else want)
+
+
+def inputs(tokens, hidden, masked, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, kv, wh, we, mask = make_inputs(tokens, hidden, masked=masked, generator=gen)
+    return [None if t is None else t.to(device) for t in (x, kv, wh, we, mask)]
+
+
+# --- engram_fused_weight ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_fused_weight_bitwise(shape, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    wh = torch.randn(shape, generator=gen).bfloat16().to(device)
+    we = torch.randn(shape, generator=gen).bfloat16().to(device)
+    wh0, we0 = wh.clone(), we.clone()
+    wf = ops.engram_fused_weight(wh, we)
+    assert_equal(wf, fused_weight_ref(wh, we))
+    assert_equal(wh, wh0)
+    assert_equal(we, we0)
+
+
+# --- engram_gate_fwd ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_fwd(tokens, hidden, masked, device, seed):
+    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+    wf = fused_weight_ref(wh, we)
+    x0 = x.clone()
+    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
+    r_out, r_dot, r_g, r_rx, r_rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    assert_equal(x, x0)
+    torch.testing.assert_close(out, r_out, rtol=8e-3, atol=8e-3)
+    text = slice(None) if mask is None else ~mask
+    torch.testing.assert_close(dot[text], r_dot[text], rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(g[text], r_g[text], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rx[text], r_rx[text])
+    torch.testing.assert_close(rk[text], r_rk[text])
+    if mask is not None:
+        assert_equal(out[mask], x[mask])
+        for stat in (dot, g, rx, rk):
+            assert torch.equal(stat[mask], torch.zeros_like(stat[mask]))
+    # bitwise contracts: no statistics, and in place, give the very same output
+    out_nosave, *nones = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, False, mask)
+    assert nones == [None] * 4
+    assert_equal(out_nosave, out)
+    y = x.clone()
+    out_inplace, *nones = ops.engram_gate_fwd(y, kv, wf, EPS, CLAMP, False, mask, inplace=True)
+    assert out_inplace is y and nones == [None] * 4
+    assert_equal(y, out)
+
+
+# --- engram_gate_bwd ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_bwd(tokens, hidden, masked, device, seed):
+    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+    wf = fused_weight_ref(wh, we)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
+    _, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
+    gx, gkv, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+    r_gx, r_gkv, r_part = gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=1)
+    torch.testing.assert_close(gx, r_gx, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(gkv, r_gkv, rtol=7e-3, atol=7e-3)
+    gw, r_gw = part.sum(0), r_part[0]
+    torch.testing.assert_close(gw * we.float(), r_gw * we.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw * wh.float(), r_gw * wh.float(), rtol=1e-4, atol=2e-4)
+    if mask is not None:
+        assert_equal(gx[mask], go[mask])
+        assert torch.equal(gkv[mask], torch.zeros_like(gkv[mask]))
+    if tokens == 0:
+        assert torch.equal(part, torch.zeros_like(part))
+
+
+def test_gate_bwd_is_deterministic(device, seed):
+    x, kv, wh, we, mask = inputs(509, 4096, True, device, seed)
+    wf = fused_weight_ref(wh, we)
+    _, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    first = ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+    for _ in range(3):
+        for a, b in zip(ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask), first):
+            assert_equal(a, b)
+
+
+# --- engram_grad_w_reduce -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("partials", [1, 113, 132])
+def test_grad_w_reduce(hidden, partials, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    part = torch.randn(partials, 4, hidden, generator=gen).to(device)
+    wh = torch.randn(4, hidden, generator=gen).bfloat16().to(device)
+    we = torch.randn(4, hidden, generator=gen).bfloat16().to(device)
+    gwh = torch.randn(4, hidden, generator=gen).to(device)
+    gwe = torch.randn(4, hidden, generator=gen).to(device)
+    r_gwh, r_gwe = gwh.clone(), gwe.clone()
+    grad_w_reduce_ref(part, wh, we, r_gwh, r_gwe)
+    ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
+    torch.testing.assert_close(gwh, r_gwh, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gwe, r_gwe, rtol=1e-4, atol=1e-4)
+
+
+# --- opcheck on the device ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_opcheck_on_device(masked, device, seed):
+    x, kv, wh, we, mask = inputs(37, 512, masked, device, seed)
+    wf = ops.engram_fused_weight(wh, we)
+    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
+    namespace = torch.ops.cann_ops_tilelang
+    cases = [
+        (namespace.engram_fused_weight.default, (wh, we)),
+        (namespace.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, True, mask)),
+        (namespace.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, False, mask)),
+        (namespace.engram_gate_fwd_inplace.default, (x.clone(), kv, wf, EPS, CLAMP, mask)),
+        (namespace.engram_gate_bwd.default, (out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)),
+        (namespace.engram_grad_w_reduce.default,
+         (torch.randn(7, 4, 512, device=device), wh, we, torch.zeros(4, 512, device=device),
+          torch.zeros(4, 512, device=device))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+# --- autograd wrapper ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_autograd_wrapper_vs_reference(masked, device, seed):
+    tokens, hidden = 509, 4096
+    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 2)).bfloat16().to(device)
+    ours = [t.clone().requires_grad_() for t in (x, kv.view(tokens, -1), wh, we)]
+    out = engram_gate(*ours, CLAMP, EPS, mask)
+    out.backward(go)
+    ref = [t.float().clone().requires_grad_() for t in (x, kv, wh, we)]
+    ref_out = gate_model(*ref, EPS, CLAMP, mask)
+    ref_out.backward(go.float())
+    torch.testing.assert_close(out.float(), ref_out, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(ours[0].grad.float(), ref[0].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[1].grad.float().view(ref[1].shape), ref[1].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[2].grad.float(), ref[2].grad, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(ours[3].grad.float(), ref[3].grad, rtol=1.6e-2, atol=1e-3)
+
+
+def test_autograd_wrapper_main_grad(device, seed):
+    tokens, hidden = 257, 2560
+    x, kv, wh, we, mask = inputs(tokens, hidden, True, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 3)).bfloat16().to(device)
+    module = EngramGate(hidden, device=device)
+    with torch.no_grad():
+        module.weight_hidden.copy_(wh)
+        module.weight_embed.copy_(we)
+    prior = torch.randn(2, 4, hidden, generator=torch.Generator().manual_seed(seed + 4)).to(device)
+    module.weight_hidden.main_grad = prior[0].clone()
+    module.weight_embed.main_grad = prior[1].clone()
+    module(x, kv.view(tokens, -1), mask).backward(go)
+    assert module.weight_hidden.grad is None and module.weight_embed.grad is None
+    wf = ops.engram_fused_weight(wh, we)
+    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6, True, mask)
+    _, _, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, 1e-6, mask)
+    want_h, want_e = prior[0].clone(), prior[1].clone()
+    ops.engram_grad_w_reduce(part, wh, we, want_h, want_e)
+    assert_equal(module.weight_hidden.main_grad, want_h)
+    assert_equal(module.weight_embed.main_grad, want_e)
+
+
+# --- torch.compile ------------------------------------------------------------------------------------
+
+
+def fused_weight_model(weight_hidden, weight_embed):
+    return ops.engram_fused_weight(-weight_hidden, weight_embed) + 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_fused_weight_cuda(mode, device, seed):
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_weight_model, fullgraph=True, dynamic=False, mode=mode)
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(4, 4096, generator=gen).bfloat16().to(device)
+    b = torch.randn(4, 4096, generator=gen).bfloat16().to(device)
+    with torch.inference_mode():
+        for _ in range(3):  # CUDA graphs record on a later call
+            got = compiled(a, b).clone()
+    assert torch.equal(got, (-a).float() * b.float() + 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_gate_training_step_cuda(mode, device, seed):
+    """The gate module compiled (inductor, then CUDA graphs) gives the eager forward and gradients."""
+    tokens, hidden = 512, 4096
+    x, kv, wh, we, mask = inputs(tokens, hidden, True, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 5)).bfloat16().to(device)
+    module = EngramGate(hidden, device=device)
+    with torch.no_grad():
+        module.weight_hidden.copy_(wh)
+        module.weight_embed.copy_(we)
+
+    def run(fn):
+        module.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        kvg = kv.view(tokens, -1).clone().requires_grad_()
+        out = fn(xg, kvg, mask)
+        out.backward(go)
+        return [out.detach().clone(), xg.grad, kvg.grad, module.weight_hidden.grad.clone(),
+                module.weight_embed.grad.clone()]
+
+    want = run(module)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, mode=mode)
+    for _ in range(3):  # CUDA graphs record on a later call
+        got = run(compiled)
+    for a, b in zip(got, want):
+        assert_equal(a, b)
+
+
+@requires_npu
+def test_npugraph_ex_fused_weight(device, seed):
+    """The design's npugraph_ex example: fixed shape, inference mode, against the fp32 reference."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_weight_model, backend="npugraph_ex", fullgraph=True, dynamic=False)
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(4, 4096, generator=gen).bfloat16().to(device)
+    b = torch.randn(4, 4096, generator=gen).bfloat16().to(device)
+    with torch.inference_mode():
+        got = compiled(a, b)
+    assert torch.equal(got.cpu(), (-a.cpu()).float() * b.cpu().float() + 1)

@@ -1,0 +1,79 @@
+"""tools/run_tests.py: phase commands, worker counts and exit codes."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from _plugins import device
+from _plugins.testing import ENV_VARS, TESTS_DIR
+
+_spec = importlib.util.spec_from_file_location("run_tests", TESTS_DIR.parent / "tools" / "run_tests.py")
+run_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_tests)
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+    def set_count(kind, n):
+        monkeypatch.setenv(device.KIND_ENV, kind)
+        monkeypatch.setenv(device.COUNT_ENV, str(n))
+
+    return set_count
+
+
+def _cmds(monkeypatch, argv):
+    calls = []
+    monkeypatch.setattr(run_tests.subprocess, "call", lambda cmd, cwd: calls.append(cmd) or 0)
+    assert run_tests.main(argv) == 0
+    return [c[3:] for c in calls]  # drop python -m pytest
+
+
+def test_phases_on_two_devices(devices, monkeypatch):
+    devices("cuda", 2)
+    t = str(TESTS_DIR)
+    assert _cmds(monkeypatch, ["--benchmarks", "-x"]) == [
+        ["-m", "not benchmark and not large_npu_mem", "-n", "8", t, "-x"],
+        ["-m", "large_npu_mem and not benchmark", "-n", "2", t, "-x"],
+        ["-m", "benchmark", "-n", "2", t, "-x"],
+    ]
+
+
+def test_phases_one_device_and_explicit_workers(devices, monkeypatch):
+    devices("npu", 1)
+    path = str(TESTS_DIR / "test_plugins")
+    assert _cmds(monkeypatch, ["--workers", "3", "--large-workers", "1", "--benchmarks", path]) == [
+        ["-m", "not benchmark and not large_npu_mem", "-n", "3", path],
+        ["-m", "large_npu_mem and not benchmark", "-n", "1", path],
+        ["-m", "benchmark", path],  # one device: no xdist
+    ]
+
+
+def test_cpu_host_defaults(devices, monkeypatch):
+    devices("none", 0)
+    cmds = _cmds(monkeypatch, [])
+    assert [c[:4] for c in cmds] == [["-m", "not benchmark and not large_npu_mem", "-n", str(os.cpu_count())],
+                                     ["-m", "large_npu_mem and not benchmark", "-n", "1"]]
+
+
+@pytest.mark.parametrize(("codes", "rc"), [([0, 5], 0), ([5, 5, 0], 0), ([1, 0], 1), ([0, 0, 2], 1)])
+def test_exit_code(devices, monkeypatch, capsys, codes, rc):
+    devices("cuda", 2)
+    it = iter(codes)
+    monkeypatch.setattr(run_tests.subprocess, "call", lambda cmd, cwd: next(it))
+    argv = ["--benchmarks"] if len(codes) == 3 else []
+    assert run_tests.main(argv) == rc
+    out = capsys.readouterr().out
+    assert out.count("=== phase ") == 2 * len(codes)  # command line and result of every phase
+    assert f"{sys.executable} -m pytest -m 'not benchmark and not large_npu_mem' -n 8" in out
+
+
+def test_dry_run_runs_nothing(devices, monkeypatch, capsys):
+    devices("cuda", 4)
+    monkeypatch.setattr(run_tests.subprocess, "call", lambda *a, **k: pytest.fail("ran"))
+    assert run_tests.main(["--dry-run", "--benchmarks"]) == 0
+    assert "-m benchmark -n 4" in capsys.readouterr().out

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Run the cann_ops_tilelang tests in phases (see tests/_plugins/README.md).
+
+    python tools/run_tests.py [--workers N] [--large-workers M] [--benchmarks] [--dry-run] [pytest args...]
+
+phase 1  -m "not benchmark and not large_npu_mem" -n N   ordinary tests, N workers share the devices
+phase 2  -m "large_npu_mem and not benchmark"    -n M   large or unprofiled device tests
+phase 3  -m benchmark -n <devices> (only with --benchmarks; no -n with one device): one worker per device
+
+Each xdist worker gwK is bound to device K % <devices> by tests/_plugins/device.py. Defaults: N = devices x 4
+on an accelerator host, else the CPU count; M = the number of devices (1 without devices). A phase that
+selects no test (pytest exit 5) counts as passed; the exit code is 1 if any phase failed, else 0.
+Extra arguments go to every phase (the tests/ directory is added unless one of them is an existing path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+
+
+def device_count() -> int:
+    sys.path.insert(0, str(TESTS))
+    try:
+        from _plugins.device import device_count as count
+    finally:
+        sys.path.remove(str(TESTS))
+    return count()
+
+
+def phase_commands(workers: int, large_workers: int, devices: int, benchmarks: bool,
+                   extra: list[str]) -> list[tuple[str, list[str]]]:
+    base = [sys.executable, "-m", "pytest"]
+    if not any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in extra):
+        extra = [str(TESTS), *extra]
+    phases = [
+        ("phase 1: ordinary tests", [*base, "-m", "not benchmark and not large_npu_mem", "-n", str(workers), *extra]),
+        ("phase 2: large / unprofiled device memory",
+         [*base, "-m", "large_npu_mem and not benchmark", "-n", str(large_workers), *extra]),
+    ]
+    if benchmarks:
+        n = ["-n", str(devices)] if devices > 1 else []
+        phases.append(("phase 3: benchmarks, one worker per device", [*base, "-m", "benchmark", *n, *extra]))
+    return phases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=None, help="xdist workers of phase 1")
+    parser.add_argument("--large-workers", type=int, default=None, help="xdist workers of phase 2")
+    parser.add_argument("--benchmarks", action="store_true", help="also run phase 3 (benchmarks)")
+    parser.add_argument("--dry-run", action="store_true", help="print the phase commands without running them")
+    args, extra = parser.parse_known_args(argv)
+    devices = device_count()
+    workers = args.workers if args.workers is not None else (devices * 4 if devices else (os.cpu_count() or 1))
+    large = args.large_workers if args.large_workers is not None else max(devices, 1)
+    failed = []
+    for title, cmd in phase_commands(workers, large, devices, args.benchmarks, extra):
+        print(f"=== {title}: {shlex.join(cmd)}", flush=True)
+        if args.dry_run:
+            continue
+        rc = subprocess.call(cmd, cwd=REPO)
+        ok = rc in (0, 5)
+        print(f"=== {title}: exit {rc} ({'passed' if ok else 'FAILED'})", flush=True)
+        if not ok:
+            failed.append(title)
+    if failed:
+        print("=== failed: " + "; ".join(failed), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
