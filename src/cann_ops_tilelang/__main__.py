@@ -58,7 +58,7 @@ def _lower_all(hidden_size: int) -> int:
                 try:
                     if backend == "ascend":
                         lowered = build.lower_ascendc(prim_func)
-                        budget = build.ub_budget(lowered)
+                        budget = lowered.budget_bytes
                         what = f"AscendC {len(lowered.source):>7} chars, UB {lowered.ub_bytes:>6} / {budget} B"
                         if lowered.ub_bytes > budget:
                             failures += 1

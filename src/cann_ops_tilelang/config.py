@@ -132,7 +132,8 @@ def num_vec_cores() -> int:
     """Number of Ascend vector cores available to the current stream.
 
     Prefers the current stream's core limit (what npugraph_ex captures with), then the device's
-    count; 64 (Ascend 950) when torch_npu does not say. ``OPS_TILELANG_NUM_VEC_CORES`` overrides.
+    count (or twice the cube cores); 64 (2 vector cores x 32 AI cores, Ascend 950) when torch_npu does
+    not say. ``OPS_TILELANG_NUM_VEC_CORES`` overrides.
     """
     override = env_int("OPS_TILELANG_NUM_VEC_CORES")
     if override is not None:
@@ -159,7 +160,7 @@ def _npu_vec_cores() -> int:
             if cores:
                 return int(cores)
         props = npu.get_device_properties(npu.current_device())
-        cores = getattr(props, "vector_core_num", None)
+        cores = getattr(props, "vector_core_num", None) or 2 * getattr(props, "cube_core_num", 0)
         if cores:
             return int(cores)
     except Exception as exc:

@@ -105,8 +105,9 @@ def test_bench_gate_bwd(bench, device, tokens, hidden):
     record_all(bench, f"gate_bwd-T{tokens}-H{hidden}", {
         "ours": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
         "peer": peer,
-        "eager": lambda: gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials),
-        "inductor": lambda: ref_c(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials),
+        # what a user would write: one weight-gradient sum over all tokens
+        "eager": lambda: gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
+        "inductor": lambda: ref_c(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
     }, io)
 
 

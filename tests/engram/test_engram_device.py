@@ -22,8 +22,10 @@ pytestmark = requires_device
 
 EPS, CLAMP = 1e-20, 1e-6
 TOKENS = level_choice([1, 509], [0, 1, 509, 512, 8001], [0, 1, 509, 512, 4096, 8001, 16384])
-HIDDEN = level_choice([512, 4096], [512, 2560, 4096, 7168], [512, 768, 2560, 4096, 5120, 7168, 8192])
-FUSED_SHAPES = [(4, h) for h in HIDDEN] + [(1, 256), (0, 512), (8, 768)]
+HIDDEN_SIZES = level_choice([512, 4096], [512, 2560, 4096, 7168], [512, 768, 2560, 4096, 5120, 7168, 8192])
+# One xdist group per hidden size (`--dist loadgroup`): a worker compiles the kernels of its sizes only.
+HIDDEN = [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in HIDDEN_SIZES]
+FUSED_SHAPES = [(4, h) for h in HIDDEN_SIZES] + [(1, 256), (0, 512), (8, 768)]
 
 
 def assert_equal(got, want):

@@ -1,0 +1,116 @@
+"""Lowering and compilation helpers shared by the Ascend kernels.
+
+* :func:`lower_ascendc` runs TileLang's complete Ascend pass pipeline and AscendC code generation on the
+  CPU (``tilelang.lower(..., target="ascend", enable_device_compile=False)``): no ``bisheng``, CANN or NPU
+  is needed. It returns the generated AscendC source and the unified-buffer (UB) bytes the kernel
+  requests, read from the lowered device function (see :class:`LoweredAscend`).
+* :func:`compile_kernel` JIT-compiles a kernel for the device (needs ``bisheng``) and logs the first
+  compile of each (op, key) at INFO on the ``cann_ops_tilelang`` logger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from . import LOGGER
+
+__all__ = [
+    "UB_BUDGET_BYTES",
+    "UB_BUDGET_SIMT_BYTES",
+    "LoweredAscend",
+    "compile_kernel",
+    "has_simt_region",
+    "lower_ascendc",
+    "ub_budget_bytes",
+]
+
+# NOTE: Ascend 950 has 256 KiB of UB per vector core; 8 KiB are reserved by the runtime, and a kernel
+# with a SimtVF region loses another 32 KiB to the SIMT stack/data cache.
+UB_BUDGET_BYTES = 248 * 1024
+UB_BUDGET_SIMT_BYTES = 216 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredAscend:
+    """Result of lowering one prim_func for target ``ascend``.
+
+    source:   the generated AscendC device source (``CompiledArtifact.kernel_source``).
+    ub_bytes: dynamic UB bytes requested by the kernel: the ``dyn_shared_memory_buf`` attribute that
+              TileLang's ``MergeUBAllocations`` pass stamps on the device function after planning (and
+              merging, multi-buffer versions included) every UB buffer, plus any UB allocation left
+              outside that merged pool (none in practice).
+    has_simt: whether the kernel contains a SimtVF region (then the 216 KiB budget applies).
+    """
+
+    name: str
+    source: str
+    ub_bytes: int
+    has_simt: bool
+
+    @property
+    def budget_bytes(self) -> int:
+        return ub_budget_bytes(self.has_simt)
+
+    @property
+    def fits(self) -> bool:
+        return self.ub_bytes <= self.budget_bytes
+
+
+def ub_budget_bytes(has_simt: bool) -> int:
+    """UB budget per vector core: 216 KiB if the kernel has a SimtVF region, else 248 KiB."""
+    return UB_BUDGET_SIMT_BYTES if has_simt else UB_BUDGET_BYTES
+
+
+def has_simt_region(source: str) -> bool:
+    """Whether generated AscendC source contains a SimtVF function (``__simt_vf__``)."""
+    return "__simt_vf__" in source
+
+
+def _ub_bytes_of(device_mod) -> int:
+    from tvm import tirx
+
+    total = 0
+    for _, func in device_mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        attrs = func.attrs
+        dyn = int(attrs["dyn_shared_memory_buf"]) if attrs is not None and "dyn_shared_memory_buf" in attrs else 0
+        extra = 0
+
+        def visit(node):
+            nonlocal extra
+            # Any UB ("shared*") allocation other than the merged dynamic pool counts on top of it.
+            if isinstance(node, tirx.AllocBuffer):
+                buf = node.buffer
+                scope = buf.scope()
+                if scope.startswith("shared") and scope != "shared.dyn":
+                    n = 1
+                    for e in buf.shape:
+                        n *= int(e)
+                    extra += n * buf.dtype.bits // 8
+
+        tirx.stmt_functor.post_order_visit(func.body, visit)
+        total = max(total, dyn + extra)
+    return total
+
+
+def lower_ascendc(prim_func) -> LoweredAscend:
+    """Lower ``prim_func`` for target ``ascend`` on the CPU (no bisheng) -> :class:`LoweredAscend`."""
+    import tilelang
+
+    artifact = tilelang.lower(prim_func, target="ascend", enable_device_compile=False)
+    source = artifact.kernel_source
+    name = str(prim_func.attrs["global_symbol"]) if prim_func.attrs and "global_symbol" in prim_func.attrs else "kernel"
+    return LoweredAscend(name=name, source=source, ub_bytes=_ub_bytes_of(artifact.device_mod), has_simt=has_simt_region(source))
+
+
+def compile_kernel(op: str, key: tuple, prim_func) -> Any:
+    """JIT-compile ``prim_func`` for the NPU (target ``ascend``), logging op, key and seconds at INFO."""
+    import tilelang
+
+    start = time.perf_counter()
+    kernel = tilelang.compile(prim_func, target="ascend")
+    LOGGER.info("compiled Ascend kernel %s key=%s in %.2f s", op, key, time.perf_counter() - start)
+    return kernel

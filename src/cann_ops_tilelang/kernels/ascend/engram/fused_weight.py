@@ -1,0 +1,83 @@
+"""Ascend kernel of ``engram_fused_weight`` (OPS.md B.1.1): ``wf = f32(wh) * f32(we)``, bit-exact.
+
+The (m, H) weights are treated as one flat vector of ``numel = m*H`` elements (``numel % 256 == 0``);
+a persistent loop hands fixed-size blocks to the vector cores.
+"""
+
+# NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
+
+import functools
+
+import tilelang
+from tilelang.ascend import language as T
+from tilelang.ascend.language import simd as S
+
+from .. import num_vector_cores
+
+__all__ = ["build_engram_fused_weight", "engram_fused_weight", "engram_fused_weight_key", "get_engram_fused_weight_kernel"]
+
+_LANES = 64  # fp32 lanes of one 256-byte vector register
+_STAGES = 3  # GM->UB->GM triple buffering: load block i+1 and store block i-1 while computing block i
+# NOTE: candidate block sizes (elements). Per stage a block needs 2+2 (bf16 inputs) + 4 (fp32 output)
+# = 8 bytes/element, so the largest block costs 3 stages * 4096 * 8 B = 96 KiB of the 248 KiB UB.
+_BLOCKS = (4096, 2048, 1024, 512, 256)
+
+
+def _block_size(numel: int, num_cores: int) -> int:
+    """Largest block that still gives every core at least one block (else the smallest, 256)."""
+    for blk in _BLOCKS:
+        if numel % blk == 0 and numel // blk >= num_cores:
+            return blk
+    return 256
+
+
+def engram_fused_weight_key(weight_hidden, num_cores: int) -> tuple:
+    """Compile-time parameters: (numel, num_cores). Metadata only."""
+    return (int(weight_hidden.numel()), int(num_cores))
+
+
+def build_engram_fused_weight(numel: int, num_cores: int):
+    """prim_func over flat views: wh (numel,) bf16, we (numel,) bf16 -> wf (numel,) f32."""
+    assert numel % 256 == 0 and numel > 0
+    blk = _block_size(numel, num_cores)
+    num_blocks = numel // blk
+
+    @T.prim_func
+    def engram_fused_weight_asc(
+        weight_hidden: T.Tensor[(numel,), T.bfloat16],
+        weight_embed: T.Tensor[(numel,), T.bfloat16],
+        weight_fused: T.Tensor[(numel,), T.float32],
+    ):
+        with T.Kernel(num_cores) as core_id:
+            wh_ub = T.alloc_shared((blk,), T.bfloat16)
+            we_ub = T.alloc_shared((blk,), T.bfloat16)
+            wf_ub = T.alloc_shared((blk,), T.float32)
+            T.annotate_buffer_versions({wh_ub: _STAGES, we_ub: _STAGES, wf_ub: _STAGES})
+            for (block,) in T.Persistent([num_blocks], num_cores, core_id, group_size=1, num_stages=_STAGES):
+                base = block * blk
+                T.copy(weight_hidden[base : base + blk], wh_ub)
+                T.copy(weight_embed[base : base + blk], we_ub)
+                with T.SimdVF():
+                    for i in T.serial(blk // _LANES):
+                        # UNPK_B16 spreads 64 bf16 into the even halves of 64 fp32 lanes; the widening
+                        # is exact and so is the product of two 8-bit significands.
+                        a = S.vcvt(S.vld(wh_ub[i * _LANES], dist="UNPK_B16"), T.float32, part=0)
+                        b = S.vcvt(S.vld(we_ub[i * _LANES], dist="UNPK_B16"), T.float32, part=0)
+                        S.vsts(wf_ub[i * _LANES], S.vmul(a, b))
+                T.copy(wf_ub, weight_fused[base : base + blk])
+
+    return engram_fused_weight_asc
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_fused_weight_kernel(numel: int, num_cores: int):
+    from .._build import compile_kernel
+
+    return compile_kernel("engram_fused_weight", (numel, num_cores), build_engram_fused_weight(numel, num_cores))
+
+
+def engram_fused_weight(weight_hidden, weight_embed, out) -> None:
+    """wh (m, H) bf16, we (m, H) bf16 -> out (m, H) f32 (pre-allocated, contiguous). Current stream, no sync."""
+    key = engram_fused_weight_key(weight_hidden, num_vector_cores())
+    kernel = get_engram_fused_weight_kernel(*key)
+    kernel(weight_hidden.view(-1), weight_embed.view(-1), out.view(-1))

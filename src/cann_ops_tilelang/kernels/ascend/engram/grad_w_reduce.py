@@ -1,0 +1,126 @@
+"""Ascend kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
+
+``gw = sum_{p=0..P-1} grad_w_partial[p]`` (fp32, p ascending), then in place
+``grad_weight_hidden += gw * f32(we)`` and ``grad_weight_embed += gw * f32(wh)``.
+
+The (m, H) planes are treated as flat vectors of ``N = m*H`` elements split into column blocks; a
+persistent loop hands blocks to the vector cores, and inside a block the P partial rows stream through
+UB in one strided DMA (double-buffered across blocks) and are summed in registers, row 0 first.
+"""
+
+# NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
+import functools
+
+import tilelang
+from tilelang.ascend import language as T
+from tilelang.ascend.language import simd as S
+
+from .. import num_vector_cores
+
+__all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_reduce_key", "get_engram_grad_w_reduce_kernel"]
+
+_LANES = 64
+_STAGES = 2
+# NOTE: block widths (fp32 elements). UB per block and stage: the P partial rows (4PW) + wh, we (2W +
+# 2W) + the two gradient tiles (8W); plus the accumulator (4W): 2*(4P + 12)W + 4W bytes. With P = 16
+# and W = 2048 that is 424 KiB -> too much, so the width is the largest one that (a) fits 240 KiB and
+# (b) still gives every core a block; P <= 1900 keeps W = 64 within budget (asserted).
+_WIDTHS = (2048, 1024, 512, 256, 128, 64)
+_UB_LIMIT = 240 * 1024
+
+
+def reduce_ub_bytes(num_partials: int, width: int) -> int:
+    return _STAGES * (4 * num_partials + 12) * width + 4 * width
+
+
+def _block_width(num_partials: int, numel: int, num_cores: int) -> int:
+    fitting = [w for w in _WIDTHS if numel % w == 0 and reduce_ub_bytes(num_partials, w) <= _UB_LIMIT]
+    assert fitting, f"grad_w_reduce: P={num_partials} does not fit the UB"
+    for w in fitting:
+        if numel // w >= num_cores:
+            return w
+    return fitting[-1]
+
+
+def engram_grad_w_reduce_key(grad_w_partial, num_cores: int) -> tuple:
+    """(P, numel = m*H, num_cores); never T."""
+    p, m, hidden = grad_w_partial.shape
+    return (int(p), int(m) * int(hidden), int(num_cores))
+
+
+def build_engram_grad_w_reduce(num_partials: int, numel: int, num_cores: int):
+    """prim_func over flat views: partial (P, N) f32, wh (N,) bf16, we (N,) bf16, gwh (N,) f32 in/out,
+    gwe (N,) f32 in/out."""
+    P, N = num_partials, numel
+    assert P >= 1 and N % _LANES == 0
+    W = _block_width(P, N, num_cores)
+    n_blocks = N // W
+    n_chunks = W // _LANES
+
+    @T.prim_func
+    def engram_grad_w_reduce_asc(
+        grad_w_partial: T.Tensor[(P, N), T.float32],
+        weight_hidden: T.Tensor[(N,), T.bfloat16],
+        weight_embed: T.Tensor[(N,), T.bfloat16],
+        grad_weight_hidden: T.Tensor[(N,), T.float32],
+        grad_weight_embed: T.Tensor[(N,), T.float32],
+    ):
+        with T.Kernel(num_cores) as core_id:
+            part_ub = T.alloc_shared((P, W), T.float32)
+            acc_ub = T.alloc_shared((W,), T.float32)
+            wh_ub = T.alloc_shared((W,), T.bfloat16)
+            we_ub = T.alloc_shared((W,), T.bfloat16)
+            gwh_ub = T.alloc_shared((W,), T.float32)
+            gwe_ub = T.alloc_shared((W,), T.float32)
+            T.annotate_buffer_versions({part_ub: _STAGES, wh_ub: _STAGES, we_ub: _STAGES, gwh_ub: _STAGES, gwe_ub: _STAGES})
+            for (blk,) in T.Persistent([n_blocks], num_cores, core_id, group_size=1, num_stages=_STAGES):
+                base = blk * W
+                # one strided DMA brings the P partial rows of this column block
+                T.copy(grad_w_partial[:, base : base + W], part_ub)
+                with T.SimdVF():
+                    s = S.alloc_local((1,), T.float32)
+                    for c in T.serial(n_chunks):
+                        d = c * _LANES
+                        s[0] = S.vld(part_ub[0, d])
+                        for p in T.serial(1, P):  # fixed order: p ascending
+                            s[0] = S.vadd(s[0], S.vld(part_ub[p, d]))
+                        S.vsts(acc_ub[d], s[0])
+                T.copy(weight_hidden[base : base + W], wh_ub)
+                T.copy(weight_embed[base : base + W], we_ub)
+                T.copy(grad_weight_hidden[base : base + W], gwh_ub)
+                T.copy(grad_weight_embed[base : base + W], gwe_ub)
+                with T.SimdVF():
+                    r = S.alloc_local((2,), T.float32)
+                    for c in T.serial(n_chunks):
+                        d = c * _LANES
+                        gw = S.vld(acc_ub[d])
+                        wh = S.vcvt(S.vld(wh_ub[d], dist="UNPK_B16"), T.float32, part=0)
+                        we = S.vcvt(S.vld(we_ub[d], dist="UNPK_B16"), T.float32, part=0)
+                        r[0] = S.vld(gwh_ub[d])
+                        r[1] = S.vld(gwe_ub[d])
+                        S.vmula(r[0], gw, we)
+                        S.vmula(r[1], gw, wh)
+                        S.vsts(gwh_ub[d], r[0])
+                        S.vsts(gwe_ub[d], r[1])
+                T.copy(gwh_ub, grad_weight_hidden[base : base + W])
+                T.copy(gwe_ub, grad_weight_embed[base : base + W])
+
+    return engram_grad_w_reduce_asc
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_grad_w_reduce_kernel(num_partials: int, numel: int, num_cores: int):
+    from .._build import compile_kernel
+
+    key = (num_partials, numel, num_cores)
+    return compile_kernel("engram_grad_w_reduce", key, build_engram_grad_w_reduce(*key))
+
+
+def engram_grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed) -> None:
+    """partial (P,m,H) f32, wh/we (m,H) bf16; gwh/gwe (m,H) f32 updated in place (+=). Current stream."""
+    key = engram_grad_w_reduce_key(grad_w_partial, num_vector_cores())
+    kernel = get_engram_grad_w_reduce_kernel(*key)
+    kernel(
+        grad_w_partial.view(grad_w_partial.shape[0], -1), weight_hidden.view(-1), weight_embed.view(-1),
+        grad_weight_hidden.view(-1), grad_weight_embed.view(-1),
+    )

@@ -1,0 +1,67 @@
+"""CUDA (TileLang) kernels of the Engram gate family.
+
+Launch pattern (uniform across the four kernels): ``<op>_key(...)`` computes the compile-time key from
+tensor metadata and flags (never the token count, which is a dynamic dimension of the kernels);
+``get_<op>_kernel(*key)`` (``functools.lru_cache``) compiles ``build_<op>(*key)`` once and logs it;
+``<op>(...)`` launches on the current torch stream into caller-allocated outputs.
+
+Supported sizes: ``H % 256 == 0`` and ``512 <= H <= 8192`` (the backward keeps an ``m * H`` fp32 tile in
+shared memory, 128 KiB at m = 4, H = 8192); any token count; ``m = 4`` (other ``m`` build too, untuned).
+"""
+
+from .fused_weight import build_engram_fused_weight, engram_fused_weight, engram_fused_weight_key, get_engram_fused_weight_kernel
+from .gate_bwd import build_engram_gate_bwd, engram_gate_bwd, engram_gate_bwd_key, get_engram_gate_bwd_kernel
+from .gate_fwd import build_engram_gate_fwd, engram_gate_fwd, engram_gate_fwd_key, get_engram_gate_fwd_kernel
+from .grad_w_reduce import (
+    build_engram_grad_w_reduce,
+    engram_grad_w_reduce,
+    engram_grad_w_reduce_key,
+    get_engram_grad_w_reduce_kernel,
+)
+
+__all__ = [
+    "build_engram_fused_weight",
+    "build_engram_gate_bwd",
+    "build_engram_gate_fwd",
+    "build_engram_grad_w_reduce",
+    "engram_fused_weight",
+    "engram_fused_weight_key",
+    "engram_gate_bwd",
+    "engram_gate_bwd_key",
+    "engram_gate_fwd",
+    "engram_gate_fwd_key",
+    "engram_grad_w_reduce",
+    "engram_grad_w_reduce_key",
+    "get_engram_fused_weight_kernel",
+    "get_engram_gate_bwd_kernel",
+    "get_engram_gate_fwd_kernel",
+    "get_engram_grad_w_reduce_kernel",
+    "lowering_cases",
+]
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Every kernel variant at ``hidden_size``, as un-compiled prim_funcs (for the CPU build tests).
+
+    Case names are shared with the Ascend backend: ``fused_weight``,
+    ``gate_fwd_{save,nosave}_{mask,nomask}``, ``gate_fwd_nosave_mask_inplace`` (in place never saves,
+    OPS.md B.1.2), ``gate_bwd_{mask,nomask}`` and ``grad_w_reduce``; the last two at the CUDA partial
+    count ``P`` of ``config.GRAD_W_PARTIALS``.
+
+    Returns:
+        ``{case name: T.prim_func}``.
+    """
+    from ....config import grad_w_partials
+
+    num_partials = grad_w_partials("cuda")
+    H, m = hidden_size, hc_mult
+    cases = {"fused_weight": build_engram_fused_weight(m * H)}
+    for save in (True, False):
+        for mask in (False, True):
+            name = f"gate_fwd_{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
+            cases[name] = build_engram_gate_fwd(H, m, save, mask, False)
+    cases["gate_fwd_nosave_mask_inplace"] = build_engram_gate_fwd(H, m, False, True, True)
+    for mask in (False, True):
+        cases[f"gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(H, m, num_partials, mask)
+    cases["grad_w_reduce"] = build_engram_grad_w_reduce(H, m, num_partials)
+    return cases

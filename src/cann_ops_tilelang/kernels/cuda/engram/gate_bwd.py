@@ -1,0 +1,368 @@
+"""CUDA kernel of ``engram_gate_bwd`` (OPS.md B.1.3).
+
+Schedule: a persistent grid of ``P`` CTAs (``P = grad_w_partial.shape[0]``); CTA ``p`` owns the fixed
+token range ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and writes row ``p`` of the weight-gradient
+partials (zeros when its range is empty), so the result is deterministic without atomics. Each
+thread owns ``NC`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf``
+lives in a shared-memory tile that only it touches. Per token:
+
+1. load ``go`` (kept in registers) and ``v``; accumulate ``G_h = <go_h, v>`` and write the value
+   gradient ``sum_h go_h * g_h`` (ascending ``h``);
+2. reduce ``G_h`` over the CTA (warp shuffles, one shared-memory exchange, then a second shuffle
+   reduction that every warp performs identically, so all threads hold bitwise-equal sums);
+3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
+
+Latency hiding (compile-time, by shared-memory budget, see :func:`bwd_stage_xk`): where it fits
+(H <= 7168 at m = 4) each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the
+token, so they travel together with the ``go``/``v`` loads of step 1; otherwise it prefetches the
+next token's ``go``/``v`` by ``cp.async`` during steps 2-3. Every staged element is written and read
+by the same thread, so only ``cp.async.wait_group`` is needed, no barrier.
+"""
+
+import functools
+
+import torch
+
+from .._build import jit_compile
+
+__all__ = ["bwd_layout", "build_engram_gate_bwd", "engram_gate_bwd", "engram_gate_bwd_key", "get_engram_gate_bwd_kernel"]
+
+_VEC = 8
+_MAX_THREADS = 1024  # upper bound on the CTA size (A/B switch)
+_STAGE_XK = True
+_PREFETCH_GO_V = True  # when x/k are not staged: prefetch the next token's go/v instead
+_SMEM_BYTES = 227 * 1024
+
+
+def bwd_layout(hidden_size: int, hc_mult: int = 4) -> tuple[int, int]:
+    """Thread layout ``(threads, nc)``: each thread owns ``nc`` column vectors of 8 elements.
+
+    NOTE tuned for H200 (one persistent CTA per SM): when ``x``/``k`` are staged in shared memory
+    (see :func:`bwd_stage_xk`) one column vector per thread, up to 1024 threads (896 at H = 7168:
+    697 us vs 729 us with 448 threads x 2 vectors at T = 8192); otherwise at most 512 threads, so the
+    phase-2 loads of several vectors stay in the 128-register budget.
+    """
+    nvec = hidden_size // _VEC
+    n32 = nvec // 32
+    cap = 1024 if bwd_stage_xk(hidden_size, hc_mult) else 512
+    for nc in range(1, n32 + 1):
+        if n32 % nc == 0 and nvec // nc <= min(cap, _MAX_THREADS):
+            return nvec // nc, nc
+    raise ValueError(f"engram_gate_bwd: unsupported hidden_size={hidden_size}")
+
+
+def bwd_stage_xk(hidden_size: int, hc_mult: int) -> bool:
+    """Whether the backward stages the token's ``x`` and ``k`` in shared memory (else ``go``/``v``).
+
+    Staging ``x``/``k`` (issued with ``cp.async`` at the start of a token, together with the direct
+    loads of ``go``/``v``) puts all of a token's loads in flight at once; it needs ``8 * m * H`` bytes
+    of shared memory with the weight-gradient tile, so it is used only where that fits the 227 KiB
+    of an H200 SM (H <= 7168 at m = 4); larger H prefetch the next token's ``go``/``v`` instead.
+    NOTE tuned for H200: at T = 8192, H = 4096 staging gave 381 us vs 417 us (prefetch) and 397 us
+    (plain loads); at H = 7168 (448 threads) 733 us vs 768 us and 819 us.
+    """
+    return _STAGE_XK and 8 * hc_mult * hidden_size + 2 * hc_mult * 32 * 4 <= _SMEM_BYTES
+
+
+def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
+    """Compile-time key ``(H, m, P, has_mask)`` (never the token count)."""
+    _, hc_mult, hidden_size = hidden_states.shape
+    return (int(hidden_size), int(hc_mult), int(grad_w_partial.shape[0]), image_token_mask is not None)
+
+
+def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool):
+    """Builds the backward prim_func.
+
+    Args:
+        hidden_size: ``H`` (multiple of 256; shared memory holds ``m * H`` fp32, so ``H <= 8192`` at m = 4).
+        hc_mult: ``m``.
+        num_partials: ``P``, the number of workers / rows of ``grad_w_partial``.
+        has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
+
+    Returns:
+        ``T.prim_func(go, x, kv, wf, dot, gate, rstd_x, rstd_k, [mask], clamp: f32, grad_x, grad_kv,
+        grad_w_partial)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m, P = hidden_size, hc_mult, num_partials
+    threads, nc = bwd_layout(H, m)
+    stage_xk = bwd_stage_xk(H, m)
+    pre_gov = (not stage_xk) and _PREFETCH_GO_V
+    nwarps = threads // 32
+    nvec = H // _VEC
+    scale = float(H**-0.5)
+    hidden_f = float(H)
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.macro
+    def prefetch(go, kv, gov_s, t, tid):
+        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t.
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                T.ptx_cp_async(
+                    T.access_ptr(gov_s[h, (i * threads + tid) * _VEC], "w", _VEC),
+                    T.access_ptr(go[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                    _VEC,
+                )
+            T.ptx_cp_async(
+                T.access_ptr(gov_s[m, (i * threads + tid) * _VEC], "w", _VEC),
+                T.access_ptr(kv[t, m, (i * threads + tid) * _VEC], "r", _VEC),
+                _VEC,
+            )
+        T.ptx_commit_group()
+
+    @T.macro
+    def stage(x, kv, xk_s, t, tid):
+        # Thread-private cp.async of the thread's own x and k columns (all m streams) of token t.
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                T.ptx_cp_async(
+                    T.access_ptr(xk_s[0, h, (i * threads + tid) * _VEC], "w", _VEC),
+                    T.access_ptr(x[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                    _VEC,
+                )
+                T.ptx_cp_async(
+                    T.access_ptr(xk_s[1, h, (i * threads + tid) * _VEC], "w", _VEC),
+                    T.access_ptr(kv[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                    _VEC,
+                )
+        T.ptx_commit_group()
+
+    @T.macro
+    def body(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, grad_w):
+        with T.Kernel(P, threads=threads) as p:
+            tid = T.get_thread_binding()
+            lane = tid % 32
+            wid = tid // 32
+            gw_s = T.alloc_shared((m, _VEC, nvec), f32)
+            if stage_xk:
+                xk_s = T.alloc_shared((2, m, H), bf16)  # this token's x and k, own columns only
+            if pre_gov:
+                gov_s = T.alloc_shared((m + 1, H), bf16)  # next token's go rows and v, own columns only
+            red = T.alloc_shared((2, m, 32), f32)
+            gor = T.alloc_local((nc, m, _VEC), bf16)
+            cp = T.alloc_local((_VEC,), bf16)
+            vr = T.alloc_local((_VEC,), f32)
+            gv = T.alloc_local((_VEC,), f32)
+            xr = T.alloc_local((_VEC,), f32)
+            kr = T.alloc_local((_VEC,), f32)
+            wr = T.alloc_local((_VEC,), f32)
+            gl = T.alloc_local((m,), f32)
+            acc = T.alloc_local((m,), f32)
+            beta = T.alloc_local((m,), f32)
+            ax = T.alloc_local((m,), f32)
+            ak = T.alloc_local((m,), f32)
+            sc = T.alloc_local((4,), f32)
+            parity = T.alloc_var(T.int32)
+
+            parity = 0
+            for i in T.unroll(nc):
+                for h in T.unroll(m):
+                    for k in T.unroll(_VEC):
+                        gw_s[h, k, i * threads + tid] = 0.0
+            per = T.ceildiv(num_tokens, P)
+            t_begin = T.min(per * p, num_tokens)
+            t_end = T.min(per * p + per, num_tokens)
+            if pre_gov:
+                if t_begin < t_end:
+                    prefetch(go, kv, gov_s, t_begin, tid)
+            for t in T.serial(t_begin, t_end):
+                if pre_gov:
+                    T.ptx_wait_group(0)
+                if has_mask and mask[t]:
+                    # Image token: grad_x = go (bit copy), grad_kv = 0, no weight-gradient contribution.
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m):
+                            if pre_gov:
+                                for k in T.vectorized(_VEC):
+                                    cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                            else:
+                                for k in T.vectorized(_VEC):
+                                    cp[k] = go[t, h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                grad_x[t, h, (i * threads + tid) * _VEC + k] = cp[k]
+                    if pre_gov:
+                        if t + 1 < t_end:
+                            prefetch(go, kv, gov_s, t + 1, tid)
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m + 1):
+                            for k in T.vectorized(_VEC):
+                                grad_kv[t, h, (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+                else:
+                    if stage_xk:
+                        stage(x, kv, xk_s, t, tid)
+                    for h in T.unroll(m):
+                        gl[h] = gate[t, h]
+                        acc[h] = 0.0
+                    # Phase 1: go (kept in registers) and v -> partial dL/dg per stream, value gradient.
+                    for i in T.unroll(nc):
+                        if not pre_gov:
+                            for h in T.unroll(m):
+                                for k in T.vectorized(_VEC):
+                                    gor[i, h, k] = go[t, h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                vr[k] = kv[t, m, (i * threads + tid) * _VEC + k]
+                        else:
+                            for h in T.unroll(m):
+                                for k in T.vectorized(_VEC):
+                                    gor[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                vr[k] = gov_s[m, (i * threads + tid) * _VEC + k]
+                        for h in T.unroll(m):
+                            for k in T.unroll(_VEC):
+                                acc[h] += T.cast(gor[i, h, k], f32) * vr[k]
+                        for k in T.unroll(_VEC):
+                            gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
+                            for h in T.unroll(1, m):
+                                gv[k] += T.cast(gor[i, h, k], f32) * gl[h]
+                        for k in T.vectorized(_VEC):
+                            grad_kv[t, m, (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+                    # The staging buffer is consumed: fetch the next token while this one finishes.
+                    if pre_gov:
+                        if t + 1 < t_end:
+                            prefetch(go, kv, gov_s, t + 1, tid)
+                    for h in T.unroll(m):
+                        acc[h] = T.warp_reduce_sum(acc[h])
+                    if lane == 0:
+                        for h in T.unroll(m):
+                            red[parity, h, wid] = acc[h]
+                    T.sync_threads()
+                    for h in T.unroll(m):
+                        acc[h] = T.warp_reduce_sum(T.if_then_else(lane < nwarps, red[parity, h, lane], T.cast(0.0, f32)))
+                    parity = 1 - parity
+                    # Per-stream scalars.
+                    for h in T.unroll(m):
+                        sc[0] = dot[t, h]
+                        sc[1] = rstd_x[t, h]
+                        sc[2] = rstd_k[t, h]
+                        sc[3] = scale * sc[1] * sc[2]
+                        beta[h] = T.if_then_else(
+                            T.abs(sc[0]) * sc[3] >= clamp,
+                            acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * T.sqrt(sc[3] / T.abs(sc[0])),
+                            T.cast(0.0, f32),
+                        )
+                        ax[h] = sc[0] * sc[1] * sc[1] / hidden_f
+                        ak[h] = sc[0] * sc[2] * sc[2] / hidden_f
+                    # Phase 2: x, k, wf -> grad_x, grad_k and the weight-gradient tile.
+                    if stage_xk:
+                        T.ptx_wait_group(0)
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m):
+                            if stage_xk:
+                                for k in T.vectorized(_VEC):
+                                    xr[k] = xk_s[0, h, (i * threads + tid) * _VEC + k]
+                                for k in T.vectorized(_VEC):
+                                    kr[k] = xk_s[1, h, (i * threads + tid) * _VEC + k]
+                            else:
+                                for k in T.vectorized(_VEC):
+                                    xr[k] = x[t, h, (i * threads + tid) * _VEC + k]
+                                for k in T.vectorized(_VEC):
+                                    kr[k] = kv[t, h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                wr[k] = wf[h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                grad_x[t, h, (i * threads + tid) * _VEC + k] = T.cast(
+                                    T.cast(gor[i, h, k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
+                                )
+                            for k in T.vectorized(_VEC):
+                                grad_kv[t, h, (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
+                            for k in T.unroll(_VEC):
+                                gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
+            # Row p of the partials: every element written (zeros for an empty token range).
+            for i in T.unroll(nc):
+                for h in T.unroll(m):
+                    for k in T.unroll(_VEC):
+                        wr[k] = gw_s[h, k, i * threads + tid]
+                    for k in T.vectorized(_VEC):
+                        grad_w[p, h, (i * threads + tid) * _VEC + k] = wr[k]
+
+    xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)
+
+    if has_mask:
+
+        @T.prim_func
+        def engram_gate_bwd_cuda(
+            grad_out: T.Tensor(xs, bf16),
+            hidden_states: T.Tensor(xs, bf16),
+            kv: T.Tensor(kvs, bf16),
+            weight_fused: T.Tensor(ws, f32),
+            dot: T.Tensor(ss, f32),
+            gate_score: T.Tensor(ss, f32),
+            rstd_x: T.Tensor(ss, f32),
+            rstd_k: T.Tensor(ss, f32),
+            image_token_mask: T.Tensor(ms, T.bool),
+            clamp: f32,
+            grad_hidden_states: T.Tensor(xs, bf16),
+            grad_kv: T.Tensor(kvs, bf16),
+            grad_w_partial: T.Tensor(ps, f32),
+        ):
+            body(grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, image_token_mask, clamp,
+                 grad_hidden_states, grad_kv, grad_w_partial)
+
+    else:
+
+        @T.prim_func
+        def engram_gate_bwd_cuda(
+            grad_out: T.Tensor(xs, bf16),
+            hidden_states: T.Tensor(xs, bf16),
+            kv: T.Tensor(kvs, bf16),
+            weight_fused: T.Tensor(ws, f32),
+            dot: T.Tensor(ss, f32),
+            gate_score: T.Tensor(ss, f32),
+            rstd_x: T.Tensor(ss, f32),
+            rstd_k: T.Tensor(ss, f32),
+            clamp: f32,
+            grad_hidden_states: T.Tensor(xs, bf16),
+            grad_kv: T.Tensor(kvs, bf16),
+            grad_w_partial: T.Tensor(ps, f32),
+        ):
+            body(grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, None, clamp,
+                 grad_hidden_states, grad_kv, grad_w_partial)
+
+    return engram_gate_bwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_gate_bwd_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`engram_gate_bwd_key`), built once per key."""
+    return jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
+
+
+def engram_gate_bwd(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    kv: torch.Tensor,
+    weight_fused: torch.Tensor,
+    dot: torch.Tensor,
+    gate_score: torch.Tensor,
+    rstd_x: torch.Tensor,
+    rstd_k: torch.Tensor,
+    image_token_mask: torch.Tensor | None,
+    clamp_value: float,
+    grad_hidden_states: torch.Tensor,
+    grad_kv: torch.Tensor,
+    grad_w_partial: torch.Tensor,
+) -> None:
+    """Launches the Engram gate backward on the current stream (inputs validated upstream).
+
+    Args:
+        grad_out: ``(T, m, H)`` bf16, ``T > 0``.
+        hidden_states: ``x`` ``(T, m, H)`` bf16 (forward input).
+        kv: ``(T, m+1, H)`` bf16.
+        weight_fused: ``(m, H)`` f32.
+        dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 saved by the forward.
+        image_token_mask: ``(T,)`` bool or None; masked tokens get ``grad_x = grad_out``, ``grad_kv = 0``.
+        clamp_value: signed-sqrt clamp (runtime fp32 scalar).
+        grad_hidden_states: ``(T, m, H)`` bf16, written.
+        grad_kv: ``(T, m+1, H)`` bf16, written.
+        grad_w_partial: ``(P, m, H)`` f32, every row written (row ``p`` = worker ``p``'s sum).
+    """
+    key = engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask)
+    kernel = get_engram_gate_bwd_kernel(*key)
+    args = [grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k]
+    if key[3]:
+        args.append(image_token_mask)
+    args += [float(clamp_value), grad_hidden_states, grad_kv, grad_w_partial]
+    kernel(*args)

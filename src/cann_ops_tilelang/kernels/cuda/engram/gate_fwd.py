@@ -1,0 +1,262 @@
+"""CUDA kernel of ``engram_gate_fwd`` (OPS.md B.1.2).
+
+Schedule: one CTA per token; the CTA holds ``m`` groups of ``32 * wps`` threads, group ``h`` serving
+stream ``h``. Each thread owns ``NV`` 8-element column vectors of its stream. Pass 1 loads the
+thread's ``x`` vectors into registers (kept for pass 2) and its ``k`` vectors, and accumulates
+``Sx``, ``Sk`` and ``raw``; a warp shuffle reduction plus a shared-memory step across the group's
+warps gives the per-stream sums (every thread of the group reads them in the same order, so they are
+bitwise equal). Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x``
+and ``kv`` are read from HBM exactly once. The token count is a dynamic dimension.
+"""
+
+import functools
+
+import torch
+
+from .._build import jit_compile
+
+__all__ = ["build_engram_gate_fwd", "engram_gate_fwd", "engram_gate_fwd_key", "get_engram_gate_fwd_kernel"]
+
+_VEC = 8  # bf16 elements per 16-byte access
+_MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see build_engram_gate_fwd)
+
+
+def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, bool]:
+    """Thread layout ``(wps, nv, guarded)`` of the forward kernel.
+
+    ``wps`` warps serve one stream, each thread owns ``nv`` column vectors of 8 elements, ``guarded``
+    says whether the last vector slot can fall outside ``H``.
+
+    NOTE tuned for H200: at most 8 vectors per thread (16 B x 8 of ``x`` kept in 32 registers, plus
+    ``k`` in flight) and up to 4 warps per stream (512 threads for m = 4), which keeps ~115 KB of loads
+    in flight per CTA at H = 7168 and lets two CTAs share an SM.
+    """
+    n32 = hidden_size // (32 * _VEC)
+    max_wps = max(1, min(4, 32 // hc_mult))
+    for wps in (4, 2, 1):
+        if wps <= max_wps and n32 % wps == 0 and n32 // wps <= 8:
+            return wps, n32 // wps, False
+    wps = max_wps
+    nv = -(-n32 // wps)
+    return wps, nv, n32 % wps != 0
+
+
+def engram_gate_fwd_key(
+    hidden_states: torch.Tensor, out: torch.Tensor, dot: torch.Tensor | None, image_token_mask: torch.Tensor | None
+) -> tuple:
+    """Compile-time key ``(H, m, save_stats, has_mask, inplace)`` (never the token count)."""
+    _, hc_mult, hidden_size = hidden_states.shape
+    inplace = out.data_ptr() == hidden_states.data_ptr()
+    return (int(hidden_size), int(hc_mult), dot is not None, image_token_mask is not None, bool(inplace))
+
+
+def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool):
+    """Builds the forward prim_func.
+
+    Args:
+        hidden_size: ``H`` (multiple of 256).
+        hc_mult: ``m``.
+        save_stats: Write ``dot, gate_score, rstd_x, rstd_k`` (each ``(T, m)`` f32).
+        has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
+        inplace: Write the output into ``hidden_states`` (no ``out`` parameter).
+
+    Returns:
+        ``T.prim_func(x, kv, wf, [mask], eps: f32, clamp: f32, [out], [dot, gate, rstd_x, rstd_k])`` with
+        ``x (T, m, H) bf16``, ``kv (T, m+1, H) bf16``, ``wf (m, H) f32``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    wps, nv, guarded = fwd_layout(H, m)
+    tps = 32 * wps  # threads per stream
+    threads = m * tps
+    min_blocks = max(1, min(_MIN_BLOCKS, 1024 // threads))
+    nwarps = m * wps
+    nvec = H // _VEC
+    scale = float(H**-0.5)  # host double, used as an fp32 immediate
+    inv_hidden = float(H)
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.macro
+    def body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k):
+        with T.Kernel(num_tokens, threads=threads) as t:
+            # NOTE tuned for H200: two CTAs (tokens) per SM overlap one token's reduction and barrier
+            # with the other's loads; this caps registers at 64 per thread. Measured at T = 8192:
+            # 211 us vs 267 us (H = 4096) and 355 us vs 426 us (H = 7168) against one CTA per SM.
+            T.annotate_min_blocks_per_sm(min_blocks)
+            tid = T.get_thread_binding()
+            h = tid // tps
+            lt = tid % tps
+            lane = tid % 32
+            wid = tid // 32
+            xr = T.alloc_local((nv, _VEC), bf16)
+            kf = T.alloc_local((_VEC,), f32)
+            wr = T.alloc_local((_VEC,), f32)
+            vr = T.alloc_local((_VEC,), f32)
+            part = T.alloc_local((3,), f32)
+            st = T.alloc_local((4,), f32)  # raw, rstd_x, rstd_k, gate
+            red = T.alloc_shared((3, nwarps), f32)
+            live = T.alloc_var(T.bool)
+
+            live = True
+            if has_mask:
+                live = not mask[t]
+            for j in T.unroll(3):
+                part[j] = 0.0
+            # Pass 1: x into registers (kept), k streamed, three fp32 sums per thread.
+            for i in T.unroll(nv):
+                if (not guarded) or (i * tps + lt < nvec):
+                    for k in T.vectorized(_VEC):
+                        xr[i, k] = x[t, h, (i * tps + lt) * _VEC + k]
+            if live:
+                for i in T.unroll(nv):
+                    if (not guarded) or (i * tps + lt < nvec):
+                        for k in T.vectorized(_VEC):
+                            kf[k] = kv[t, h, (i * tps + lt) * _VEC + k]
+                        for k in T.vectorized(_VEC):
+                            wr[k] = wf[h, (i * tps + lt) * _VEC + k]
+                        for k in T.unroll(_VEC):
+                            part[0] += T.cast(xr[i, k], f32) * T.cast(xr[i, k], f32)
+                            part[1] += kf[k] * kf[k]
+                            part[2] += T.cast(xr[i, k], f32) * wr[k] * kf[k]
+            for j in T.unroll(3):
+                part[j] = T.warp_reduce_sum(part[j])
+            if lane == 0:
+                for j in T.unroll(3):
+                    red[j, wid] = part[j]
+            T.sync_threads()
+            for j in T.unroll(3):
+                part[j] = red[j, h * wps]
+                for w in T.unroll(1, wps):
+                    part[j] += red[j, h * wps + w]
+            st[0] = part[2]
+            st[1] = T.rsqrt(part[0] / inv_hidden + eps)
+            st[2] = T.rsqrt(part[1] / inv_hidden + eps)
+            st[3] = st[0] * st[1] * st[2] * scale
+            st[3] = T.sigmoid(T.copysign(T.sqrt(T.max(T.abs(st[3]), clamp)), st[3]))
+            if save_stats:
+                if lt == 0:
+                    if live:
+                        dot[t, h] = st[0]
+                        rstd_x[t, h] = st[1]
+                        rstd_k[t, h] = st[2]
+                        gate[t, h] = st[3]
+                    else:
+                        dot[t, h] = 0.0
+                        rstd_x[t, h] = 0.0
+                        rstd_k[t, h] = 0.0
+                        gate[t, h] = 0.0
+            # Pass 2: stream v, write bf16(x + g * v) from the registers.
+            if live:
+                for i in T.unroll(nv):
+                    if (not guarded) or (i * tps + lt < nvec):
+                        for k in T.vectorized(_VEC):
+                            vr[k] = kv[t, m, (i * tps + lt) * _VEC + k]
+                        for k in T.vectorized(_VEC):
+                            out[t, h, (i * tps + lt) * _VEC + k] = T.cast(T.cast(xr[i, k], f32) + st[3] * vr[k], bf16)
+            else:
+                if not inplace:
+                    for i in T.unroll(nv):
+                        if (not guarded) or (i * tps + lt < nvec):
+                            for k in T.vectorized(_VEC):
+                                out[t, h, (i * tps + lt) * _VEC + k] = xr[i, k]
+
+    # Each parameter needs its own annotation object (a shared one would alias the buffers).
+    xs, kvs, ws, ms, ss = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m)
+
+    # One signature per variant; the body (and so the arithmetic) is shared.
+    if has_mask and save_stats and not inplace:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+            body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k)
+
+    elif has_mask and save_stats and inplace:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+            body(x, kv, wf, mask, eps, clamp, x, dot, gate, rstd_x, rstd_k)
+
+    elif has_mask and not inplace:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, out: T.Tensor(xs, bf16)):
+            body(x, kv, wf, mask, eps, clamp, out, None, None, None, None)
+
+    elif has_mask:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32):
+            body(x, kv, wf, mask, eps, clamp, x, None, None, None, None)
+
+    elif save_stats and not inplace:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+            body(x, kv, wf, None, eps, clamp, out, dot, gate, rstd_x, rstd_k)
+
+    elif save_stats:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+            body(x, kv, wf, None, eps, clamp, x, dot, gate, rstd_x, rstd_k)
+
+    elif not inplace:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, out: T.Tensor(xs, bf16)):
+            body(x, kv, wf, None, eps, clamp, out, None, None, None, None)
+
+    else:
+
+        @T.prim_func
+        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32):
+            body(x, kv, wf, None, eps, clamp, x, None, None, None, None)
+
+    return engram_gate_fwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_gate_fwd_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`engram_gate_fwd_key`), built once per key."""
+    return jit_compile("engram_gate_fwd", key, build_engram_gate_fwd(*key))
+
+
+def engram_gate_fwd(
+    hidden_states: torch.Tensor,
+    kv: torch.Tensor,
+    weight_fused: torch.Tensor,
+    image_token_mask: torch.Tensor | None,
+    eps: float,
+    clamp_value: float,
+    out: torch.Tensor,
+    dot: torch.Tensor | None,
+    gate_score: torch.Tensor | None,
+    rstd_x: torch.Tensor | None,
+    rstd_k: torch.Tensor | None,
+) -> None:
+    """Launches the Engram gate forward on the current stream (inputs validated upstream).
+
+    Args:
+        hidden_states: ``x`` ``(T, m, H)`` bf16, ``T > 0``.
+        kv: ``(T, m+1, H)`` bf16 (rows ``0..m-1`` keys, row ``m`` value).
+        weight_fused: ``(m, H)`` f32.
+        image_token_mask: ``(T,)`` bool or None; masked tokens copy ``x`` and get zero statistics.
+        eps: RMSNorm epsilon (runtime fp32 scalar).
+        clamp_value: signed-sqrt clamp (runtime fp32 scalar); ``z = +0`` gives ``+sqrt(clamp)``.
+        out: ``(T, m, H)`` bf16; may be ``hidden_states`` itself (in place).
+        dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 each, or all None (statistics not saved).
+    """
+    key = engram_gate_fwd_key(hidden_states, out, dot, image_token_mask)
+    kernel = get_engram_gate_fwd_kernel(*key)
+    _, _, save_stats, has_mask, inplace = key
+    args = [hidden_states, kv, weight_fused]
+    if has_mask:
+        args.append(image_token_mask)
+    args += [float(eps), float(clamp_value)]
+    if not inplace:
+        args.append(out)
+    if save_stats:
+        args += [dot, gate_score, rstd_x, rstd_k]
+    kernel(*args)

@@ -1,0 +1,108 @@
+"""CPU tier: every Engram kernel lowers for both targets at the model hidden sizes.
+
+* Ascend 950: lowered to AscendC on the CPU (no CANN needed); the dynamic UB size the lowered kernel
+  requests must fit the budget (248 KiB, 216 KiB with a SimtVF region).
+* CUDA: lowered for sm_90a and compiled to a cubin with nvcc (skipped when nvcc is absent).
+* JIT cache keys: the compile-time key of every launcher is the same for two token counts, and the
+  token count is a dynamic dimension of every kernel (a new T never compiles a new kernel).
+"""
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from cann_ops_tilelang.kernels.ascend import _build as ascend_build  # noqa: E402
+from cann_ops_tilelang.kernels.ascend import engram as ascend_engram  # noqa: E402
+from cann_ops_tilelang.kernels.cuda import _build as cuda_build  # noqa: E402
+from cann_ops_tilelang.kernels.cuda import engram as cuda_engram  # noqa: E402
+
+HIDDEN = [512, 2560, 4096, 7168]
+CASE_NAMES = sorted(cuda_engram.lowering_cases(512))
+
+
+def cases(module):
+    return [(h, name) for h in HIDDEN for name in sorted(module.lowering_cases(h))]
+
+
+@pytest.mark.parametrize("hidden,name", cases(ascend_engram))
+def test_ascend_lowers_within_ub(hidden, name):
+    prim_func = ascend_engram.lowering_cases(hidden)[name]
+    lowered = ascend_build.lower_ascendc(prim_func)
+    assert "__aicore__" in lowered.source or "__global__" in lowered.source, lowered.source[:400]
+    assert 0 < lowered.ub_bytes <= lowered.budget_bytes, (
+        f"{name} at H={hidden}: UB {lowered.ub_bytes} B > budget {lowered.budget_bytes} B"
+    )
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("hidden,name", cases(cuda_engram))
+def test_cuda_compiles_to_sm90a_cubin(hidden, name):
+    prim_func = cuda_engram.lowering_cases(hidden)[name]
+    cubin = cuda_build.compile_cubin(prim_func, arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    # the ELF header's e_flags carry the SM version (90) of the cubin
+    assert len(cubin) > 1000
+
+
+def test_both_backends_have_the_same_kernels():
+    assert sorted(ascend_engram.lowering_cases(4096)) == sorted(cuda_engram.lowering_cases(4096))
+    for module in (ascend_engram, cuda_engram):
+        for name in ("engram_fused_weight", "engram_gate_fwd", "engram_gate_bwd", "engram_grad_w_reduce"):
+            assert callable(getattr(module, name)), (module.__name__, name)
+
+
+def _dynamic_token_dim(prim_func):
+    """The leading dims of the kernel's tensor parameters."""
+    dims = []
+    for param in prim_func.params:
+        buf = prim_func.buffer_map.get(param)
+        if buf is None:
+            continue
+        dims.append(buf.shape[0])
+    return dims
+
+
+@pytest.mark.parametrize("module", [ascend_engram, cuda_engram], ids=["ascend", "cuda"])
+def test_token_count_is_dynamic(module):
+    from tvm import tirx
+
+    for name, prim_func in module.lowering_cases(2560).items():
+        if "fused_weight" in name or "grad_w_reduce" in name:
+            continue  # no token dimension
+        dims = _dynamic_token_dim(prim_func)
+        assert any(isinstance(d, tirx.Var) for d in dims), f"{name}: no dynamic leading dim in {dims}"
+
+
+def _gate_tensors(tokens, hidden=512, masked=True):
+    m = 4
+    x = torch.zeros(tokens, m, hidden, dtype=torch.bfloat16)
+    return dict(
+        x=x,
+        out=torch.empty_like(x),
+        dot=torch.empty(tokens, m),
+        mask=torch.zeros(tokens, dtype=torch.bool) if masked else None,
+        partial=torch.empty(16, m, hidden),
+    )
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_two_token_counts_give_one_cache_key(masked):
+    """The compile-time key of every launcher ignores the token count."""
+    keys = []
+    for tokens in (509, 8001):
+        t = _gate_tensors(tokens, masked=masked)
+        keys.append((
+            cuda_engram.engram_gate_fwd_key(t["x"], t["out"], t["dot"], t["mask"]),
+            cuda_engram.engram_gate_fwd_key(t["x"], t["x"], None, t["mask"]),
+            cuda_engram.engram_gate_bwd_key(t["x"], t["partial"], t["mask"]),
+            ascend_engram.engram_gate_fwd_key(t["x"], t["mask"], True, False, 64),
+            ascend_engram.engram_gate_fwd_key(t["x"], t["mask"], False, True, 64),
+            ascend_engram.engram_gate_bwd_key(t["x"], t["mask"], t["partial"], 64),
+        ))
+    assert keys[0] == keys[1]
+    assert all(509 not in key and 8001 not in key for key in keys[0])
+    # the flags that do change the kernel do change the key
+    assert len({keys[0][0], keys[0][1]}) == 2 and len({keys[0][3], keys[0][4]}) == 2
