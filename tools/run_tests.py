@@ -3,8 +3,8 @@
 
     python tools/run_tests.py [--workers N] [--large-workers M] [--benchmarks] [--dry-run] [pytest args...]
 
-phase 1  -m "not benchmark and not large_npu_mem" -n N   ordinary tests, N workers share the devices
-phase 2  -m "large_npu_mem and not benchmark"    -n M   large or unprofiled device tests
+phase 1  -m "not benchmark and not large_npu_mem" -n N --dist loadgroup   ordinary tests, N workers share the devices
+phase 2  -m "large_npu_mem and not benchmark"    -n M --dist loadgroup   large or unprofiled device tests
 phase 3  -m benchmark -n <devices> (only with --benchmarks; no -n with one device): one worker per device
 
 Each xdist worker gwK is bound to device K % <devices> by tests/_plugins/device.py. Defaults: N = devices x 4
@@ -40,10 +40,13 @@ def phase_commands(workers: int, large_workers: int, devices: int, benchmarks: b
     base = [sys.executable, "-m", "pytest"]
     if not any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in extra):
         extra = [str(TESTS), *extra]
+    # loadgroup: tests of one xdist_group (e.g. one hidden size) share a worker and so its compiled kernels
+    dist = ["--dist", "loadgroup"]
     phases = [
-        ("phase 1: ordinary tests", [*base, "-m", "not benchmark and not large_npu_mem", "-n", str(workers), *extra]),
+        ("phase 1: ordinary tests",
+         [*base, "-m", "not benchmark and not large_npu_mem", "-n", str(workers), *dist, *extra]),
         ("phase 2: large / unprofiled device memory",
-         [*base, "-m", "large_npu_mem and not benchmark", "-n", str(large_workers), *extra]),
+         [*base, "-m", "large_npu_mem and not benchmark", "-n", str(large_workers), *dist, *extra]),
     ]
     if benchmarks:
         n = ["-n", str(devices)] if devices > 1 else []

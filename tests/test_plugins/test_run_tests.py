@@ -37,8 +37,8 @@ def test_phases_on_two_devices(devices, monkeypatch):
     devices("cuda", 2)
     t = str(TESTS_DIR)
     assert _cmds(monkeypatch, ["--benchmarks", "-x"]) == [
-        ["-m", "not benchmark and not large_npu_mem", "-n", "8", t, "-x"],
-        ["-m", "large_npu_mem and not benchmark", "-n", "2", t, "-x"],
+        ["-m", "not benchmark and not large_npu_mem", "-n", "8", "--dist", "loadgroup", t, "-x"],
+        ["-m", "large_npu_mem and not benchmark", "-n", "2", "--dist", "loadgroup", t, "-x"],
         ["-m", "benchmark", "-n", "2", t, "-x"],
     ]
 
@@ -47,8 +47,8 @@ def test_phases_one_device_and_explicit_workers(devices, monkeypatch):
     devices("npu", 1)
     path = str(TESTS_DIR / "test_plugins")
     assert _cmds(monkeypatch, ["--workers", "3", "--large-workers", "1", "--benchmarks", path]) == [
-        ["-m", "not benchmark and not large_npu_mem", "-n", "3", path],
-        ["-m", "large_npu_mem and not benchmark", "-n", "1", path],
+        ["-m", "not benchmark and not large_npu_mem", "-n", "3", "--dist", "loadgroup", path],
+        ["-m", "large_npu_mem and not benchmark", "-n", "1", "--dist", "loadgroup", path],
         ["-m", "benchmark", path],  # one device: no xdist
     ]
 
