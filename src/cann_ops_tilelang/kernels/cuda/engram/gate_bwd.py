@@ -31,6 +31,7 @@ _VEC = 8
 _MAX_THREADS = 1024  # upper bound on the CTA size (A/B switch)
 _STAGE_XK = True
 _PREFETCH_GO_V = True  # when x/k are not staged: prefetch the next token's go/v instead
+_WF_SMEM = True  # keep the thread's wf columns in shared memory where it fits (loaded once)
 _SMEM_BYTES = 227 * 1024
 
 
@@ -89,6 +90,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     threads, nc = bwd_layout(H, m)
     stage_xk = bwd_stage_xk(H, m)
     pre_gov = (not stage_xk) and _PREFETCH_GO_V
+    wf_smem = stage_xk and _WF_SMEM and 12 * m * H + 2 * m * 32 * 4 + 2 * 4 * m * 4 <= _SMEM_BYTES
     nwarps = threads // 32
     nvec = H // _VEC
     scale = float(H**-0.5)
@@ -112,6 +114,16 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 _VEC,
             )
         T.ptx_commit_group()
+
+    @T.macro
+    def load_gov(go, kv, gor, vr, t, tid):
+        # Direct (register) loads of the thread's go rows and v columns of token t.
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                for k in T.vectorized(_VEC):
+                    gor[i, h, k] = go[t, h, (i * threads + tid) * _VEC + k]
+            for k in T.vectorized(_VEC):
+                vr[i, k] = kv[t, m, (i * threads + tid) * _VEC + k]
 
     @T.macro
     def stage(x, kv, xk_s, t, tid):
@@ -141,10 +153,14 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 xk_s = T.alloc_shared((2, m, H), bf16)  # this token's x and k, own columns only
             if pre_gov:
                 gov_s = T.alloc_shared((m + 1, H), bf16)  # next token's go rows and v, own columns only
+            if wf_smem:
+                wf_s = T.alloc_shared((m, H), f32)  # wf, own columns only (loaded once)
             red = T.alloc_shared((2, m, 32), f32)
+            scs = T.alloc_shared((2, 4, m), f32)  # per-stream scalars, written by thread h < m
             gor = T.alloc_local((nc, m, _VEC), bf16)
             cp = T.alloc_local((_VEC,), bf16)
-            vr = T.alloc_local((_VEC,), f32)
+            vr = T.alloc_local((nc, _VEC), bf16)
+            vf = T.alloc_local((_VEC,), f32)
             gv = T.alloc_local((_VEC,), f32)
             xr = T.alloc_local((_VEC,), f32)
             kr = T.alloc_local((_VEC,), f32)
@@ -165,6 +181,17 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             per = T.ceildiv(num_tokens, P)
             t_begin = T.min(per * p, num_tokens)
             t_end = T.min(per * p + per, num_tokens)
+            if wf_smem:
+                if t_begin < t_end:
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m):
+                            for j in T.unroll(2):
+                                T.ptx_cp_async(
+                                    T.access_ptr(wf_s[h, (i * threads + tid) * _VEC + j * 4], "w", 4),
+                                    T.access_ptr(wf[h, (i * threads + tid) * _VEC + j * 4], "r", 4),
+                                    4,
+                                )
+                    T.ptx_commit_group()
             if pre_gov:
                 if t_begin < t_end:
                     prefetch(go, kv, gov_s, t_begin, tid)
@@ -193,26 +220,31 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 else:
                     if stage_xk:
                         stage(x, kv, xk_s, t, tid)
+                    # Per-stream scalars, off the critical path: thread h < m loads those of stream h
+                    # here (used only after phase 1, so the loads do not stall it) and publishes them
+                    # before the reduction barrier; everyone reads them after it (double-buffered).
+                    if tid < m:
+                        sc[0] = dot[t, tid]
+                        sc[1] = rstd_x[t, tid]
+                        sc[2] = rstd_k[t, tid]
                     for h in T.unroll(m):
                         gl[h] = gate[t, h]
                         acc[h] = 0.0
                     # Phase 1: go (kept in registers) and v -> partial dL/dg per stream, value gradient.
                     for i in T.unroll(nc):
-                        if not pre_gov:
-                            for h in T.unroll(m):
-                                for k in T.vectorized(_VEC):
-                                    gor[i, h, k] = go[t, h, (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                vr[k] = kv[t, m, (i * threads + tid) * _VEC + k]
-                        else:
+                        if pre_gov:
                             for h in T.unroll(m):
                                 for k in T.vectorized(_VEC):
                                     gor[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
                             for k in T.vectorized(_VEC):
-                                vr[k] = gov_s[m, (i * threads + tid) * _VEC + k]
+                                vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
+                        else:
+                            load_gov(go, kv, gor, vr, t, tid)
+                        for k in T.unroll(_VEC):
+                            vf[k] = T.cast(vr[i, k], f32)
                         for h in T.unroll(m):
                             for k in T.unroll(_VEC):
-                                acc[h] += T.cast(gor[i, h, k], f32) * vr[k]
+                                acc[h] += T.cast(gor[i, h, k], f32) * vf[k]
                         for k in T.unroll(_VEC):
                             gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
                             for h in T.unroll(1, m):
@@ -223,6 +255,14 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     if pre_gov:
                         if t + 1 < t_end:
                             prefetch(go, kv, gov_s, t + 1, tid)
+                    if tid < m:
+                        sc[3] = scale * sc[1] * sc[2]
+                        scs[parity, 0, tid] = T.if_then_else(
+                            T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
+                        )
+                        scs[parity, 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
+                        scs[parity, 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
+                        scs[parity, 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
                     for h in T.unroll(m):
                         acc[h] = T.warp_reduce_sum(acc[h])
                     if lane == 0:
@@ -231,20 +271,16 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     T.sync_threads()
                     for h in T.unroll(m):
                         acc[h] = T.warp_reduce_sum(T.if_then_else(lane < nwarps, red[parity, h, lane], T.cast(0.0, f32)))
-                    parity = 1 - parity
-                    # Per-stream scalars.
+                    # Per-stream scalars (same arithmetic as computing them here).
                     for h in T.unroll(m):
-                        sc[0] = dot[t, h]
-                        sc[1] = rstd_x[t, h]
-                        sc[2] = rstd_k[t, h]
-                        sc[3] = scale * sc[1] * sc[2]
                         beta[h] = T.if_then_else(
-                            T.abs(sc[0]) * sc[3] >= clamp,
-                            acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * T.sqrt(sc[3] / T.abs(sc[0])),
+                            scs[parity, 1, h] != 0.0,
+                            acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity, 0, h],
                             T.cast(0.0, f32),
                         )
-                        ax[h] = sc[0] * sc[1] * sc[1] / hidden_f
-                        ak[h] = sc[0] * sc[2] * sc[2] / hidden_f
+                        ax[h] = scs[parity, 2, h]
+                        ak[h] = scs[parity, 3, h]
+                    parity = 1 - parity
                     # Phase 2: x, k, wf -> grad_x, grad_k and the weight-gradient tile.
                     if stage_xk:
                         T.ptx_wait_group(0)
@@ -260,11 +296,17 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                                     xr[k] = x[t, h, (i * threads + tid) * _VEC + k]
                                 for k in T.vectorized(_VEC):
                                     kr[k] = kv[t, h, (i * threads + tid) * _VEC + k]
+                            if wf_smem:
+                                for k in T.vectorized(_VEC):
+                                    wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
+                            else:
+                                for k in T.vectorized(_VEC):
+                                    wr[k] = wf[h, (i * threads + tid) * _VEC + k]
                             for k in T.vectorized(_VEC):
-                                wr[k] = wf[h, (i * threads + tid) * _VEC + k]
+                                cp[k] = gor[i, h, k]
                             for k in T.vectorized(_VEC):
                                 grad_x[t, h, (i * threads + tid) * _VEC + k] = T.cast(
-                                    T.cast(gor[i, h, k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
+                                    T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
                                 )
                             for k in T.vectorized(_VEC):
                                 grad_kv[t, h, (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
