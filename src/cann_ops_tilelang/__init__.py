@@ -15,6 +15,8 @@ from .engram import (
     engram_gate_fwd_inplace,
     engram_grad_w_reduce,
 )
+from .mhc import *  # noqa: F403 - the mHC primitives
+from .mhc import __all__ as _mhc_all
 
 __all__ = [
     "__version__",
@@ -24,4 +26,5 @@ __all__ = [
     "engram_gate_fwd_inplace",
     "engram_grad_w_reduce",
     "registered_ops",
+    *_mhc_all,
 ]

@@ -12,7 +12,7 @@ import inspect
 import sys
 from pathlib import Path
 
-_FAMILY_DIRS = ["engram"]
+_FAMILY_DIRS = ["engram", "mhc"]
 _TESTS = Path(__file__).resolve().parent.parent
 for family in _FAMILY_DIRS:
     path = str(_TESTS / family)
@@ -21,6 +21,7 @@ for family in _FAMILY_DIRS:
 
 import cann_ops_tilelang as ops  # noqa: E402
 from cann_ops_tilelang import config  # noqa: E402
+import mhc_ref  # noqa: E402
 from engram_gate_ref import (  # noqa: E402
     fused_weight_ref,
     gate_bwd_ref,
@@ -52,6 +53,24 @@ _KERNELS = {
     "engram_gate_bwd": _gate_bwd,
     "engram_grad_w_reduce": lambda outs, *a: grad_w_reduce_ref(*a),
 }
+
+# mHC: ops that only write their buffer arguments run the reference as is; ops with new outputs get
+# the reference's results copied into the outputs the prepare step allocated.
+_MHC_IN_PLACE = [
+    "expand_to_mhc_forward", "expand_to_mhc_backward", "mhc_fn_normw_merge_forward", "mhc_fn_normw_merge_backward",
+    "mhc_reduce_partials_and_rmsnorm_forward", "mhc_reduce_partials_and_rmsnorm_backward",
+    "mhc_pre_split_mixes_forward", "mhc_pre_split_mixes_backward", "mhc_sinkhorn_forward", "mhc_sinkhorn_backward",
+    "mhc_pre_apply_mix_forward", "mhc_head_compute_mix_forward", "mhc_head_compute_mix_backward",
+]
+_MHC_RETURNING = [
+    "mhc_gemm_with_sqrsum_forward", "mhc_gemm_with_sqrsum_backward", "mhc_pre_apply_mix_backward",
+    "mhc_post_forward", "mhc_post_backward",
+]
+for _name in _MHC_IN_PLACE:
+    _KERNELS[_name] = (lambda ref: lambda outs, *a: ref(*a))(getattr(mhc_ref, f"{_name}_ref"))
+for _name in _MHC_RETURNING:
+    _KERNELS[_name] = (lambda ref: lambda outs, *a: _copy_all(outs, ref(*a)))(getattr(mhc_ref, f"{_name}_ref"))
+_KERNELS["mhc_post_forward_out"] = lambda outs, *a: a[-1].copy_(mhc_ref.mhc_post_forward_ref(*a[:-1]))
 
 
 def register() -> None:

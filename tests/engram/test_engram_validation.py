@@ -234,7 +234,7 @@ def test_nothing_written_on_bad_input():
     assert torch.equal(x, torch.ones(2, M, hidden, dtype=BF16))
 
 
-@pytest.mark.parametrize("name", sorted(ops.registered_ops()))
+@pytest.mark.parametrize("name", sorted(n for n in ops.registered_ops() if n.startswith("engram")))
 def test_cpu_tensors_have_no_kernel(name):
     """Without the test references, CPU tensors get a RuntimeError naming op, device and devices."""
     makers = {

@@ -4,7 +4,7 @@
   CPU (``tilelang.lower(..., target="ascend", enable_device_compile=False)``): no ``bisheng``, CANN or NPU
   is needed. It returns the generated AscendC source and the unified-buffer (UB) bytes the kernel
   requests, read from the lowered device function (see :class:`LoweredAscend`).
-* :func:`compile_kernel` JIT-compiles a kernel for the device (needs ``bisheng``) and logs the first
+* :func:`jit_compile` JIT-compiles a kernel for the device (needs ``bisheng``) and logs the first
   compile of each (op, key) at INFO on the ``cann_ops_tilelang`` logger.
 """
 
@@ -20,7 +20,7 @@ __all__ = [
     "UB_BUDGET_BYTES",
     "UB_BUDGET_SIMT_BYTES",
     "LoweredAscend",
-    "compile_kernel",
+    "jit_compile",
     "has_simt_region",
     "lower_ascendc",
     "ub_budget_bytes",
@@ -81,11 +81,13 @@ def _ub_bytes_of(device_mod) -> int:
 
         def visit(node):
             nonlocal extra
-            # Any UB ("shared*") allocation other than the merged dynamic pool counts on top of it.
+            # Any UB ("shared*") allocation other than the merged dynamic pool counts on top of it;
+            # the Cube unit's L1 / L0 buffers ("shared.l1*", "shared.l0*") are not UB.
             if isinstance(node, tirx.AllocBuffer):
                 buf = node.buffer
                 scope = buf.scope()
-                if scope.startswith("shared") and scope != "shared.dyn":
+                cube = scope.startswith("shared.l1") or scope.startswith("shared.l0")
+                if scope.startswith("shared") and scope != "shared.dyn" and not cube:
                     n = 1
                     for e in buf.shape:
                         n *= int(e)
@@ -106,7 +108,7 @@ def lower_ascendc(prim_func) -> LoweredAscend:
     return LoweredAscend(name=name, source=source, ub_bytes=_ub_bytes_of(artifact.device_mod), has_simt=has_simt_region(source))
 
 
-def compile_kernel(op: str, key: tuple, prim_func) -> Any:
+def jit_compile(op: str, key: tuple, prim_func) -> Any:
     """JIT-compile ``prim_func`` for the NPU (target ``ascend``), logging op, key and seconds at INFO."""
     import tilelang
 

@@ -71,9 +71,9 @@ def build_engram_fused_weight(numel: int, num_cores: int):
 
 @functools.lru_cache(maxsize=None)
 def get_engram_fused_weight_kernel(numel: int, num_cores: int):
-    from .._build import compile_kernel
+    from .._build import jit_compile
 
-    return compile_kernel("engram_fused_weight", (numel, num_cores), build_engram_fused_weight(numel, num_cores))
+    return jit_compile("engram_fused_weight", (numel, num_cores), build_engram_fused_weight(numel, num_cores))
 
 
 def engram_fused_weight(weight_hidden, weight_embed, out) -> None:

@@ -216,10 +216,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
 
 @functools.lru_cache(maxsize=None)
 def get_engram_gate_bwd_kernel(hidden_size, hc_mult, has_mask, num_partials, num_cores):
-    from .._build import compile_kernel
+    from .._build import jit_compile
 
     key = (hidden_size, hc_mult, has_mask, num_partials, num_cores)
-    return compile_kernel("engram_gate_bwd", key, build_engram_gate_bwd(*key))
+    return jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
 
 
 def engram_gate_bwd(

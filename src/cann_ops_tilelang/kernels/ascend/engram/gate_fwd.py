@@ -182,10 +182,10 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
 
 @functools.lru_cache(maxsize=None)
 def get_engram_gate_fwd_kernel(hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores):
-    from .._build import compile_kernel
+    from .._build import jit_compile
 
     key = (hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores)
-    return compile_kernel("engram_gate_fwd", key, build_engram_gate_fwd(*key))
+    return jit_compile("engram_gate_fwd", key, build_engram_gate_fwd(*key))
 
 
 def engram_gate_fwd(hidden_states, kv, weight_fused, image_token_mask, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k) -> None:

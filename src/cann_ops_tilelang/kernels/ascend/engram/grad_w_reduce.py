@@ -110,10 +110,10 @@ def build_engram_grad_w_reduce(num_partials: int, numel: int, num_cores: int):
 
 @functools.lru_cache(maxsize=None)
 def get_engram_grad_w_reduce_kernel(num_partials: int, numel: int, num_cores: int):
-    from .._build import compile_kernel
+    from .._build import jit_compile
 
     key = (num_partials, numel, num_cores)
-    return compile_kernel("engram_grad_w_reduce", key, build_engram_grad_w_reduce(*key))
+    return jit_compile("engram_grad_w_reduce", key, build_engram_grad_w_reduce(*key))
 
 
 def engram_grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed) -> None:

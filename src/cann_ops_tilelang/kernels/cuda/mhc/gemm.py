@@ -1,0 +1,436 @@
+"""CUDA (TileLang) kernels of the mHC pre-norm GEMM with sum of squares (OPS.md B.2.3 and §C).
+
+Forward (``mhc_gemm_with_sqrsum_forward``): ``out_mul_part[s, t, j] = sum_{k in K_s} f32(x[t, k]) *
+tf32(fn[j, k])`` and ``sqrsum_part[s, t] = sum_{k in K_s} f32(x[t, k])**2``, K cut into 64-column
+blocks (``nb = K / 64``), split ``s`` owning ``nb // S`` blocks plus one for ``s < nb % S``, in order.
+
+TF32 products on bf16 tensor cores: ``fn`` is rounded to TF32 in the kernel (add half a TF32 ulp to
+the int32 bit pattern, clear the low 13 bits: round-half-away, as the old TileKernels path) and the
+11-bit TF32 significand is split exactly into two bf16 values ``hi`` (top 8 bits) and ``lo`` (the
+remaining <= 3 bits). ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
+and ``acc_hi + acc_lo`` is the TF32 product sum, fp32-accumulated (same precision class as a TF32
+MMA). The CTA is one warpgroup on a 64-token x 64-column tile: two ``64 x 24 x 64`` WGMMAs per block
+(hi and lo), the sum of squares on the CUDA cores from the same shared tile.
+
+Backward (``mhc_gemm_with_sqrsum_backward``): ``x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j] *
+fn[j, k] + 2 * f32(x[t, k]) * sg[t])`` (read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] *
+f32(x[t, k])`` in fp32 FMA (more precise than the old kernel's TF32 rounding of ``g``). Grid
+``(K / 64, P)``: CTA ``(cb, p)`` owns 64 columns and the fixed token range ``[p * ceil(T/P),
+min((p+1) * ceil(T/P), T))``; per iteration warp ``w`` takes 8 consecutive tokens of the next 32 of the range, each lane
+2 columns with the 24 ``fn`` values of its columns in registers; the 4 warp partials are summed in
+ascending warp order, then (``P > 1``) a second kernel sums the ``P`` partial rows in ascending ``p``.
+Deterministic, no atomics.
+
+Supported sizes: ``K % 64 == 0``, ``M3 <= 32`` and ``M3 % 8 == 0`` (``M3 = 24`` for ``m = 4``), any
+``T > 0``, any ``n_splits >= 1`` (splits with no block write zeros).
+"""
+
+import functools
+
+import torch
+
+from .._build import jit_compile
+
+__all__ = [
+    "build_mhc_gemm_with_sqrsum_backward",
+    "build_mhc_gemm_with_sqrsum_backward_reduce",
+    "build_mhc_gemm_with_sqrsum_forward",
+    "get_mhc_gemm_with_sqrsum_backward_kernel",
+    "get_mhc_gemm_with_sqrsum_backward_reduce_kernel",
+    "get_mhc_gemm_with_sqrsum_forward_kernel",
+    "gemm_lowering_cases",
+    "mhc_gemm_with_sqrsum_backward",
+    "mhc_gemm_with_sqrsum_backward_key",
+    "mhc_gemm_with_sqrsum_backward_partials",
+    "mhc_gemm_with_sqrsum_forward",
+    "mhc_gemm_with_sqrsum_forward_key",
+]
+
+_BLOCK_K = 64  # split granularity (the interface's 64-column blocks) and the K step of the forward
+_FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
+# NOTE tuned for H200 (not yet measured): 4 stages of (64 x 64 bf16 x + 24 x 64 f32 fn) = 14 KiB
+# each, 3 in flight, ~62 KiB of shared memory per CTA with the bf16 hi/lo tiles: 3 CTAs per SM keep
+# ~72 KiB of x loads in flight per SM (HBM3e needs ~40 KiB).
+_FWD_STAGES = 4
+_FWD_THREADS = 128
+_BWD_THREADS = 128  # 4 warps; a warp row covers the CTA's 64 columns (2 per lane, 4-byte accesses)
+_BWD_TARGET_CTAS = 8 * 132  # backward grid target: ~8 CTAs per H200 SM over all waves
+_BWD_MAX_PARTIALS = 64
+# NOTE: 8 consecutive tokens per warp and iteration: 16 x 4-byte x / x_grad loads per lane in flight
+# (16 registers), with the g rows of the 32 tokens staged in 3 KiB of shared memory.
+_BWD_UNROLL = 8
+_RED_THREADS = 128
+
+
+def _check(op: str, rows: int, cols: int) -> None:
+    if cols <= 0 or cols % _BLOCK_K != 0:
+        raise ValueError(f"{op}: K must be a positive multiple of {_BLOCK_K}, got {cols}")
+    if rows > 32 or rows % 8 != 0:
+        raise ValueError(f"{op}: M3 must be a multiple of 8 and at most 32, got {rows}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+
+
+def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> tuple:
+    """Compile-time key ``(K, M3, S)`` (never the token count)."""
+    rows, cols = (int(s) for s in fn.shape)
+    _check("mhc_gemm_with_sqrsum_forward", rows, cols)
+    if int(n_splits) < 1:
+        raise ValueError(f"mhc_gemm_with_sqrsum_forward: n_splits must be >= 1, got {n_splits}")
+    return (cols, rows, int(n_splits))
+
+
+def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int):
+    """Builds the split-K forward.
+
+    Args:
+        cols: ``K`` (multiple of 64).
+        rows: ``M3`` (multiple of 8, <= 32).
+        n_splits: ``S``.
+
+    Returns:
+        ``T.prim_func(x (T, K) bf16, fn (M3, K) f32, out_mul_part (S, T, M3) f32, sqrsum_part (S, T) f32)``;
+        ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    K, M3, S = cols, rows, n_splits
+    BT, BK, NS = _FWD_BLOCK_T, _BLOCK_K, _FWD_STAGES
+    nb = K // BK
+    q, r = nb // S, nb % S
+    f32, bf16, u32 = T.float32, T.bfloat16, T.uint32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_gemm_with_sqrsum_forward_cuda(
+        x: T.Tensor((num_tokens, K), bf16),
+        fn: T.Tensor((M3, K), f32),
+        out_mul_part: T.Tensor((S, num_tokens, M3), f32),
+        sqrsum_part: T.Tensor((S, num_tokens), f32),
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, BT), S, threads=_FWD_THREADS) as (bt, s):
+            x_s = T.alloc_shared((NS, BT, BK), bf16)
+            fn_s = T.alloc_shared((NS, M3, BK), f32)
+            fh_s = T.alloc_shared((M3, BK), bf16)
+            fl_s = T.alloc_shared((M3, BK), bf16)
+            acc_h = T.alloc_fragment((BT, M3), f32)
+            acc_l = T.alloc_fragment((BT, M3), f32)
+            sq = T.alloc_fragment((BT, BK), f32)
+            sq_row = T.alloc_fragment((BT,), f32)
+            T.clear(acc_h)
+            T.clear(acc_l)
+            T.clear(sq)
+            cnt = T.if_then_else(s < r, q + 1, q)
+            start = s * q + T.min(s, r)
+            # Prologue: blocks 0 .. NS-2 in flight (an empty group where the split has fewer blocks,
+            # so that the group count below stays uniform).
+            for st in T.unroll(NS - 1):
+                if st < cnt:
+                    T.async_copy(x[bt * BT : bt * BT + BT, (start + st) * BK : (start + st) * BK + BK], x_s[st, :, :])
+                    T.async_copy(fn[0:M3, (start + st) * BK : (start + st) * BK + BK], fn_s[st, :, :])
+                else:
+                    T.ptx_commit_group()
+                    T.ptx_commit_group()
+            for kb in T.serial(cnt):
+                # Block kb + NS - 1 goes into the stage consumed at kb - 1 (released by the barrier
+                # that closed iteration kb - 1).
+                if kb + NS - 1 < cnt:
+                    T.async_copy(
+                        x[bt * BT : bt * BT + BT, (start + kb + NS - 1) * BK : (start + kb + NS - 1) * BK + BK],
+                        x_s[(kb + NS - 1) % NS, :, :],
+                    )
+                    T.async_copy(
+                        fn[0:M3, (start + kb + NS - 1) * BK : (start + kb + NS - 1) * BK + BK], fn_s[(kb + NS - 1) % NS, :, :]
+                    )
+                else:
+                    T.ptx_commit_group()
+                    T.ptx_commit_group()
+                T.ptx_wait_group(2 * (NS - 1))
+                T.sync_threads()
+                # fn -> TF32 (round half away on bit 13) -> exact bf16 pair (hi, lo).
+                for j, k in T.Parallel(M3, BK):
+                    fh_s[j, k] = T.cast(
+                        T.reinterpret(
+                            (T.reinterpret(fn_s[kb % NS, j, k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32
+                        ),
+                        bf16,
+                    )
+                    fl_s[j, k] = T.cast(
+                        T.reinterpret((T.reinterpret(fn_s[kb % NS, j, k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFFE000, u32), f32)
+                        - T.reinterpret(
+                            (T.reinterpret(fn_s[kb % NS, j, k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32
+                        ),
+                        bf16,
+                    )
+                T.sync_threads()
+                T.gemm(x_s[kb % NS, :, :], fh_s, acc_h, transpose_B=True)
+                T.gemm(x_s[kb % NS, :, :], fl_s, acc_l, transpose_B=True)
+                for i, k in T.Parallel(BT, BK):
+                    sq[i, k] += T.cast(x_s[kb % NS, i, k], f32) * T.cast(x_s[kb % NS, i, k], f32)
+                T.sync_threads()
+            T.reduce_sum(sq, sq_row, dim=1)
+            for i, j in T.Parallel(BT, M3):
+                if bt * BT + i < num_tokens:
+                    out_mul_part[s, bt * BT + i, j] = acc_h[i, j] + acc_l[i, j]
+            for i in T.Parallel(BT):
+                if bt * BT + i < num_tokens:
+                    sqrsum_part[s, bt * BT + i] = sq_row[i]
+
+    return mhc_gemm_with_sqrsum_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_gemm_with_sqrsum_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_gemm_with_sqrsum_forward_key`), built once per key."""
+    return jit_compile("mhc_gemm_with_sqrsum_forward", key, build_mhc_gemm_with_sqrsum_forward(*key))
+
+
+def mhc_gemm_with_sqrsum_forward(
+    x: torch.Tensor, fn: torch.Tensor, n_splits: int, out_mul_part: torch.Tensor, sqrsum_part: torch.Tensor
+) -> None:
+    """Launches the split-K pre-norm GEMM forward on the current stream (inputs validated upstream).
+
+    Args:
+        x: ``(T, K)`` bf16 (the residual ``(T, m, H)`` viewed flat), ``T > 0``, ``K % 64 == 0``.
+        fn: ``(M3, K)`` f32 (rounded to TF32 in the kernel; idempotent on pre-rounded input).
+        n_splits: ``S >= 1``.
+        out_mul_part: ``(S, T, M3)`` f32, written.
+        sqrsum_part: ``(S, T)`` f32, written.
+    """
+    kernel = get_mhc_gemm_with_sqrsum_forward_kernel(*mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits))
+    kernel(x.view(x.shape[0], -1), fn, out_mul_part, sqrsum_part)
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------
+
+
+def mhc_gemm_with_sqrsum_backward_partials(cols: int) -> int:
+    """Number ``P`` of token partitions of the backward at ``K = cols`` (1: no second pass).
+
+    NOTE tuned for H200: ``K / 64`` column CTAs times ``P`` is at least ~8 CTAs per SM (3 resident),
+    so the tail of the last wave is short: ``P = 3`` at K = 28672, 14 at K = 5120.
+    """
+    return max(1, min(_BWD_MAX_PARTIALS, -(-_BWD_TARGET_CTAS // (cols // _BLOCK_K))))
+
+
+def mhc_gemm_with_sqrsum_backward_key(x: torch.Tensor, fn: torch.Tensor) -> tuple:
+    """Compile-time key ``(K, M3, P)`` (never the token count)."""
+    rows, cols = (int(s) for s in fn.shape)
+    _check("mhc_gemm_with_sqrsum_backward", rows, cols)
+    return (cols, rows, mhc_gemm_with_sqrsum_backward_partials(cols))
+
+
+def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, num_partials: int):
+    """Builds the backward main kernel.
+
+    Args:
+        cols: ``K`` (multiple of 64).
+        rows: ``M3``.
+        num_partials: ``P``; with ``P == 1`` the kernel writes ``fn_grad`` directly.
+
+    Returns:
+        ``T.prim_func(out_mul_grad (T, M3) f32, sqrsum_grad (T,) f32, x (T, K) bf16, fn (M3, K) f32,
+        x_grad (T, K) bf16, fn_grad_part (P, M3, K) f32)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    K, M3, P = cols, rows, num_partials
+    threads = _BWD_THREADS
+    nwarps = threads // 32
+    tt = nwarps * _BWD_UNROLL  # tokens per CTA iteration
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_gemm_with_sqrsum_backward_cuda(
+        out_mul_grad: T.Tensor((num_tokens, M3), f32),
+        sqrsum_grad: T.Tensor((num_tokens,), f32),
+        x: T.Tensor((num_tokens, K), bf16),
+        fn: T.Tensor((M3, K), f32),
+        x_grad: T.Tensor((num_tokens, K), bf16),
+        fn_grad_part: T.Tensor((P, M3, K), f32),
+    ):
+        with T.Kernel(K // _BLOCK_K, P, threads=threads) as (cb, p):
+            # NOTE: 48 fp32 registers of fn + 48 of fn_grad partials + 24 of g per lane (~150 in
+            # all) -> 3 CTAs of 4 warps per SM; the warp-partial exchange uses 24 KiB of shared memory.
+            T.annotate_min_blocks_per_sm(3)
+            tid = T.get_thread_binding()
+            lane = tid % 32
+            wid = tid // 32
+            fr = T.alloc_local((M3, 2), f32)
+            acc = T.alloc_local((M3, 2), f32)
+            g = T.alloc_local((M3,), f32)
+            xr = T.alloc_local((_BWD_UNROLL, 2), bf16)
+            xgr = T.alloc_local((_BWD_UNROLL, 2), bf16)
+            dx = T.alloc_local((2,), f32)
+            sg = T.alloc_local((1,), f32)
+            g_s = T.alloc_shared((tt, M3), f32)
+            sg_s = T.alloc_shared((tt,), f32)
+            red = T.alloc_shared((nwarps, M3, _BLOCK_K), f32)
+            for j in T.unroll(M3):
+                for c in T.vectorized(2):
+                    fr[j, c] = fn[j, cb * _BLOCK_K + lane * 2 + c]
+                for c in T.unroll(2):
+                    acc[j, c] = 0.0
+            per = T.ceildiv(num_tokens, P)
+            t_begin = T.min(per * p, num_tokens)
+            t_end = T.min(per * p + per, num_tokens)
+            for it in T.serial(T.ceildiv(t_end - t_begin, tt)):
+                # Stage the g / sg rows of the tt tokens (cooperative, 16-byte loads) and issue every
+                # x / x_grad load of the warp's _BWD_UNROLL tokens before the barrier, so that they
+                # are all in flight together.
+                for e in T.unroll(-(-(tt * M3 // 4) // threads)):
+                    if (e * threads + tid < tt * M3 // 4) and (t_begin + it * tt + (e * threads + tid) // (M3 // 4) < t_end):
+                        for c in T.vectorized(4):
+                            g_s[(e * threads + tid) // (M3 // 4), ((e * threads + tid) % (M3 // 4)) * 4 + c] = out_mul_grad[
+                                t_begin + it * tt + (e * threads + tid) // (M3 // 4), ((e * threads + tid) % (M3 // 4)) * 4 + c
+                            ]
+                if tid < tt:
+                    if t_begin + it * tt + tid < t_end:
+                        sg_s[tid] = sqrsum_grad[t_begin + it * tt + tid]
+                for u in T.unroll(_BWD_UNROLL):
+                    if t_begin + it * tt + wid * _BWD_UNROLL + u < t_end:
+                        for c in T.vectorized(2):
+                            xr[u, c] = x[t_begin + it * tt + wid * _BWD_UNROLL + u, cb * _BLOCK_K + lane * 2 + c]
+                        for c in T.vectorized(2):
+                            xgr[u, c] = x_grad[t_begin + it * tt + wid * _BWD_UNROLL + u, cb * _BLOCK_K + lane * 2 + c]
+                T.sync_threads()
+                for u in T.unroll(_BWD_UNROLL):
+                    if t_begin + it * tt + wid * _BWD_UNROLL + u < t_end:
+                        for j in T.vectorized(M3):
+                            g[j] = g_s[wid * _BWD_UNROLL + u, j]
+                        sg[0] = sg_s[wid * _BWD_UNROLL + u]
+                        for c in T.unroll(2):
+                            dx[c] = g[0] * fr[0, c]
+                            for j in T.unroll(1, M3):
+                                dx[c] += g[j] * fr[j, c]
+                            dx[c] = T.cast(xgr[u, c], f32) + dx[c]
+                            dx[c] = dx[c] + 2.0 * T.cast(xr[u, c], f32) * sg[0]
+                        for c in T.vectorized(2):
+                            x_grad[t_begin + it * tt + wid * _BWD_UNROLL + u, cb * _BLOCK_K + lane * 2 + c] = T.cast(dx[c], bf16)
+                        for j in T.unroll(M3):
+                            for c in T.unroll(2):
+                                acc[j, c] += g[j] * T.cast(xr[u, c], f32)
+                T.sync_threads()
+            for j in T.unroll(M3):
+                for c in T.vectorized(2):
+                    red[wid, j, lane * 2 + c] = acc[j, c]
+            T.sync_threads()
+            # Warp partials summed in ascending warp order; thread tid owns elements tid, tid + 128, ...
+            for e in T.unroll(M3 * _BLOCK_K // threads):
+                sg[0] = red[0, (e * threads + tid) // _BLOCK_K, (e * threads + tid) % _BLOCK_K]
+                for w in T.unroll(1, nwarps):
+                    sg[0] += red[w, (e * threads + tid) // _BLOCK_K, (e * threads + tid) % _BLOCK_K]
+                fn_grad_part[p, (e * threads + tid) // _BLOCK_K, cb * _BLOCK_K + (e * threads + tid) % _BLOCK_K] = sg[0]
+
+    return mhc_gemm_with_sqrsum_backward_cuda
+
+
+def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int, num_partials: int):
+    """Builds the fixed-order partial reduction ``fn_grad[j, k] = sum_{p=0..P-1} part[p, j, k]``.
+
+    Returns:
+        ``T.prim_func(fn_grad_part (P, M3, K) f32, fn_grad (M3, K) f32)``.
+    """
+    from tilelang import language as T
+
+    K, M3, P = cols, rows, num_partials
+    threads = _RED_THREADS
+    nq = M3 * K // 4
+    f32 = T.float32
+
+    @T.prim_func
+    def mhc_gemm_with_sqrsum_backward_reduce_cuda(fn_grad_part: T.Tensor((P, M3 * K), f32), fn_grad: T.Tensor((M3 * K,), f32)):
+        # NOTE: one float4 per thread, all P partial loads issued before the ascending-p sum.
+        with T.Kernel(T.ceildiv(nq, threads), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            v = T.alloc_local((P, 4), f32)
+            a = T.alloc_local((4,), f32)
+            if bx * threads + tid < nq:
+                for pp in T.unroll(P):
+                    for k in T.vectorized(4):
+                        v[pp, k] = fn_grad_part[pp, (bx * threads + tid) * 4 + k]
+                for k in T.unroll(4):
+                    a[k] = v[0, k]
+                    for pp in T.unroll(1, P):
+                        a[k] += v[pp, k]
+                for k in T.vectorized(4):
+                    fn_grad[(bx * threads + tid) * 4 + k] = a[k]
+
+    return mhc_gemm_with_sqrsum_backward_reduce_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_gemm_with_sqrsum_backward_kernel(*key):
+    """Compiled main kernel for ``key`` (see :func:`mhc_gemm_with_sqrsum_backward_key`), built once per key."""
+    return jit_compile("mhc_gemm_with_sqrsum_backward", key, build_mhc_gemm_with_sqrsum_backward(*key))
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_gemm_with_sqrsum_backward_reduce_kernel(*key):
+    """Compiled partial reduction for ``key`` (see :func:`mhc_gemm_with_sqrsum_backward_key`)."""
+    return jit_compile("mhc_gemm_with_sqrsum_backward_reduce", key, build_mhc_gemm_with_sqrsum_backward_reduce(*key))
+
+
+def mhc_gemm_with_sqrsum_backward(
+    out_mul_grad: torch.Tensor,
+    sqrsum_grad: torch.Tensor,
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    x_grad: torch.Tensor,
+    fn_grad: torch.Tensor,
+) -> None:
+    """Launches the pre-norm GEMM backward on the current stream (inputs validated upstream).
+
+    Args:
+        out_mul_grad: ``(T, M3)`` f32 (a ``(T, 1, M3)`` view is accepted), ``T > 0``.
+        sqrsum_grad: ``(T,)`` f32 (``(T, 1)`` accepted).
+        x: ``(T, K)`` bf16 (the saved residual viewed flat).
+        fn: ``(M3, K)`` f32 (the saved, TF32-rounded projection).
+        x_grad: ``(T, K)`` bf16, accumulated in place (bf16 read-modify-write).
+        fn_grad: ``(M3, K)`` f32, overwritten (the op's new output). With ``P > 1`` partitions the
+            launcher allocates the ``(P, M3, K)`` f32 partials with torch on the current stream.
+    """
+    key = mhc_gemm_with_sqrsum_backward_key(x, fn)
+    cols, rows, num_partials = key
+    n = x.shape[0]
+    args = (out_mul_grad.reshape(n, rows), sqrsum_grad.reshape(n), x.view(n, cols), fn, x_grad.view(n, cols))
+    if num_partials == 1:
+        get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, fn_grad.view(1, rows, cols))
+        return
+    part = torch.empty((num_partials, rows, cols), dtype=torch.float32, device=fn.device)
+    get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, part)
+    get_mhc_gemm_with_sqrsum_backward_reduce_kernel(*key)(part.view(num_partials, rows * cols), fn_grad.view(-1))
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def gemm_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Every GEMM kernel variant at ``hidden_size`` (``K = m * H``, ``M3 = m(m+2)``), un-compiled.
+
+    Case names: ``gemm_fwd_s16`` (CUDA default split count), ``gemm_fwd_s1``, ``gemm_fwd_s7`` (uneven
+    splits), ``gemm_bwd`` (at this K's partition count ``P``) and, where ``P > 1``, ``gemm_bwd_reduce``.
+
+    Returns:
+        ``{case name: T.prim_func}``.
+    """
+    K, m3 = hc_mult * hidden_size, hc_mult * (hc_mult + 2)
+    P = mhc_gemm_with_sqrsum_backward_partials(K)
+    cases = {
+        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward(K, m3, 16),
+        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward(K, m3, 1),
+        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward(K, m3, 7),
+        "gemm_bwd": build_mhc_gemm_with_sqrsum_backward(K, m3, P),
+    }
+    if P > 1:
+        cases["gemm_bwd_reduce"] = build_mhc_gemm_with_sqrsum_backward_reduce(K, m3, P)
+    return cases
+
+
+lowering_cases = gemm_lowering_cases

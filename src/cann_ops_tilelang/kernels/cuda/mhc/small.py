@@ -1,0 +1,1369 @@
+"""CUDA kernels of the per-token mHC ops (OPS.md B.2.4, B.2.5, B.2.6, B.2.9).
+
+Ops: ``mhc_reduce_partials_and_rmsnorm_forward/_backward``, ``mhc_pre_split_mixes_forward/_backward``,
+``mhc_sinkhorn_forward/_backward`` and ``mhc_head_compute_mix_forward/_backward``.
+
+These ops move a few dozen floats per token, so they are latency-bound: every kernel is one launch
+over blocks of tokens (32 per CTA unless noted), with all loads of a thread issued before its math,
+vector (``float4``) accesses wherever the row length allows, and fp32 math throughout. The two
+parameter-gradient backwards (split mixes, head mix) use a fixed grid of ``P`` workers; worker ``p``
+owns the contiguous token range ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and writes its partial row
+(zeros when the range is empty); the partial rows are summed in ascending ``p`` (split mixes: by a
+second one-CTA kernel; head mix: by the caller). No atomics: results are deterministic run to run.
+
+Arithmetic contracts (the fused ``mhc_pre_big_fuse`` must reproduce these to stay bit-exact):
+
+* reduce forward: ``om = ((p_0 + p_1) + ...) + p_{S-1}`` and ``sq`` likewise (sequential ``s``);
+  ``r = rsqrtf(sq / Rg + eps)`` (IEEE division, CUDA ``rsqrtf``); ``out = om * r`` for ``G = 1``,
+  ``((om_0 * r_0) + om_1 * r_1) + ...`` (fused multiply-adds) for ``G > 1``.
+* split mixes / head mix forward: ``z = __fmul_rn(x, scale) + base`` (two roundings, as torch's
+  ``x * scale + base``); ``sigmoid(z) = 1 / (1 + expf(-z))``; ``pre = sigmoid + pre_eps``,
+  ``post = sigmoid * post_mult_value``, ``comb = z``.
+* Sinkhorn: row softmax ``exp(x - rowmax) / rowsum`` (``expf``, IEEE division, sequential sums);
+  every eps-normalization ``y / (sum + eps)`` with a sequential sum along the axis is computed exactly
+  as the IEEE quotient, but without a division per element: ``rc = __frcp_rn(d)``,
+  ``q = __fmul_rn(y, rc)``, ``y' = __fmaf_rn(__fmaf_rn(-d, q, y), rc, q)``, which is the correctly
+  rounded ``y / d`` for normal operands (Markstein's theorem: ``rc`` is the correctly rounded
+  reciprocal and ``q`` is within one ulp of the quotient, so one FMA correction step rounds exactly).
+
+Launchers assume validated, contiguous inputs with 16-byte aligned data pointers (every fresh torch
+allocation is), ``T > 0``, and launch on the current stream without synchronizing. Supported sizes:
+any ``H`` (these kernels do not depend on it), ``m`` in 1..8 (m = 4 tuned), reduce ``G`` in 1..16 and
+``M3 <= 32``, Sinkhorn ``R`` in 1..256 (the backward's token block shrinks for large ``R``).
+
+TileLang is imported lazily (inside the builders) so that importing this module never does.
+"""
+
+import functools
+
+import torch
+
+from .._build import jit_compile
+
+__all__ = [
+    "MHC_SPLIT_MIXES_PARTIALS",
+    "build_mhc_head_compute_mix_backward",
+    "build_mhc_head_compute_mix_forward",
+    "build_mhc_pre_split_mixes_backward",
+    "build_mhc_pre_split_mixes_backward_reduce",
+    "build_mhc_pre_split_mixes_forward",
+    "build_mhc_reduce_partials_and_rmsnorm_backward",
+    "build_mhc_reduce_partials_and_rmsnorm_forward",
+    "build_mhc_sinkhorn_backward",
+    "build_mhc_sinkhorn_forward",
+    "get_mhc_head_compute_mix_backward_kernel",
+    "get_mhc_head_compute_mix_forward_kernel",
+    "get_mhc_pre_split_mixes_backward_kernel",
+    "get_mhc_pre_split_mixes_backward_reduce_kernel",
+    "get_mhc_pre_split_mixes_forward_kernel",
+    "get_mhc_reduce_partials_and_rmsnorm_backward_kernel",
+    "get_mhc_reduce_partials_and_rmsnorm_forward_kernel",
+    "get_mhc_sinkhorn_backward_kernel",
+    "get_mhc_sinkhorn_forward_kernel",
+    "mhc_head_compute_mix_backward",
+    "mhc_head_compute_mix_backward_key",
+    "mhc_head_compute_mix_forward",
+    "mhc_head_compute_mix_forward_key",
+    "mhc_pre_split_mixes_backward",
+    "mhc_pre_split_mixes_backward_key",
+    "mhc_pre_split_mixes_forward",
+    "mhc_pre_split_mixes_forward_key",
+    "mhc_reduce_partials_and_rmsnorm_backward",
+    "mhc_reduce_partials_and_rmsnorm_backward_key",
+    "mhc_reduce_partials_and_rmsnorm_forward",
+    "mhc_reduce_partials_and_rmsnorm_forward_key",
+    "mhc_sinkhorn_backward",
+    "mhc_sinkhorn_backward_key",
+    "mhc_sinkhorn_forward",
+    "mhc_sinkhorn_forward_key",
+    "mhc_sinkhorn_backward_token_block",
+    "lowering_cases",
+]
+
+# NOTE tuned for H200 (132 SMs): 32 tokens per CTA gives 256 CTAs at T = 8192, i.e. every SM busy
+# in a single wave while each CTA stays a handful of warps (the ops are latency-bound, not
+# bandwidth-bound: 8192 tokens x 24 mixes are 0.8 MB).
+_TOKENS_PER_CTA = 32
+# Head-mix forward is a pure elementwise map over (T, m): 64 tokens (64 threads at m = 4) per CTA.
+_HEAD_FWD_TOKENS = 64
+# Head-mix backward: 64 tokens per worker iteration; at the largest test size (T = 24576, P = 132)
+# each worker runs 3 iterations.
+_HEAD_BWD_TOKENS = 64
+# Number of per-worker partial rows of ``mhc_pre_split_mixes_backward`` (one worker per H200 SM).
+# A fixed number, not the device's SM count, so a token count always maps to the same partition.
+MHC_SPLIT_MIXES_PARTIALS = 132
+# NOTE Sinkhorn backward keeps every step input (2R-1 matrices of m*m floats), every step
+# denominator (2R-1 vectors of m) and the softmax output of each of its tokens in shared memory:
+# (2R-1)*(m*m+m) + m*m floats per token = 3184 B at m = 4, R = 20, i.e. 102 KB for 32 tokens. The
+# budget below keeps two CTAs per H200 SM (2 x 113 KB <= 227 KB); larger R or m halve the token block.
+_SINKHORN_SMEM_BUDGET = 113 * 1024
+_SINKHORN_MAX_REPEAT = 256
+_MAX_MULT = 8
+_MAX_MULT3 = 32
+_MAX_GROUPS = 16
+
+
+def _vec(n: int) -> int:
+    """Widest vector (4, 2 or 1 fp32) that evenly divides a row of ``n`` floats."""
+    return 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+
+
+def _ceil32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def _check_mult(op: str, hc_mult: int) -> None:
+    if not 1 <= hc_mult <= _MAX_MULT:
+        raise ValueError(f"{op}: hc_mult m must be in [1, {_MAX_MULT}] (m = 4 is the tuned case), got {hc_mult}")
+
+
+def _check_partials(op: str, num_partials: int) -> None:
+    if not 1 <= num_partials <= 4096:
+        raise ValueError(f"{op}: number of partial rows P must be in [1, 4096], got {num_partials}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. mhc_reduce_partials_and_rmsnorm_forward
+# ---------------------------------------------------------------------------------------------------
+
+
+def mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted: torch.Tensor, n_splits: int) -> tuple:
+    """Compile-time key ``(S, G, M3)``; validates ``S == n_splits``, ``1 <= G <= 16``, ``M3 <= 32``."""
+    op = "mhc_reduce_partials_and_rmsnorm_forward"
+    splits, _, groups, mult3 = out_mul_splitted.shape
+    if int(splits) != int(n_splits) or n_splits < 1:
+        raise ValueError(f"{op}: out_mul_splitted has {splits} splits but n_splits={n_splits}")
+    if not 1 <= groups <= _MAX_GROUPS:
+        raise ValueError(f"{op}: number of RMS groups G must be in [1, {_MAX_GROUPS}], got {groups}")
+    if not 1 <= mult3 <= _MAX_MULT3:
+        raise ValueError(f"{op}: M3 must be in [1, {_MAX_MULT3}], got {mult3}")
+    return (int(splits), int(groups), int(mult3))
+
+
+def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, n_groups: int, mult3: int):
+    """Builds the split-K reduction + RMS normalization prim_func (OPS.md B.2.4, forward).
+
+    One CTA per 32 tokens. Two thread groups run at once: the first (``TB*G*M3/4`` threads at
+    ``G*M3 % 4 == 0``) owns one 4-float vector of ``out_mul`` each and sums its ``S`` split vectors in
+    ascending ``s`` (all ``S`` loads in flight); the second (one thread per (token, group)) sums
+    ``sqrsum`` the same way and computes ``r``. After one barrier every thread writes ``out`` vectors.
+
+    Args:
+        n_splits: ``S >= 1``.
+        n_groups: ``G`` in ``[1, 16]``.
+        mult3: ``M3`` in ``[1, 32]``.
+
+    Returns:
+        ``T.prim_func(out_mul_splitted (S, T, G*M3) f32, sqrsum_splitted (S, T, G) f32,
+        out_mul (T, G*M3) f32, sqrsum (T, G) f32, out (T, M3) f32, rms_group_size: f32, rms_eps: f32)``
+        (the launcher passes flattened views of the 4-D / 3-D tensors); ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    S, G, M3, TB = n_splits, n_groups, mult3, _TOKENS_PER_CTA
+    GM = G * M3
+    va, vb = _vec(GM), _vec(M3)
+    items_a = TB * GM // va  # out_mul vectors per CTA
+    # NOTE 192 threads at G = 1, M3 = 24 (each with S float4 loads in flight: 48 KB per CTA at S = 16).
+    ta = min(_ceil32(items_a), 256)
+    na = -(-items_a // ta)
+    items_q = TB * G  # (token, group) pairs per CTA
+    tq = min(_ceil32(items_q), 128)
+    nq = -(-items_q // tq)
+    threads = ta + tq
+    items_b = TB * M3 // vb  # out vectors per CTA
+    nb = -(-items_b // threads)
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_reduce_partials_and_rmsnorm_fwd_cuda(
+        out_mul_splitted: T.Tensor((S, num_tokens, GM), f32),
+        sqrsum_splitted: T.Tensor((S, num_tokens, G), f32),
+        out_mul: T.Tensor((num_tokens, GM), f32),
+        sqrsum: T.Tensor((num_tokens, G), f32),
+        out: T.Tensor((num_tokens, M3), f32),
+        rms_group_size: f32,
+        rms_eps: f32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            om_s = T.alloc_shared((TB, GM), f32)
+            r_s = T.alloc_shared((TB, G), f32)
+            buf = T.alloc_local((S, va), f32)
+            acc = T.alloc_local((va,), f32)
+            qb = T.alloc_local((S,), f32)
+            sq = T.alloc_local((1,), f32)
+            ob = T.alloc_local((vb,), f32)
+            if tid < ta:
+                for ia in T.unroll(na):
+                    fa = (ia * ta + tid) * va  # first float of this thread's vector in the CTA's block
+                    tl = fa // GM
+                    e = fa % GM
+                    if (ia * ta + tid < items_a) and (bx * TB + tl < num_tokens):
+                        for s in T.unroll(S):
+                            for k in T.vectorized(va):
+                                buf[s, k] = out_mul_splitted[s, bx * TB + tl, e + k]
+                        for k in T.unroll(va):
+                            acc[k] = buf[0, k]
+                        for s in T.unroll(1, S):
+                            for k in T.unroll(va):
+                                acc[k] = acc[k] + buf[s, k]
+                        for k in T.vectorized(va):
+                            out_mul[bx * TB + tl, e + k] = acc[k]
+                        for k in T.vectorized(va):
+                            om_s[tl, e + k] = acc[k]
+            else:
+                for iq in T.unroll(nq):
+                    fq = iq * tq + tid - ta  # (token, group) pair
+                    tl = fq // G
+                    g = fq % G
+                    if (fq < items_q) and (bx * TB + tl < num_tokens):
+                        for s in T.unroll(S):
+                            qb[s] = sqrsum_splitted[s, bx * TB + tl, g]
+                        sq[0] = qb[0]
+                        for s in T.unroll(1, S):
+                            sq[0] = sq[0] + qb[s]
+                        sqrsum[bx * TB + tl, g] = sq[0]
+                        r_s[tl, g] = T.rsqrt(sq[0] / rms_group_size + rms_eps)
+            T.sync_threads()
+            for ib in T.unroll(nb):
+                fb = (ib * threads + tid) * vb
+                tl = fb // M3
+                j = fb % M3
+                if (ib * threads + tid < items_b) and (bx * TB + tl < num_tokens):
+                    for k in T.unroll(vb):
+                        ob[k] = om_s[tl, j + k] * r_s[tl, 0]
+                    for g in T.unroll(1, G):
+                        for k in T.unroll(vb):
+                            ob[k] = ob[k] + om_s[tl, g * M3 + j + k] * r_s[tl, g]
+                    for k in T.vectorized(vb):
+                        out[bx * TB + tl, j + k] = ob[k]
+
+    return mhc_reduce_partials_and_rmsnorm_fwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_reduce_partials_and_rmsnorm_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_reduce_partials_and_rmsnorm_forward_key`)."""
+    prim_func = build_mhc_reduce_partials_and_rmsnorm_forward(*key)
+    return jit_compile("mhc_reduce_partials_and_rmsnorm_forward", key, prim_func)
+
+
+def mhc_reduce_partials_and_rmsnorm_forward(
+    out_mul_splitted: torch.Tensor,
+    sqrsum_splitted: torch.Tensor,
+    out_mul: torch.Tensor,
+    sqrsum: torch.Tensor,
+    out: torch.Tensor,
+    rms_group_size: int,
+    rms_eps: float,
+    n_splits: int,
+) -> None:
+    """Launches the split-K reduction and RMS normalization on the current stream.
+
+    ``sq = sum_s sqrsum_splitted[s]``, ``om = sum_s out_mul_splitted[s]`` (ascending ``s``),
+    ``r = rsqrt(sq / rms_group_size + rms_eps)``, ``out = sum_g om[g] * r[g]``.
+
+    Args:
+        out_mul_splitted: ``(S, T, G, M3)`` f32, ``T > 0``, ``M3 <= 32``, ``G <= 16``.
+        sqrsum_splitted: ``(S, T, G)`` f32.
+        out_mul: ``(T, G, M3)`` f32, written (``om``).
+        sqrsum: ``(T, G)`` f32, written (``sq``).
+        out: ``(T, M3)`` f32, written.
+        rms_group_size: ``Rg`` (runtime fp32 scalar; exact below 2**24).
+        rms_eps: RMSNorm epsilon (runtime fp32 scalar).
+        n_splits: ``S`` (must equal ``out_mul_splitted.shape[0]``).
+    """
+    S, T_, G, M3 = out_mul_splitted.shape
+    key = mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted, n_splits)
+    kernel = get_mhc_reduce_partials_and_rmsnorm_forward_kernel(*key)
+    kernel(
+        out_mul_splitted.view(S, T_, G * M3),
+        sqrsum_splitted,
+        out_mul.view(T_, G * M3),
+        sqrsum,
+        out,
+        float(rms_group_size),
+        float(rms_eps),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8. mhc_reduce_partials_and_rmsnorm_backward
+# ---------------------------------------------------------------------------------------------------
+
+
+def mhc_reduce_partials_and_rmsnorm_backward_key(out_mul: torch.Tensor) -> tuple:
+    """Compile-time key ``(G, M3)``; validates ``1 <= G <= 16`` and ``M3 <= 32``."""
+    op = "mhc_reduce_partials_and_rmsnorm_backward"
+    _, groups, mult3 = out_mul.shape
+    if not 1 <= groups <= _MAX_GROUPS:
+        raise ValueError(f"{op}: number of RMS groups G must be in [1, {_MAX_GROUPS}], got {groups}")
+    if not 1 <= mult3 <= _MAX_MULT3:
+        raise ValueError(f"{op}: M3 must be in [1, {_MAX_MULT3}], got {mult3}")
+    return (int(groups), int(mult3))
+
+
+def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
+    """Builds the RMS-normalization backward prim_func (OPS.md B.2.4, backward).
+
+    One thread per (token, group), 32 tokens per CTA; each thread loads its ``out_grad`` row and its
+    ``out_mul`` row with vector loads, then ``r = rsqrt(sq/Rg + eps)``, ``out_mul_grad = out_grad * r``,
+    ``rho = sum_j out_grad[j] * om[j]`` (ascending ``j``) and
+    ``sqrsum_grad = -(rho * r) / (2 * (sq + eps * Rg))``.
+
+    Args:
+        n_groups: ``G`` in ``[1, 16]``.
+        mult3: ``M3`` in ``[1, 32]``.
+
+    Returns:
+        ``T.prim_func(out_grad (T, M3), out_mul (T, G*M3), sqrsum (T, G), out_mul_grad (T, G*M3),
+        sqrsum_grad (T, G), rms_group_size: f32, rms_eps: f32)``, all f32; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    G, M3, TB = n_groups, mult3, _TOKENS_PER_CTA
+    GM = G * M3
+    v = _vec(M3)
+    threads = TB * G  # NOTE <= 512 threads; each holds 2*M3 <= 64 floats of its rows
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_reduce_partials_and_rmsnorm_bwd_cuda(
+        out_grad: T.Tensor((num_tokens, M3), f32),
+        out_mul: T.Tensor((num_tokens, GM), f32),
+        sqrsum: T.Tensor((num_tokens, G), f32),
+        out_mul_grad: T.Tensor((num_tokens, GM), f32),
+        sqrsum_grad: T.Tensor((num_tokens, G), f32),
+        rms_group_size: f32,
+        rms_eps: f32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            og = T.alloc_local((M3,), f32)
+            om = T.alloc_local((M3,), f32)
+            sc = T.alloc_local((3,), f32)  # sq, r, rho
+            t = bx * TB + tid // G
+            g = tid % G
+            if t < num_tokens:
+                for c in T.unroll(M3 // v):
+                    for k in T.vectorized(v):
+                        og[c * v + k] = out_grad[t, c * v + k]
+                for c in T.unroll(M3 // v):
+                    for k in T.vectorized(v):
+                        om[c * v + k] = out_mul[t, g * M3 + c * v + k]
+                sc[0] = sqrsum[t, g]
+                sc[1] = T.rsqrt(sc[0] / rms_group_size + rms_eps)
+                sc[2] = og[0] * om[0]
+                for j in T.unroll(1, M3):
+                    sc[2] = sc[2] + og[j] * om[j]
+                for j in T.unroll(M3):
+                    om[j] = og[j] * sc[1]
+                for c in T.unroll(M3 // v):
+                    for k in T.vectorized(v):
+                        out_mul_grad[t, g * M3 + c * v + k] = om[c * v + k]
+                sqrsum_grad[t, g] = -(sc[2] * sc[1]) / (2.0 * (sc[0] + rms_eps * rms_group_size))
+
+    return mhc_reduce_partials_and_rmsnorm_bwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_reduce_partials_and_rmsnorm_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_reduce_partials_and_rmsnorm_backward_key`)."""
+    prim_func = build_mhc_reduce_partials_and_rmsnorm_backward(*key)
+    return jit_compile("mhc_reduce_partials_and_rmsnorm_backward", key, prim_func)
+
+
+def mhc_reduce_partials_and_rmsnorm_backward(
+    out_grad: torch.Tensor,
+    out_mul: torch.Tensor,
+    sqrsum: torch.Tensor,
+    out_mul_grad: torch.Tensor,
+    sqrsum_grad: torch.Tensor,
+    rms_group_size: int,
+    rms_eps: float,
+) -> None:
+    """Launches the RMS-normalization backward on the current stream.
+
+    Args:
+        out_grad: ``(T, M3)`` f32, ``T > 0``.
+        out_mul: ``(T, G, M3)`` f32 (saved ``om``).
+        sqrsum: ``(T, G)`` f32 (saved ``sq``).
+        out_mul_grad: ``(T, G, M3)`` f32, written (``out_grad * r``).
+        sqrsum_grad: ``(T, G)`` f32, written (``-rho * r / (2 * (sq + eps * Rg))``).
+        rms_group_size: ``Rg`` (runtime fp32 scalar).
+        rms_eps: RMSNorm epsilon (runtime fp32 scalar).
+    """
+    T_, G, M3 = out_mul.shape
+    kernel = get_mhc_reduce_partials_and_rmsnorm_backward_kernel(*mhc_reduce_partials_and_rmsnorm_backward_key(out_mul))
+    kernel(
+        out_grad,
+        out_mul.view(T_, G * M3),
+        sqrsum,
+        out_mul_grad.view(T_, G * M3),
+        sqrsum_grad,
+        float(rms_group_size),
+        float(rms_eps),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9. mhc_pre_split_mixes_forward
+# ---------------------------------------------------------------------------------------------------
+
+
+def mhc_pre_split_mixes_forward_key(pre: torch.Tensor) -> tuple:
+    """Compile-time key ``(m,)`` (``m = pre.shape[1]``, 1..8; m = 4 is the tuned case)."""
+    hc_mult = int(pre.shape[1])
+    _check_mult("mhc_pre_split_mixes_forward", hc_mult)
+    return (hc_mult,)
+
+
+def build_mhc_pre_split_mixes_forward(hc_mult: int):
+    """Builds the mix-splitting forward prim_func (OPS.md B.2.5, forward).
+
+    One CTA per 32 tokens; thread ``(token, c)`` owns the ``c``-th 4-float chunk of the token's M3
+    mixes (6 chunks at m = 4: pre, post, then four comb chunks), so the ``input_mixes`` load of a
+    CTA is one contiguous, coalesced ``float4`` sweep, and every output row is written with vector
+    stores.
+
+    Args:
+        hc_mult: ``m`` (1..8).
+
+    Returns:
+        ``T.prim_func(input_mixes (T, M3), mhc_scale (3,), mhc_base (M3,), pre (T, m), post (T, m),
+        comb (T, m*m), post_mult_value: f32, pre_eps: f32)``, all f32; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    m, TB = hc_mult, _TOKENS_PER_CTA
+    M3, M2 = m * (m + 2), m * m
+    v = _vec(m)
+    ch = M3 // v  # chunks per token
+    cp = m // v  # chunks per pre / post segment
+    threads = TB * ch  # NOTE 192 at m = 4
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_split_mixes_fwd_cuda(
+        input_mixes: T.Tensor((num_tokens, M3), f32),
+        mhc_scale: T.Tensor((3,), f32),
+        mhc_base: T.Tensor((M3,), f32),
+        pre: T.Tensor((num_tokens, m), f32),
+        post: T.Tensor((num_tokens, m), f32),
+        comb: T.Tensor((num_tokens, M2), f32),
+        post_mult_value: f32,
+        pre_eps: f32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            x = T.alloc_local((v,), f32)
+            b = T.alloc_local((v,), f32)
+            y = T.alloc_local((v,), f32)
+            sc = T.alloc_local((1,), f32)
+            s3 = T.alloc_local((3,), f32)
+            t = bx * TB + tid // ch
+            c = tid % ch
+            if t < num_tokens:
+                for k in T.vectorized(v):
+                    x[k] = input_mixes[t, c * v + k]
+                for i in T.unroll(3):
+                    s3[i] = mhc_scale[i]
+                sc[0] = T.if_then_else(c < cp, s3[0], T.if_then_else(c < 2 * cp, s3[1], s3[2]))
+                for k in T.unroll(v):
+                    b[k] = mhc_base[c * v + k]
+                for k in T.unroll(v):
+                    y[k] = T.ieee_mul(x[k], sc[0]) + b[k]
+                if c < cp:
+                    for k in T.unroll(v):
+                        y[k] = T.sigmoid(y[k]) + pre_eps
+                    for k in T.vectorized(v):
+                        pre[t, c * v + k] = y[k]
+                else:
+                    if c < 2 * cp:
+                        for k in T.unroll(v):
+                            y[k] = T.sigmoid(y[k]) * post_mult_value
+                        for k in T.vectorized(v):
+                            post[t, (c - cp) * v + k] = y[k]
+                    else:
+                        for k in T.vectorized(v):
+                            comb[t, (c - 2 * cp) * v + k] = y[k]
+
+    return mhc_pre_split_mixes_fwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_split_mixes_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_pre_split_mixes_forward_key`)."""
+    return jit_compile("mhc_pre_split_mixes_forward", key, build_mhc_pre_split_mixes_forward(*key))
+
+
+def mhc_pre_split_mixes_forward(
+    input_mixes: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    pre: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    post_mult_value: float,
+    pre_eps: float,
+) -> None:
+    """Launches the mix splitting forward on the current stream.
+
+    Args:
+        input_mixes: ``(T, M3)`` f32, ``T > 0``, ``M3 = m*(m+2)``.
+        mhc_scale: ``(3,)`` f32.
+        mhc_base: ``(M3,)`` f32.
+        pre: ``(T, m)`` f32, written (``sigmoid(z) + pre_eps``).
+        post: ``(T, m)`` f32, written (``sigmoid(z) * post_mult_value``).
+        comb: ``(T, m*m)`` f32, written (``z``).
+        post_mult_value: runtime fp32 scalar.
+        pre_eps: runtime fp32 scalar.
+    """
+    kernel = get_mhc_pre_split_mixes_forward_kernel(*mhc_pre_split_mixes_forward_key(pre))
+    kernel(input_mixes, mhc_scale, mhc_base, pre, post, comb, float(post_mult_value), float(pre_eps))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 10. mhc_pre_split_mixes_backward (+ its partial reduction)
+# ---------------------------------------------------------------------------------------------------
+
+
+def mhc_pre_split_mixes_backward_key(post: torch.Tensor) -> tuple:
+    """Compile-time key ``(m, P)`` with ``P = MHC_SPLIT_MIXES_PARTIALS``."""
+    hc_mult = int(post.shape[1])
+    _check_mult("mhc_pre_split_mixes_backward", hc_mult)
+    return (hc_mult, MHC_SPLIT_MIXES_PARTIALS)
+
+
+def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
+    """Builds the main mix-splitting backward prim_func (OPS.md B.2.5, backward).
+
+    ``P`` persistent CTAs; CTA ``p`` owns tokens ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and walks
+    them 32 at a time with the thread layout of the forward (thread = (token, 4-float chunk)). Each
+    thread writes ``input_mixes_grad`` for its chunk and accumulates ``dz`` and ``dz * x`` per mix
+    index in registers (ascending token); the CTA then sums the 32 token lanes in ascending order
+    through shared memory and writes row ``p`` of the partials: ``[0, M3)`` = sum of ``dz`` per mix,
+    ``M3 + c`` = sum of ``dz * x`` over segment ``c`` (ascending mix index).
+
+    Args:
+        hc_mult: ``m`` (1..8).
+        num_partials: ``P``.
+
+    Returns:
+        ``T.prim_func(pre_grad (T, m), post_grad (T, m), comb_grad (T, m*m), input_mixes (T, M3),
+        post (T, m), mhc_scale (3,), mhc_base (M3,), input_mixes_grad (T, M3), partial (P, M3+3),
+        post_mult_value: f32)``, all f32; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    m, P, TB = hc_mult, num_partials, _TOKENS_PER_CTA
+    M3, M2 = m * (m + 2), m * m
+    W = M3 + 3
+    v = _vec(m)
+    ch = M3 // v
+    cp = m // v
+    threads = TB * ch  # NOTE 192 at m = 4
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_split_mixes_bwd_cuda(
+        pre_grad: T.Tensor((num_tokens, m), f32),
+        post_grad: T.Tensor((num_tokens, m), f32),
+        comb_grad: T.Tensor((num_tokens, M2), f32),
+        input_mixes: T.Tensor((num_tokens, M3), f32),
+        post: T.Tensor((num_tokens, m), f32),
+        mhc_scale: T.Tensor((3,), f32),
+        mhc_base: T.Tensor((M3,), f32),
+        input_mixes_grad: T.Tensor((num_tokens, M3), f32),
+        partial: T.Tensor((P, W), f32),
+        post_mult_value: f32,
+    ):
+        with T.Kernel(P, threads=threads) as p:
+            tid = T.get_thread_binding()
+            tl = tid // ch
+            c = tid % ch
+            # red[1, TB, :] holds the per-mix column sums of dz * x (one buffer: no aliasing by the planner).
+            red = T.alloc_shared((2, TB + 1, M3), f32)
+            x = T.alloc_local((v,), f32)
+            gr = T.alloc_local((v,), f32)
+            pv = T.alloc_local((v,), f32)
+            dz = T.alloc_local((v,), f32)
+            b = T.alloc_local((v,), f32)
+            ab = T.alloc_local((v,), f32)  # sum of dz per mix index
+            ax = T.alloc_local((v,), f32)  # sum of dz * x per mix index
+            sc = T.alloc_local((2,), f32)
+            s3 = T.alloc_local((3,), f32)
+            for k in T.unroll(v):
+                ab[k] = 0.0
+                ax[k] = 0.0
+            for i in T.unroll(3):
+                s3[i] = mhc_scale[i]
+            sc[0] = T.if_then_else(c < cp, s3[0], T.if_then_else(c < 2 * cp, s3[1], s3[2]))
+            for k in T.unroll(v):
+                b[k] = mhc_base[c * v + k]
+            per = T.ceildiv(num_tokens, P)
+            t_begin = T.min(per * p, num_tokens)
+            t_end = T.min(per * p + per, num_tokens)
+            for it in T.serial(T.ceildiv(t_end - t_begin, TB)):
+                t = t_begin + it * TB + tl
+                if t < t_end:
+                    for k in T.vectorized(v):
+                        x[k] = input_mixes[t, c * v + k]
+                    if c < cp:
+                        for k in T.vectorized(v):
+                            gr[k] = pre_grad[t, c * v + k]
+                        for k in T.unroll(v):
+                            pv[k] = T.sigmoid(T.ieee_mul(x[k], sc[0]) + b[k])
+                            dz[k] = gr[k] * pv[k] * (1.0 - pv[k])
+                    else:
+                        if c < 2 * cp:
+                            for k in T.vectorized(v):
+                                gr[k] = post_grad[t, (c - cp) * v + k]
+                            for k in T.vectorized(v):
+                                pv[k] = post[t, (c - cp) * v + k]
+                            for k in T.unroll(v):
+                                dz[k] = gr[k] * pv[k] * (1.0 - pv[k] / post_mult_value)
+                        else:
+                            for k in T.vectorized(v):
+                                dz[k] = comb_grad[t, (c - 2 * cp) * v + k]
+                    for k in T.unroll(v):
+                        gr[k] = dz[k] * sc[0]
+                    for k in T.vectorized(v):
+                        input_mixes_grad[t, c * v + k] = gr[k]
+                    for k in T.unroll(v):
+                        ab[k] = ab[k] + dz[k]
+                        ax[k] = ax[k] + dz[k] * x[k]
+            # Deterministic CTA reduction: lanes in ascending token order, then segments in mix order.
+            for k in T.unroll(v):
+                red[0, tl, c * v + k] = ab[k]
+                red[1, tl, c * v + k] = ax[k]
+            T.sync_threads()
+            if tid < M3:
+                sc[0] = red[0, 0, tid]
+                sc[1] = red[1, 0, tid]
+                for i in T.unroll(1, TB):
+                    sc[0] = sc[0] + red[0, i, tid]
+                    sc[1] = sc[1] + red[1, i, tid]
+                partial[p, tid] = sc[0]
+                red[1, TB, tid] = sc[1]
+            T.sync_threads()
+            if tid < 3:
+                sc[1] = 0.0
+                for j in T.unroll(M3):
+                    if (j // m if j < 2 * m else 2) == tid:
+                        sc[1] = sc[1] + red[1, TB, j]
+                partial[p, M3 + tid] = sc[1]
+
+    return mhc_pre_split_mixes_bwd_cuda
+
+
+def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
+    """Builds the second (partial-reduction) kernel of the mix-splitting backward.
+
+    One CTA; thread ``j < M3 + 3`` sums column ``j`` of the partials in ascending ``p`` and
+    overwrites ``mhc_base_grad[j]`` (``j < M3``) or ``mhc_scale_grad[j - M3]``.
+
+    Args:
+        hc_mult: ``m`` (1..8).
+        num_partials: ``P``.
+
+    Returns:
+        ``T.prim_func(partial (P, M3+3) f32, mhc_scale_grad (3,) f32, mhc_base_grad (M3,) f32)``.
+    """
+    from tilelang import language as T
+
+    m, P = hc_mult, num_partials
+    M3 = m * (m + 2)
+    W = M3 + 3
+    threads = _ceil32(W)
+    f32 = T.float32
+
+    @T.prim_func
+    def mhc_pre_split_mixes_bwd_reduce_cuda(
+        partial: T.Tensor((P, W), f32),
+        mhc_scale_grad: T.Tensor((3,), f32),
+        mhc_base_grad: T.Tensor((M3,), f32),
+    ):
+        with T.Kernel(1, threads=threads) as _:
+            tid = T.get_thread_binding()
+            acc = T.alloc_local((1,), f32)
+            if tid < W:
+                # Fully unrolled: the P independent loads are issued ahead of the dependent adds.
+                acc[0] = partial[0, tid]
+                for i in T.unroll(1, P):
+                    acc[0] = acc[0] + partial[i, tid]
+                if tid < M3:
+                    mhc_base_grad[tid] = acc[0]
+                else:
+                    mhc_scale_grad[tid - M3] = acc[0]
+
+    return mhc_pre_split_mixes_bwd_reduce_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_split_mixes_backward_kernel(*key):
+    """Compiled main kernel for ``key`` (see :func:`mhc_pre_split_mixes_backward_key`)."""
+    return jit_compile("mhc_pre_split_mixes_backward", key, build_mhc_pre_split_mixes_backward(*key))
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_split_mixes_backward_reduce_kernel(*key):
+    """Compiled partial-reduction kernel for ``key`` (see :func:`mhc_pre_split_mixes_backward_key`)."""
+    return jit_compile("mhc_pre_split_mixes_backward_reduce", key, build_mhc_pre_split_mixes_backward_reduce(*key))
+
+
+def mhc_pre_split_mixes_backward(
+    pre_grad: torch.Tensor,
+    post_grad: torch.Tensor,
+    comb_grad: torch.Tensor,
+    input_mixes: torch.Tensor,
+    post: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    input_mixes_grad: torch.Tensor,
+    mhc_scale_grad: torch.Tensor,
+    mhc_base_grad: torch.Tensor,
+    post_mult_value: float,
+) -> None:
+    """Launches the mix-splitting backward (two kernels) on the current stream.
+
+    The first kernel writes ``input_mixes_grad`` and ``(P, M3 + 3)`` per-worker partials into a
+    temporary ``torch.empty`` buffer (every row written); the second sums them in ascending worker
+    order and **overwrites** ``mhc_scale_grad`` and ``mhc_base_grad``.
+
+    Args:
+        pre_grad: ``(T, m)`` f32, ``T > 0``.
+        post_grad: ``(T, m)`` f32.
+        comb_grad: ``(T, m*m)`` f32.
+        input_mixes: ``(T, M3)`` f32.
+        post: ``(T, m)`` f32, the forward's ``post`` output.
+        mhc_scale: ``(3,)`` f32.
+        mhc_base: ``(M3,)`` f32.
+        input_mixes_grad: ``(T, M3)`` f32, written.
+        mhc_scale_grad: ``(3,)`` f32, overwritten.
+        mhc_base_grad: ``(M3,)`` f32, overwritten.
+        post_mult_value: runtime fp32 scalar.
+    """
+    key = mhc_pre_split_mixes_backward_key(post)
+    m, P = key
+    partial = torch.empty((P, m * (m + 2) + 3), dtype=torch.float32, device=input_mixes.device)
+    get_mhc_pre_split_mixes_backward_kernel(*key)(
+        pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base, input_mixes_grad, partial,
+        float(post_mult_value),
+    )
+    get_mhc_pre_split_mixes_backward_reduce_kernel(*key)(partial, mhc_scale_grad, mhc_base_grad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 11/12. Sinkhorn
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_sinkhorn(op: str, hc_mult: int, repeat: int) -> None:
+    _check_mult(op, hc_mult)
+    if not 1 <= repeat <= _SINKHORN_MAX_REPEAT:
+        raise ValueError(f"{op}: repeat must be in [1, {_SINKHORN_MAX_REPEAT}], got {repeat}")
+
+
+def mhc_sinkhorn_forward_key(comb: torch.Tensor, repeat: int) -> tuple:
+    """Compile-time key ``(m, R)``."""
+    hc_mult = int(comb.shape[-1])
+    _check_sinkhorn("mhc_sinkhorn_forward", hc_mult, int(repeat))
+    return (hc_mult, int(repeat))
+
+
+def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
+    """Tokens per CTA of the Sinkhorn backward: 32, halved until its shared memory fits the budget."""
+    per_token = 4 * ((2 * repeat - 1) * (hc_mult * hc_mult + hc_mult) + hc_mult * hc_mult)
+    tb = _TOKENS_PER_CTA
+    while tb > 1 and tb * per_token > _SINKHORN_SMEM_BUDGET:
+        tb //= 2
+    if tb * per_token > 227 * 1024:
+        raise ValueError(
+            f"mhc_sinkhorn_backward: m={hc_mult}, repeat={repeat} needs {per_token} B of shared memory per token"
+        )
+    return tb
+
+
+def mhc_sinkhorn_backward_key(x: torch.Tensor, repeat: int) -> tuple:
+    """Compile-time key ``(m, R)``."""
+    hc_mult = int(x.shape[-1])
+    _check_sinkhorn("mhc_sinkhorn_backward", hc_mult, int(repeat))
+    mhc_sinkhorn_backward_token_block(hc_mult, int(repeat))  # validates the shared-memory need
+    return (hc_mult, int(repeat))
+
+
+def _sinkhorn_macros(T, m: int):
+    """Per-thread Sinkhorn building blocks on an ``m*m`` register matrix ``y`` (row-major, ``y[i*m+o]``).
+
+    Returns ``(softmax, normalize, normalize_back, softmax_back)`` macros (see the module docstring
+    for the exact arithmetic).
+    """
+    f32 = T.float32
+
+    @T.macro
+    def softmax(y, aux):
+        # Row softmax, max-subtracted; aux[0] = row max, aux[1] = row sum.
+        for i in T.unroll(m):
+            aux[0] = y[i * m]
+            for o in T.unroll(1, m):
+                aux[0] = T.max(aux[0], y[i * m + o])
+            for o in T.unroll(m):
+                y[i * m + o] = T.exp(y[i * m + o] - aux[0])
+            aux[1] = y[i * m]
+            for o in T.unroll(1, m):
+                aux[1] = aux[1] + y[i * m + o]
+            for o in T.unroll(m):
+                y[i * m + o] = y[i * m + o] / aux[1]
+
+    @T.macro
+    def normalize(y, d, rc, q, eps, col: bool):
+        # y <- y / (sum_axis(y) + eps); leaves the denominators in d (sequential sums).
+        for a in T.unroll(m):
+            if col:
+                d[a] = y[a]
+                for i in T.unroll(1, m):
+                    d[a] = d[a] + y[i * m + a]
+            else:
+                d[a] = y[a * m]
+                for o in T.unroll(1, m):
+                    d[a] = d[a] + y[a * m + o]
+            d[a] = d[a] + eps
+            rc[a] = T.ieee_frcp(d[a])
+        for i in T.unroll(m):
+            for o in T.unroll(m):
+                # Correctly rounded y / d (Markstein): q = RN(y * rc), y' = RN(q + RN(y - d*q) * rc).
+                if col:
+                    q[0] = T.ieee_mul(y[i * m + o], rc[o])
+                    y[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], y[i * m + o]), rc[o], q[0])
+                else:
+                    q[0] = T.ieee_mul(y[i * m + o], rc[i])
+                    y[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[i], q[0], y[i * m + o]), rc[i], q[0])
+
+    @T.macro
+    def normalize_back(g, u, d, rc, c, q, col: bool):
+        # g <- (g - sum_axis(g*u) / d) / d with d = the step's (sum + eps).
+        for a in T.unroll(m):
+            rc[a] = T.ieee_frcp(d[a])
+            if col:
+                c[a] = g[a] * u[a]
+                for i in T.unroll(1, m):
+                    c[a] = c[a] + g[i * m + a] * u[i * m + a]
+            else:
+                c[a] = g[a * m] * u[a * m]
+                for o in T.unroll(1, m):
+                    c[a] = c[a] + g[a * m + o] * u[a * m + o]
+            q[0] = T.ieee_mul(c[a], rc[a])
+            c[a] = T.ieee_fmaf(T.ieee_fmaf(-d[a], q[0], c[a]), rc[a], q[0])
+        for i in T.unroll(m):
+            for o in T.unroll(m):
+                if col:
+                    q[1] = g[i * m + o] - c[o]
+                    q[0] = T.ieee_mul(q[1], rc[o])
+                    g[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], q[1]), rc[o], q[0])
+                else:
+                    q[1] = g[i * m + o] - c[i]
+                    q[0] = T.ieee_mul(q[1], rc[i])
+                    g[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[i], q[0], q[1]), rc[i], q[0])
+
+    @T.macro
+    def softmax_back(g, pm, c):
+        # grad_input = (g - sum_o g*P) * P per row.
+        for i in T.unroll(m):
+            c[0] = g[i * m] * pm[i * m]
+            for o in T.unroll(1, m):
+                c[0] = c[0] + g[i * m + o] * pm[i * m + o]
+            for o in T.unroll(m):
+                g[i * m + o] = (g[i * m + o] - c[0]) * pm[i * m + o]
+
+    return softmax, normalize, normalize_back, softmax_back
+
+
+def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
+    """Builds the Sinkhorn forward prim_func (OPS.md B.2.6).
+
+    One thread per token (the whole ``m x m`` matrix in registers), 32 tokens per one-warp CTA
+    (NOTE: 256 CTAs at T = 8192 spread over all 132 SMs, at most two warps per SM, so each warp's
+    dependent chain of 2R normalizations is the critical path; the Markstein division keeps it at
+    one reciprocal per row/column instead of one division per element).
+
+    Args:
+        hc_mult: ``m`` (1..8).
+        repeat: ``R`` (1..256, compile-time).
+
+    Returns:
+        ``T.prim_func(comb (T, m*m) f32, comb_out (T, m*m) f32, eps: f32)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    m, R, TB = hc_mult, repeat, _TOKENS_PER_CTA
+    M2 = m * m
+    v = _vec(M2)
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+    softmax, normalize, _, _ = _sinkhorn_macros(T, m)
+
+    @T.prim_func
+    def mhc_sinkhorn_fwd_cuda(
+        comb: T.Tensor((num_tokens, M2), f32),
+        comb_out: T.Tensor((num_tokens, M2), f32),
+        eps: f32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=TB) as bx:
+            tid = T.get_thread_binding()
+            y = T.alloc_local((M2,), f32)
+            d = T.alloc_local((m,), f32)
+            rc = T.alloc_local((m,), f32)
+            q = T.alloc_local((2,), f32)
+            t = bx * TB + tid
+            if t < num_tokens:
+                for c in T.unroll(M2 // v):
+                    for k in T.vectorized(v):
+                        y[c * v + k] = comb[t, c * v + k]
+                softmax(y, q)
+                for e in T.unroll(M2):
+                    y[e] = y[e] + eps
+                normalize(y, d, rc, q, eps, True)
+                if R > 1:
+                    for _r in T.serial(R - 1):
+                        normalize(y, d, rc, q, eps, False)
+                        normalize(y, d, rc, q, eps, True)
+                for c in T.unroll(M2 // v):
+                    for k in T.vectorized(v):
+                        comb_out[t, c * v + k] = y[c * v + k]
+
+    return mhc_sinkhorn_fwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_sinkhorn_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_sinkhorn_forward_key`)."""
+    return jit_compile("mhc_sinkhorn_forward", key, build_mhc_sinkhorn_forward(*key))
+
+
+def mhc_sinkhorn_forward(comb: torch.Tensor, comb_out: torch.Tensor, repeat: int, eps: float) -> None:
+    """Launches the Sinkhorn forward on the current stream.
+
+    Args:
+        comb: ``(T, m, m)`` f32 logits, ``T > 0``.
+        comb_out: ``(T, m, m)`` f32, written.
+        repeat: ``R >= 1`` (compile-time).
+        eps: runtime fp32 scalar.
+    """
+    T_, m, _ = comb.shape
+    kernel = get_mhc_sinkhorn_forward_kernel(*mhc_sinkhorn_forward_key(comb, repeat))
+    kernel(comb.view(T_, m * m), comb_out.view(T_, m * m), float(eps))
+
+
+def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
+    """Builds the Sinkhorn backward prim_func (OPS.md B.2.6, recompute strategy).
+
+    One thread per token. The thread recomputes the forward from the logits with the forward's exact
+    arithmetic, storing the softmax ``P``, every eps-normalization input ``U_n`` and denominator
+    ``Sigma_n + eps`` in its own shared-memory slots (layout ``[step][chunk][token][4]``: a warp's
+    ``float4`` accesses are contiguous, bank-conflict free, and no barrier is needed since no slot is
+    shared between threads); then it walks the steps backwards with ``grad_output`` in registers and
+    finishes with the softmax backward. Tokens per CTA: :func:`mhc_sinkhorn_backward_token_block`
+    (32 at m = 4 for R <= 22: 102 KB at R = 20, 50 KB at R = 10).
+
+    Args:
+        hc_mult: ``m`` (1..8).
+        repeat: ``R`` (compile-time).
+
+    Returns:
+        ``T.prim_func(grad_output (T, m*m) f32, x (T, m*m) f32, grad_input (T, m*m) f32, eps: f32)``;
+        ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    m, R = hc_mult, repeat
+    TB = mhc_sinkhorn_backward_token_block(m, R)
+    M2 = m * m
+    NS = 2 * R - 1  # eps-normalization steps
+    v = _vec(M2)
+    nc = M2 // v
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+    softmax, normalize, normalize_back, softmax_back = _sinkhorn_macros(T, m)
+
+    @T.macro
+    def store_u(us, y, n, tid):
+        for c in T.unroll(nc):
+            for k in T.vectorized(v):
+                us[n, c, tid, k] = y[c * v + k]
+
+    @T.macro
+    def load_u(us, u, n, tid):
+        for c in T.unroll(nc):
+            for k in T.vectorized(v):
+                u[c * v + k] = us[n, c, tid, k]
+
+    @T.macro
+    def store_d(ds, d, n, tid):
+        for a in T.unroll(m):
+            ds[n, a, tid] = d[a]
+
+    @T.macro
+    def load_d(ds, d, n, tid):
+        for a in T.unroll(m):
+            d[a] = ds[n, a, tid]
+
+    @T.prim_func
+    def mhc_sinkhorn_bwd_cuda(
+        grad_output: T.Tensor((num_tokens, M2), f32),
+        x: T.Tensor((num_tokens, M2), f32),
+        grad_input: T.Tensor((num_tokens, M2), f32),
+        eps: f32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=TB) as bx:
+            tid = T.get_thread_binding()
+            us = T.alloc_shared((NS, nc, TB, v), f32)
+            ds = T.alloc_shared((NS, m, TB), f32)
+            ps = T.alloc_shared((nc, TB, v), f32)
+            y = T.alloc_local((M2,), f32)
+            g = T.alloc_local((M2,), f32)
+            u = T.alloc_local((M2,), f32)
+            d = T.alloc_local((m,), f32)
+            rc = T.alloc_local((m,), f32)
+            c = T.alloc_local((m,), f32)
+            q = T.alloc_local((2,), f32)
+            t = bx * TB + tid
+            if t < num_tokens:
+                for cc in T.unroll(nc):
+                    for k in T.vectorized(v):
+                        y[cc * v + k] = x[t, cc * v + k]
+                for cc in T.unroll(nc):
+                    for k in T.vectorized(v):
+                        g[cc * v + k] = grad_output[t, cc * v + k]
+                # Forward recompute (same arithmetic as mhc_sinkhorn_fwd_cuda).
+                softmax(y, q)
+                for cc in T.unroll(nc):
+                    for k in T.vectorized(v):
+                        ps[cc, tid, k] = y[cc * v + k]
+                for e in T.unroll(M2):
+                    y[e] = y[e] + eps
+                store_u(us, y, 0, tid)
+                normalize(y, d, rc, q, eps, True)
+                store_d(ds, d, 0, tid)
+                if R > 1:
+                    for r in T.serial(R - 1):
+                        store_u(us, y, 2 * r + 1, tid)
+                        normalize(y, d, rc, q, eps, False)
+                        store_d(ds, d, 2 * r + 1, tid)
+                        store_u(us, y, 2 * r + 2, tid)
+                        normalize(y, d, rc, q, eps, True)
+                        store_d(ds, d, 2 * r + 2, tid)
+                # Backward through the eps-normalizations, last step first.
+                if R > 1:
+                    for rr in T.serial(R - 1):
+                        load_u(us, u, 2 * (R - 2 - rr) + 2, tid)
+                        load_d(ds, d, 2 * (R - 2 - rr) + 2, tid)
+                        normalize_back(g, u, d, rc, c, q, True)
+                        load_u(us, u, 2 * (R - 2 - rr) + 1, tid)
+                        load_d(ds, d, 2 * (R - 2 - rr) + 1, tid)
+                        normalize_back(g, u, d, rc, c, q, False)
+                load_u(us, u, 0, tid)
+                load_d(ds, d, 0, tid)
+                normalize_back(g, u, d, rc, c, q, True)
+                # Softmax backward (the +eps is an identity for the gradient).
+                for cc in T.unroll(nc):
+                    for k in T.vectorized(v):
+                        u[cc * v + k] = ps[cc, tid, k]
+                softmax_back(g, u, c)
+                for cc in T.unroll(nc):
+                    for k in T.vectorized(v):
+                        grad_input[t, cc * v + k] = g[cc * v + k]
+
+    return mhc_sinkhorn_bwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_sinkhorn_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_sinkhorn_backward_key`)."""
+    return jit_compile("mhc_sinkhorn_backward", key, build_mhc_sinkhorn_backward(*key))
+
+
+def mhc_sinkhorn_backward(
+    grad_output: torch.Tensor, x: torch.Tensor, grad_input: torch.Tensor, repeat: int, eps: float
+) -> None:
+    """Launches the Sinkhorn backward on the current stream.
+
+    Args:
+        grad_output: ``(T, m, m)`` f32, ``T > 0``.
+        x: ``(T, m, m)`` f32, the forward's logits.
+        grad_input: ``(T, m, m)`` f32, written.
+        repeat: ``R >= 1`` (compile-time).
+        eps: runtime fp32 scalar.
+    """
+    T_, m, _ = x.shape
+    kernel = get_mhc_sinkhorn_backward_kernel(*mhc_sinkhorn_backward_key(x, repeat))
+    kernel(grad_output.view(T_, m * m), x.view(T_, m * m), grad_input.view(T_, m * m), float(eps))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 17/18. mhc_head_compute_mix
+# ---------------------------------------------------------------------------------------------------
+
+
+def mhc_head_compute_mix_forward_key(input_mix: torch.Tensor) -> tuple:
+    """Compile-time key ``(m,)``."""
+    hc_mult = int(input_mix.shape[1])
+    _check_mult("mhc_head_compute_mix_forward", hc_mult)
+    return (hc_mult,)
+
+
+def build_mhc_head_compute_mix_forward(hc_mult: int):
+    """Builds the head-mix forward prim_func (OPS.md B.2.9): ``sigmoid(x * scale + base) + pre_eps``.
+
+    Elementwise; thread = (token, 4-float chunk), 64 tokens per CTA, vector loads and stores.
+
+    Args:
+        hc_mult: ``m`` (1..8).
+
+    Returns:
+        ``T.prim_func(input_mix (T, m), mhc_scale (1,), mhc_base (m,), output_mix (T, m), pre_eps: f32)``,
+        all f32; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    m, TB = hc_mult, _HEAD_FWD_TOKENS
+    v = _vec(m)
+    ch = m // v
+    threads = TB * ch
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_head_compute_mix_fwd_cuda(
+        input_mix: T.Tensor((num_tokens, m), f32),
+        mhc_scale: T.Tensor((1,), f32),
+        mhc_base: T.Tensor((m,), f32),
+        output_mix: T.Tensor((num_tokens, m), f32),
+        pre_eps: f32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            x = T.alloc_local((v,), f32)
+            b = T.alloc_local((v,), f32)
+            sc = T.alloc_local((1,), f32)
+            t = bx * TB + tid // ch
+            c = tid % ch
+            if t < num_tokens:
+                for k in T.vectorized(v):
+                    x[k] = input_mix[t, c * v + k]
+                sc[0] = mhc_scale[0]
+                for k in T.unroll(v):
+                    b[k] = mhc_base[c * v + k]
+                for k in T.unroll(v):
+                    x[k] = T.sigmoid(T.ieee_mul(x[k], sc[0]) + b[k]) + pre_eps
+                for k in T.vectorized(v):
+                    output_mix[t, c * v + k] = x[k]
+
+    return mhc_head_compute_mix_fwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_head_compute_mix_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_head_compute_mix_forward_key`)."""
+    return jit_compile("mhc_head_compute_mix_forward", key, build_mhc_head_compute_mix_forward(*key))
+
+
+def mhc_head_compute_mix_forward(
+    input_mix: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    output_mix: torch.Tensor,
+    pre_eps: float,
+) -> None:
+    """Launches the head-mix forward on the current stream.
+
+    Args:
+        input_mix: ``(T, m)`` f32, ``T > 0``.
+        mhc_scale: ``(1,)`` f32.
+        mhc_base: ``(m,)`` f32.
+        output_mix: ``(T, m)`` f32, written.
+        pre_eps: runtime fp32 scalar.
+    """
+    kernel = get_mhc_head_compute_mix_forward_kernel(*mhc_head_compute_mix_forward_key(input_mix))
+    kernel(input_mix, mhc_scale, mhc_base, output_mix, float(pre_eps))
+
+
+def mhc_head_compute_mix_backward_key(input_mix: torch.Tensor, mhc_base_grad_partial: torch.Tensor) -> tuple:
+    """Compile-time key ``(m, P)`` with ``P = mhc_base_grad_partial.shape[0]``."""
+    hc_mult = int(input_mix.shape[1])
+    num_partials = int(mhc_base_grad_partial.shape[0])
+    _check_mult("mhc_head_compute_mix_backward", hc_mult)
+    _check_partials("mhc_head_compute_mix_backward", num_partials)
+    return (hc_mult, num_partials)
+
+
+def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
+    """Builds the head-mix backward prim_func (OPS.md B.2.9).
+
+    ``P`` persistent CTAs; CTA ``p`` owns tokens ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))``, walked 64
+    at a time (thread = (token, 4-float chunk)). ``dz = g * s * (1 - s)`` with ``s`` recomputed,
+    ``input_mix_grad = dz * scale``; ``dz`` and ``dz * x`` are accumulated per mix index in registers
+    (ascending token), the 64 lanes summed in ascending order through shared memory, and row ``p`` of
+    both partials written (zeros for an idle worker; scale partial = sum over the m indices in order).
+
+    Args:
+        hc_mult: ``m`` (1..8).
+        num_partials: ``P`` (1..4096).
+
+    Returns:
+        ``T.prim_func(output_mix_grad (T, m), input_mix (T, m), mhc_scale (1,), mhc_base (m,),
+        input_mix_grad (T, m), mhc_scale_grad_partial (P, 1), mhc_base_grad_partial (P, m))``, all f32;
+        ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    m, P, TB = hc_mult, num_partials, _HEAD_BWD_TOKENS
+    v = _vec(m)
+    ch = m // v
+    threads = TB * ch  # NOTE 64 at m = 4
+    f32 = T.float32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_head_compute_mix_bwd_cuda(
+        output_mix_grad: T.Tensor((num_tokens, m), f32),
+        input_mix: T.Tensor((num_tokens, m), f32),
+        mhc_scale: T.Tensor((1,), f32),
+        mhc_base: T.Tensor((m,), f32),
+        input_mix_grad: T.Tensor((num_tokens, m), f32),
+        mhc_scale_grad_partial: T.Tensor((P, 1), f32),
+        mhc_base_grad_partial: T.Tensor((P, m), f32),
+    ):
+        with T.Kernel(P, threads=threads) as p:
+            tid = T.get_thread_binding()
+            tl = tid // ch
+            c = tid % ch
+            # red[1, TB, :] holds the per-index column sums of dz * x.
+            red = T.alloc_shared((2, TB + 1, m), f32)
+            x = T.alloc_local((v,), f32)
+            gr = T.alloc_local((v,), f32)
+            b = T.alloc_local((v,), f32)
+            s = T.alloc_local((v,), f32)
+            ab = T.alloc_local((v,), f32)
+            ax = T.alloc_local((v,), f32)
+            sc = T.alloc_local((2,), f32)
+            for k in T.unroll(v):
+                ab[k] = 0.0
+                ax[k] = 0.0
+            sc[0] = mhc_scale[0]
+            for k in T.unroll(v):
+                b[k] = mhc_base[c * v + k]
+            per = T.ceildiv(num_tokens, P)
+            t_begin = T.min(per * p, num_tokens)
+            t_end = T.min(per * p + per, num_tokens)
+            for it in T.serial(T.ceildiv(t_end - t_begin, TB)):
+                t = t_begin + it * TB + tl
+                if t < t_end:
+                    for k in T.vectorized(v):
+                        x[k] = input_mix[t, c * v + k]
+                    for k in T.vectorized(v):
+                        gr[k] = output_mix_grad[t, c * v + k]
+                    for k in T.unroll(v):
+                        s[k] = T.sigmoid(T.ieee_mul(x[k], sc[0]) + b[k])
+                        gr[k] = gr[k] * s[k] * (1.0 - s[k])  # dz
+                        ab[k] = ab[k] + gr[k]
+                        ax[k] = ax[k] + gr[k] * x[k]
+                        s[k] = gr[k] * sc[0]
+                    for k in T.vectorized(v):
+                        input_mix_grad[t, c * v + k] = s[k]
+            for k in T.unroll(v):
+                red[0, tl, c * v + k] = ab[k]
+                red[1, tl, c * v + k] = ax[k]
+            T.sync_threads()
+            if tid < m:
+                sc[0] = red[0, 0, tid]
+                sc[1] = red[1, 0, tid]
+                for i in T.unroll(1, TB):
+                    sc[0] = sc[0] + red[0, i, tid]
+                    sc[1] = sc[1] + red[1, i, tid]
+                mhc_base_grad_partial[p, tid] = sc[0]
+                red[1, TB, tid] = sc[1]
+            T.sync_threads()
+            if tid == 0:
+                sc[1] = red[1, TB, 0]
+                for j in T.unroll(1, m):
+                    sc[1] = sc[1] + red[1, TB, j]
+                mhc_scale_grad_partial[p, 0] = sc[1]
+
+    return mhc_head_compute_mix_bwd_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_head_compute_mix_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_head_compute_mix_backward_key`)."""
+    return jit_compile("mhc_head_compute_mix_backward", key, build_mhc_head_compute_mix_backward(*key))
+
+
+def mhc_head_compute_mix_backward(
+    output_mix_grad: torch.Tensor,
+    input_mix: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    input_mix_grad: torch.Tensor,
+    mhc_scale_grad_partial: torch.Tensor,
+    mhc_base_grad_partial: torch.Tensor,
+) -> None:
+    """Launches the head-mix backward on the current stream.
+
+    Args:
+        output_mix_grad: ``(T, m)`` f32, ``T > 0``.
+        input_mix: ``(T, m)`` f32.
+        mhc_scale: ``(1,)`` f32.
+        mhc_base: ``(m,)`` f32.
+        input_mix_grad: ``(T, m)`` f32, written.
+        mhc_scale_grad_partial: ``(P, 1)`` f32, every row written (the caller sums over ``P``).
+        mhc_base_grad_partial: ``(P, m)`` f32, every row written.
+    """
+    key = mhc_head_compute_mix_backward_key(input_mix, mhc_base_grad_partial)
+    kernel = get_mhc_head_compute_mix_backward_kernel(*key)
+    kernel(
+        output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial, mhc_base_grad_partial
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lowering cases
+# ---------------------------------------------------------------------------------------------------
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Every kernel variant of this module, as un-compiled prim_funcs (for the CPU build tests).
+
+    All kernels here are hidden-size independent (``rms_group_size`` is a runtime scalar), so
+    ``hidden_size`` is unused. Cases: ``reduce_rmsnorm_fwd_s{16,1}``, ``reduce_rmsnorm_fwd_g2``
+    (generic ``G``), ``reduce_rmsnorm_bwd``, ``split_mixes_fwd``, ``split_mixes_bwd``,
+    ``split_mixes_bwd_reduce``, ``sinkhorn_{fwd,bwd}_r{1,10,20}``, ``head_mix_fwd``,
+    ``head_mix_bwd`` (at ``P = 132``).
+
+    Returns:
+        ``{case name: T.prim_func}``.
+    """
+    del hidden_size
+    m = hc_mult
+    M3 = m * (m + 2)
+    P = MHC_SPLIT_MIXES_PARTIALS
+    cases = {
+        "reduce_rmsnorm_fwd_s16": build_mhc_reduce_partials_and_rmsnorm_forward(16, 1, M3),
+        "reduce_rmsnorm_fwd_s1": build_mhc_reduce_partials_and_rmsnorm_forward(1, 1, M3),
+        "reduce_rmsnorm_fwd_g2": build_mhc_reduce_partials_and_rmsnorm_forward(16, 2, M3),
+        "reduce_rmsnorm_bwd": build_mhc_reduce_partials_and_rmsnorm_backward(1, M3),
+        "split_mixes_fwd": build_mhc_pre_split_mixes_forward(m),
+        "split_mixes_bwd": build_mhc_pre_split_mixes_backward(m, P),
+        "split_mixes_bwd_reduce": build_mhc_pre_split_mixes_backward_reduce(m, P),
+        "head_mix_fwd": build_mhc_head_compute_mix_forward(m),
+        "head_mix_bwd": build_mhc_head_compute_mix_backward(m, P),
+    }
+    for r in (1, 10, 20):
+        cases[f"sinkhorn_fwd_r{r}"] = build_mhc_sinkhorn_forward(m, r)
+        cases[f"sinkhorn_bwd_r{r}"] = build_mhc_sinkhorn_backward(m, r)
+    return cases

@@ -1,0 +1,904 @@
+"""CUDA (TileLang) kernels of the bandwidth-bound mHC streaming ops (OPS.md B.2.1, B.2.2, B.2.7, B.2.8).
+
+Ops: ``expand_to_mhc_forward/_backward``, ``mhc_fn_normw_merge_forward/_backward``,
+``mhc_pre_apply_mix_forward/_backward`` and ``mhc_post_forward/_backward``.
+
+Every kernel is written at thread level: each thread owns 8-element column vectors (one 16-byte
+access per bf16 row, two float4 per fp32 row), issues all loads of a vector before using them,
+computes in fp32 and rounds to bf16 once at the store. Kernel parameters are ``__restrict__`` (the
+TileLang codegen emits it), so ``nvcc`` may hoist the loads of later vectors above earlier stores.
+
+Schedules:
+
+* element-wise ops without per-token scalars (expand) run a flat grid over the ``T * H / 8`` vectors
+  of the token-major tensors (``_FLAT_NV`` vectors per thread, strided by the CTA size so that every
+  warp access is coalesced);
+* element-wise ops with per-token scalars (apply-mix forward, post forward) run a 2-D grid
+  ``(column chunks, tokens)``; a thread loads its token's scalars once (uniform loads, broadcast);
+* per-token reductions (apply-mix backward, post backward) run one CTA per token: each thread keeps
+  fp32 partial sums of its columns, the CTA reduces them with warp shuffles and one shared-memory
+  step in a fixed order (deterministic, no atomics).
+
+Supported sizes: ``H % 64 == 0`` (every thread access is a full 8-element vector; when ``H / 8`` has
+no suitable multiple-of-32 divisor the last vector slots are guarded), any token count ``T > 0``,
+``T * m * H < 2**31`` (32-bit element offsets). ``m = 4`` everywhere; the forward kernels and the
+apply-mix backward are generic in ``m``; ``mhc_post_backward`` is validated for ``m = 4`` only.
+"""
+
+import functools
+
+import torch
+
+from .._build import jit_compile
+
+__all__ = [
+    "build_expand_to_mhc_backward",
+    "build_expand_to_mhc_forward",
+    "build_mhc_fn_normw_merge_backward",
+    "build_mhc_fn_normw_merge_forward",
+    "build_mhc_post_backward",
+    "build_mhc_post_forward",
+    "build_mhc_pre_apply_mix_backward",
+    "build_mhc_pre_apply_mix_forward",
+    "expand_to_mhc_backward",
+    "expand_to_mhc_backward_key",
+    "expand_to_mhc_forward",
+    "expand_to_mhc_forward_key",
+    "get_expand_to_mhc_backward_kernel",
+    "get_expand_to_mhc_forward_kernel",
+    "get_mhc_fn_normw_merge_backward_kernel",
+    "get_mhc_fn_normw_merge_forward_kernel",
+    "get_mhc_post_backward_kernel",
+    "get_mhc_post_forward_kernel",
+    "get_mhc_pre_apply_mix_backward_kernel",
+    "get_mhc_pre_apply_mix_forward_kernel",
+    "mhc_fn_normw_merge_backward",
+    "mhc_fn_normw_merge_backward_key",
+    "mhc_fn_normw_merge_forward",
+    "mhc_fn_normw_merge_forward_key",
+    "mhc_post_backward",
+    "mhc_post_backward_key",
+    "mhc_post_forward",
+    "mhc_post_forward_key",
+    "mhc_pre_apply_mix_backward",
+    "mhc_pre_apply_mix_backward_key",
+    "mhc_pre_apply_mix_forward",
+    "mhc_pre_apply_mix_forward_key",
+    "streaming_lowering_cases",
+]
+
+_VEC = 8  # bf16 elements per 16-byte access
+_FLAT_THREADS = 256
+# NOTE tuned for H200 (not yet measured): 2 vectors per thread put 2 x (1 + m) 16-byte accesses of a
+# thread in flight; at 256 threads and 8 resident CTAs per SM that is 32 KiB of loads (expand
+# forward) to 128 KiB (expand backward) per SM, above the ~40 KiB an SM needs to saturate HBM3e.
+_FLAT_NV = 2
+_ROW_MAX_THREADS = 256  # upper bound of a (token, column chunk) CTA of the 2-D grid
+_RED_MAX_THREADS = 256  # upper bound of the one-token CTA of the per-token reductions
+_NORMW_THREADS = 128  # fp32 (M3, K) kernels: one float4 column group per thread
+
+
+def _min_blocks(threads: int, regs: int) -> int:
+    """Resident CTAs per SM for a register budget of ``regs`` per thread (65536 registers per SM)."""
+    return max(1, min(16, 65536 // (regs * threads)))
+
+
+def _check_hidden(op: str, hidden_size: int) -> None:
+    if hidden_size <= 0 or hidden_size % 64 != 0:
+        raise ValueError(f"{op}: hidden_size must be a positive multiple of 64, got {hidden_size}")
+
+
+def _row_layout(hidden_size: int, max_threads: int) -> tuple[int, int, bool]:
+    """Layout ``(threads, nv, guarded)`` covering one token row of ``H / 8`` vectors.
+
+    ``threads`` is the largest multiple of 32 that divides ``H / 8`` and is at most ``max_threads``
+    (then ``nv = H / 8 / threads`` vectors per thread, no guard); if ``H / 8`` has no such divisor
+    (``H % 256 != 0``), ``threads = min(max_threads, align32(H / 8))`` and the last slots are guarded.
+
+    NOTE tuned for H200: the model sizes give (threads, nv) = (160, 1) at H = 1280, (160, 2) at 2560,
+    (256, 2) at 4096, (160, 4) at 5120 and (224, 4) at 7168, i.e. 5-7 warps per CTA and up to
+    4 vectors per thread, so several CTAs share an SM and overlap one CTA's reduction with another's loads.
+    """
+    nvec = hidden_size // _VEC
+    best = 0
+    for threads in range(32, max_threads + 1, 32):
+        if nvec % threads == 0:
+            best = threads
+    if best:
+        return best, nvec // best, False
+    threads = min(max_threads, -(-nvec // 32) * 32)
+    nv = -(-nvec // threads)
+    return threads, nv, nv * threads != nvec
+
+
+# ----------------------------------------------------------------------------------------------------
+# expand_to_mhc_forward / _backward (B.2.1)
+# ----------------------------------------------------------------------------------------------------
+
+
+def expand_to_mhc_forward_key(x: torch.Tensor, out: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    hidden_size = int(x.shape[-1])
+    _check_hidden("expand_to_mhc_forward", hidden_size)
+    return (hidden_size, int(out.shape[1]))
+
+
+def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int):
+    """Builds the expand forward: ``out[t, i, :] = x[t, :]`` (bit copy).
+
+    Args:
+        hidden_size: ``H`` (multiple of 64).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(x (T, H) bf16, out (T, m, H) bf16)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    nvec = H // _VEC
+    threads, nvt = _FLAT_THREADS, _FLAT_NV
+    bf16 = T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def expand_to_mhc_forward_cuda(x: T.Tensor((num_tokens, H), bf16), out: T.Tensor((num_tokens, m, H), bf16)):
+        with T.Kernel(T.ceildiv(num_tokens * nvec, threads * nvt), threads=threads) as bid:
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            xr = T.alloc_local((nvt, _VEC), bf16)
+            total = num_tokens * nvec
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for k in T.vectorized(_VEC):
+                        xr[j, k] = x[((bid * nvt + j) * threads + tid) // nvec, (((bid * nvt + j) * threads + tid) % nvec) * _VEC + k]
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for i in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            out[((bid * nvt + j) * threads + tid) // nvec, i, (((bid * nvt + j) * threads + tid) % nvec) * _VEC + k] = xr[j, k]
+
+    return expand_to_mhc_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_expand_to_mhc_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`expand_to_mhc_forward_key`), built once per key."""
+    return jit_compile("expand_to_mhc_forward", key, build_expand_to_mhc_forward(*key))
+
+
+def expand_to_mhc_forward(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Launches ``out[t, i, :] = x[t, :]`` on the current stream (inputs validated upstream).
+
+    Args:
+        x: ``(T, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
+        out: ``(T, m, H)`` bf16, written.
+    """
+    kernel = get_expand_to_mhc_forward_kernel(*expand_to_mhc_forward_key(x, out))
+    kernel(x, out)
+
+
+def expand_to_mhc_backward_key(out_grad: torch.Tensor, x_grad: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    hidden_size = int(out_grad.shape[-1])
+    _check_hidden("expand_to_mhc_backward", hidden_size)
+    return (hidden_size, int(out_grad.shape[1]))
+
+
+def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
+    """Builds the expand backward: ``x_grad = bf16(sum_i f32(out_grad[t, i]))`` (i ascending, overwrite).
+
+    Args:
+        hidden_size: ``H`` (multiple of 64).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(out_grad (T, m, H) bf16, x_grad (T, H) bf16)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    nvec = H // _VEC
+    threads, nvt = _FLAT_THREADS, _FLAT_NV
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def expand_to_mhc_backward_cuda(out_grad: T.Tensor((num_tokens, m, H), bf16), x_grad: T.Tensor((num_tokens, H), bf16)):
+        with T.Kernel(T.ceildiv(num_tokens * nvec, threads * nvt), threads=threads) as bid:
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            gr = T.alloc_local((nvt, m, _VEC), bf16)
+            acc = T.alloc_local((_VEC,), f32)
+            total = num_tokens * nvec
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for i in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            gr[j, i, k] = out_grad[((bid * nvt + j) * threads + tid) // nvec, i, (((bid * nvt + j) * threads + tid) % nvec) * _VEC + k]
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for k in T.unroll(_VEC):
+                        acc[k] = T.cast(gr[j, 0, k], f32)
+                        for i in T.unroll(1, m):
+                            acc[k] += T.cast(gr[j, i, k], f32)
+                    for k in T.vectorized(_VEC):
+                        x_grad[((bid * nvt + j) * threads + tid) // nvec, (((bid * nvt + j) * threads + tid) % nvec) * _VEC + k] = T.cast(acc[k], bf16)
+
+    return expand_to_mhc_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_expand_to_mhc_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`expand_to_mhc_backward_key`), built once per key."""
+    return jit_compile("expand_to_mhc_backward", key, build_expand_to_mhc_backward(*key))
+
+
+def expand_to_mhc_backward(out_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
+    """Launches ``x_grad = bf16(sum_i f32(out_grad[:, i]))`` on the current stream (overwrites ``x_grad``).
+
+    Args:
+        out_grad: ``(T, m, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
+        x_grad: ``(T, H)`` bf16, written.
+    """
+    kernel = get_expand_to_mhc_backward_kernel(*expand_to_mhc_backward_key(out_grad, x_grad))
+    kernel(out_grad, x_grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# mhc_fn_normw_merge_forward / _backward (B.2.2)
+# ----------------------------------------------------------------------------------------------------
+
+
+def mhc_fn_normw_merge_forward_key(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> tuple:
+    """Compile-time key ``(M3, K)``."""
+    rows, cols = (int(s) for s in fn.shape)
+    if cols % 4 != 0:
+        raise ValueError(f"mhc_fn_normw_merge_forward: K must be a multiple of 4, got {cols}")
+    return (rows, cols)
+
+
+def build_mhc_fn_normw_merge_forward(rows: int, cols: int):
+    """Builds ``out_fn[r, k] = fn[r, k] * normw[k]``.
+
+    Args:
+        rows: ``M3``.
+        cols: ``K`` (multiple of 4; the column tail is guarded).
+
+    Returns:
+        ``T.prim_func(fn (M3, K) f32, normw (K,) f32, out_fn (M3, K) f32)``.
+    """
+    from tilelang import language as T
+
+    M3, K = rows, cols
+    threads = _NORMW_THREADS
+    nq = K // 4
+    f32 = T.float32
+
+    @T.prim_func
+    def mhc_fn_normw_merge_forward_cuda(fn: T.Tensor((M3, K), f32), normw: T.Tensor((K,), f32), out_fn: T.Tensor((M3, K), f32)):
+        # NOTE: (M3, K) is at most 24 x 32768 floats (3 MiB): one float4 per thread, grid (K/512, M3).
+        with T.Kernel(T.ceildiv(nq, threads), M3, threads=threads) as (bx, r):
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            a = T.alloc_local((4,), f32)
+            w = T.alloc_local((4,), f32)
+            if bx * threads + tid < nq:
+                for k in T.vectorized(4):
+                    a[k] = fn[r, (bx * threads + tid) * 4 + k]
+                for k in T.vectorized(4):
+                    w[k] = normw[(bx * threads + tid) * 4 + k]
+                for k in T.vectorized(4):
+                    out_fn[r, (bx * threads + tid) * 4 + k] = a[k] * w[k]
+
+    return mhc_fn_normw_merge_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_fn_normw_merge_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_fn_normw_merge_forward_key`), built once per key."""
+    return jit_compile("mhc_fn_normw_merge_forward", key, build_mhc_fn_normw_merge_forward(*key))
+
+
+def mhc_fn_normw_merge_forward(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
+    """Launches ``out_fn = fn * normw`` (row broadcast) on the current stream.
+
+    Args:
+        fn: ``(M3, K)`` f32, ``K % 4 == 0``.
+        normw: ``(K,)`` f32.
+        out_fn: ``(M3, K)`` f32, written.
+    """
+    kernel = get_mhc_fn_normw_merge_forward_kernel(*mhc_fn_normw_merge_forward_key(fn, normw, out_fn))
+    kernel(fn, normw, out_fn)
+
+
+def mhc_fn_normw_merge_backward_key(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor) -> tuple:
+    """Compile-time key ``(M3, K)``."""
+    rows, cols = (int(s) for s in fn.shape)
+    if cols % 4 != 0:
+        raise ValueError(f"mhc_fn_normw_merge_backward: K must be a multiple of 4, got {cols}")
+    return (rows, cols)
+
+
+def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
+    """Builds the merge backward (both outputs accumulate in place).
+
+    ``fn_grad[r, k] += out_fn_grad[r, k] * normw[k]``;
+    ``normw_grad[k] += sum_{r=0..M3-1} out_fn_grad[r, k] * fn[r, k]`` (rows in order in a local fp32
+    accumulator, added once). One thread per float4 column group: deterministic, no atomics.
+
+    Args:
+        rows: ``M3``.
+        cols: ``K`` (multiple of 4; the column tail is guarded).
+
+    Returns:
+        ``T.prim_func(fn, normw, out_fn_grad, fn_grad, normw_grad)`` (shapes as the forward).
+    """
+    from tilelang import language as T
+
+    M3, K = rows, cols
+    threads = _NORMW_THREADS
+    nq = K // 4
+    f32 = T.float32
+
+    @T.prim_func
+    def mhc_fn_normw_merge_backward_cuda(
+        fn: T.Tensor((M3, K), f32),
+        normw: T.Tensor((K,), f32),
+        out_fn_grad: T.Tensor((M3, K), f32),
+        fn_grad: T.Tensor((M3, K), f32),
+        normw_grad: T.Tensor((K,), f32),
+    ):
+        # NOTE: one float4 column group per thread walks all M3 rows (3 x 16-byte loads and one store
+        # per row, independent across rows so they overlap); K / 512 CTAs of 128 threads.
+        with T.Kernel(T.ceildiv(nq, threads), threads=threads) as bx:
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            w = T.alloc_local((4,), f32)
+            g = T.alloc_local((4,), f32)
+            a = T.alloc_local((4,), f32)
+            fg = T.alloc_local((4,), f32)
+            acc = T.alloc_local((4,), f32)
+            if bx * threads + tid < nq:
+                for k in T.vectorized(4):
+                    w[k] = normw[(bx * threads + tid) * 4 + k]
+                for k in T.unroll(4):
+                    acc[k] = 0.0
+                for r in T.unroll(M3):
+                    for k in T.vectorized(4):
+                        g[k] = out_fn_grad[r, (bx * threads + tid) * 4 + k]
+                    for k in T.vectorized(4):
+                        a[k] = fn[r, (bx * threads + tid) * 4 + k]
+                    for k in T.vectorized(4):
+                        fg[k] = fn_grad[r, (bx * threads + tid) * 4 + k]
+                    for k in T.vectorized(4):
+                        fn_grad[r, (bx * threads + tid) * 4 + k] = fg[k] + g[k] * w[k]
+                    for k in T.unroll(4):
+                        acc[k] += g[k] * a[k]
+                for k in T.vectorized(4):
+                    w[k] = normw_grad[(bx * threads + tid) * 4 + k]
+                for k in T.vectorized(4):
+                    normw_grad[(bx * threads + tid) * 4 + k] = w[k] + acc[k]
+
+    return mhc_fn_normw_merge_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_fn_normw_merge_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_fn_normw_merge_backward_key`), built once per key."""
+    return jit_compile("mhc_fn_normw_merge_backward", key, build_mhc_fn_normw_merge_backward(*key))
+
+
+def mhc_fn_normw_merge_backward(
+    fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor, normw_grad: torch.Tensor
+) -> None:
+    """Launches the merge backward on the current stream; ``fn_grad`` and ``normw_grad`` accumulate (``+=``).
+
+    Args:
+        fn: ``(M3, K)`` f32.
+        normw: ``(K,)`` f32.
+        out_fn_grad: ``(M3, K)`` f32.
+        fn_grad: ``(M3, K)`` f32, updated in place.
+        normw_grad: ``(K,)`` f32, updated in place.
+    """
+    kernel = get_mhc_fn_normw_merge_backward_kernel(*mhc_fn_normw_merge_backward_key(fn, normw, out_fn_grad))
+    kernel(fn, normw, out_fn_grad, fn_grad, normw_grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# mhc_pre_apply_mix_forward / _backward (B.2.7)
+# ----------------------------------------------------------------------------------------------------
+
+
+def mhc_pre_apply_mix_forward_key(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    _, hc_mult, hidden_size = (int(s) for s in x.shape)
+    _check_hidden("mhc_pre_apply_mix_forward", hidden_size)
+    return (hidden_size, hc_mult)
+
+
+def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
+    """Builds ``out[t, d] = bf16(sum_{i=0..m-1} mix[t, i] * f32(x[t, i, d]))`` (i ascending, starting
+    from the product ``mix_0 * x_0``).
+
+    Grid ``(column chunks, T)``; a thread loads its token's ``m`` mixes once and ``m`` 16-byte vectors
+    per column vector.
+
+    Args:
+        hidden_size: ``H`` (multiple of 64).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(x (T, m, H) bf16, mix (T, m) f32, out (T, H) bf16)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
+    # NOTE: at most 2 vectors per thread in the 2-D grid (chunks of threads * nvc vectors) keeps
+    # 2 * m 16-byte loads in flight per thread with ~48 registers, i.e. full occupancy.
+    nvc = 2 if nv % 2 == 0 else 1
+    chunks = nv // nvc
+    nvec = H // _VEC
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_apply_mix_forward_cuda(
+        x: T.Tensor((num_tokens, m, H), bf16), mix: T.Tensor((num_tokens, m), f32), out: T.Tensor((num_tokens, H), bf16)
+    ):
+        with T.Kernel(chunks, num_tokens, threads=threads) as (cb, t):
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            mx = T.alloc_local((m,), f32)
+            xr = T.alloc_local((nvc, m, _VEC), bf16)
+            acc = T.alloc_local((_VEC,), f32)
+            for j in T.unroll(nvc):
+                if (not guarded) or ((cb * nvc + j) * threads + tid < nvec):
+                    for i in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            xr[j, i, k] = x[t, i, ((cb * nvc + j) * threads + tid) * _VEC + k]
+            for i in T.unroll(m):
+                mx[i] = mix[t, i]
+            for j in T.unroll(nvc):
+                if (not guarded) or ((cb * nvc + j) * threads + tid < nvec):
+                    for k in T.unroll(_VEC):
+                        acc[k] = mx[0] * T.cast(xr[j, 0, k], f32)
+                        for i in T.unroll(1, m):
+                            acc[k] += mx[i] * T.cast(xr[j, i, k], f32)
+                    for k in T.vectorized(_VEC):
+                        out[t, ((cb * nvc + j) * threads + tid) * _VEC + k] = T.cast(acc[k], bf16)
+
+    return mhc_pre_apply_mix_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_apply_mix_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_pre_apply_mix_forward_key`), built once per key."""
+    return jit_compile("mhc_pre_apply_mix_forward", key, build_mhc_pre_apply_mix_forward(*key))
+
+
+def mhc_pre_apply_mix_forward(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor) -> None:
+    """Launches the pre-apply-mix forward on the current stream (inputs validated upstream).
+
+    Args:
+        x: ``(T, m, H)`` bf16 residual, ``T > 0``, ``H % 64 == 0``.
+        mix: ``(T, m)`` f32.
+        out: ``(T, H)`` bf16, written.
+    """
+    kernel = get_mhc_pre_apply_mix_forward_kernel(*mhc_pre_apply_mix_forward_key(x, mix, out))
+    kernel(x, mix, out)
+
+
+def mhc_pre_apply_mix_backward_key(out_grad: torch.Tensor, x: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    _, hc_mult, hidden_size = (int(s) for s in x.shape)
+    _check_hidden("mhc_pre_apply_mix_backward", hidden_size)
+    return (hidden_size, hc_mult)
+
+
+def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
+    """Builds the pre-apply-mix backward (one CTA per token).
+
+    ``x_grad[t, i, d] = bf16(f32(x_grad[t, i, d]) + mix[t, i] * f32(out_grad[t, d]))`` (in place) and
+    ``mix_grad[t, i] = sum_d f32(out_grad[t, d]) * f32(x[t, i, d])``: per-thread fp32 partials over the
+    thread's columns (vector slots ascending), a butterfly warp reduction, then one thread sums the warp
+    results in ascending warp order (deterministic).
+
+    Args:
+        hidden_size: ``H`` (multiple of 64).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(out_grad (T, H) bf16, x (T, m, H) bf16, mix (T, m) f32, x_grad (T, m, H) bf16,
+        mix_grad (T, m) f32)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    threads, nv, guarded = _row_layout(H, _RED_MAX_THREADS)
+    nwarps = threads // 32
+    nvec = H // _VEC
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_apply_mix_backward_cuda(
+        out_grad: T.Tensor((num_tokens, H), bf16),
+        x: T.Tensor((num_tokens, m, H), bf16),
+        mix: T.Tensor((num_tokens, m), f32),
+        x_grad: T.Tensor((num_tokens, m, H), bf16),
+        mix_grad: T.Tensor((num_tokens, m), f32),
+    ):
+        with T.Kernel(num_tokens, threads=threads) as t:
+            # NOTE: <= 256 threads and <= 4 vectors per thread (9 x 16-byte loads each) keep the
+            # register use near 64 so that 4+ token CTAs share an SM; one CTA's reduction overlaps
+            # the others' loads.
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 80))
+            tid = T.get_thread_binding()
+            lane = tid % 32
+            wid = tid // 32
+            mx = T.alloc_local((m,), f32)
+            gr = T.alloc_local((_VEC,), bf16)
+            xr = T.alloc_local((m, _VEC), bf16)
+            xg = T.alloc_local((m, _VEC), bf16)
+            gf = T.alloc_local((_VEC,), f32)
+            part = T.alloc_local((m,), f32)
+            red = T.alloc_shared((m, nwarps), f32)
+            for i in T.unroll(m):
+                mx[i] = mix[t, i]
+                part[i] = 0.0
+            for j in T.unroll(nv):
+                if (not guarded) or (j * threads + tid < nvec):
+                    for k in T.vectorized(_VEC):
+                        gr[k] = out_grad[t, (j * threads + tid) * _VEC + k]
+                    for i in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            xr[i, k] = x[t, i, (j * threads + tid) * _VEC + k]
+                        for k in T.vectorized(_VEC):
+                            xg[i, k] = x_grad[t, i, (j * threads + tid) * _VEC + k]
+                    for k in T.unroll(_VEC):
+                        gf[k] = T.cast(gr[k], f32)
+                    for i in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            part[i] += gf[k] * T.cast(xr[i, k], f32)
+                        for k in T.vectorized(_VEC):
+                            x_grad[t, i, (j * threads + tid) * _VEC + k] = T.cast(T.cast(xg[i, k], f32) + mx[i] * gf[k], bf16)
+            for i in T.unroll(m):
+                part[i] = T.warp_reduce_sum(part[i])
+            if lane == 0:
+                for i in T.unroll(m):
+                    red[i, wid] = part[i]
+            T.sync_threads()
+            if tid < m:
+                part[0] = red[tid, 0]
+                for w in T.unroll(1, nwarps):
+                    part[0] += red[tid, w]
+                mix_grad[t, tid] = part[0]
+
+    return mhc_pre_apply_mix_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_apply_mix_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_pre_apply_mix_backward_key`), built once per key."""
+    return jit_compile("mhc_pre_apply_mix_backward", key, build_mhc_pre_apply_mix_backward(*key))
+
+
+def mhc_pre_apply_mix_backward(
+    out_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, x_grad: torch.Tensor, mix_grad: torch.Tensor
+) -> None:
+    """Launches the pre-apply-mix backward on the current stream.
+
+    Args:
+        out_grad: ``(T, H)`` bf16, ``T > 0``.
+        x: ``(T, m, H)`` bf16 residual.
+        mix: ``(T, m)`` f32.
+        x_grad: ``(T, m, H)`` bf16, accumulated in place (bf16 read-modify-write).
+        mix_grad: ``(T, m)`` f32, written (the op's new output).
+    """
+    kernel = get_mhc_pre_apply_mix_backward_kernel(*mhc_pre_apply_mix_backward_key(out_grad, x))
+    kernel(out_grad, x, mix, x_grad, mix_grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# mhc_post_forward / _backward (B.2.8)
+# ----------------------------------------------------------------------------------------------------
+
+
+def mhc_post_forward_key(x: torch.Tensor, residual: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    _, hc_mult, hidden_size = (int(s) for s in residual.shape)
+    _check_hidden("mhc_post_forward", hidden_size)
+    return (hidden_size, hc_mult)
+
+
+def build_mhc_post_forward(hidden_size: int, hc_mult: int):
+    """Builds ``out[t, o, d] = bf16(post[t, o] * f32(x[t, d]) + sum_{i=0..m-1} comb[t, i, o] * f32(res[t, i, d]))``,
+    accumulated in exactly that order (post term first, then i ascending).
+
+    Grid ``(column chunks, T)``; a thread loads its token's ``m + m*m`` scalars once (uniform
+    loads) and, per column vector, ``1 + m`` 16-byte loads and ``m`` 16-byte stores.
+
+    Args:
+        hidden_size: ``H`` (multiple of 64).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(x (T, H) bf16, residual (T, m, H) bf16, post_layer_mix (T, m) f32,
+        comb_res_mix (T, m, m) f32, out (T, m, H) bf16)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
+    # NOTE: 2 vectors per thread where possible: 2 * (1 + m) 16-byte loads in flight per thread
+    # (~60 registers with the 20 scalars), full occupancy.
+    nvc = 2 if nv % 2 == 0 else 1
+    chunks = nv // nvc
+    nvec = H // _VEC
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_post_forward_cuda(
+        x: T.Tensor((num_tokens, H), bf16),
+        residual: T.Tensor((num_tokens, m, H), bf16),
+        post_layer_mix: T.Tensor((num_tokens, m), f32),
+        comb_res_mix: T.Tensor((num_tokens, m, m), f32),
+        out: T.Tensor((num_tokens, m, H), bf16),
+    ):
+        with T.Kernel(chunks, num_tokens, threads=threads) as (cb, t):
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 80))
+            tid = T.get_thread_binding()
+            pr = T.alloc_local((m,), f32)
+            cr = T.alloc_local((m, m), f32)
+            xr = T.alloc_local((nvc, _VEC), bf16)
+            rr = T.alloc_local((nvc, m, _VEC), bf16)
+            xf = T.alloc_local((_VEC,), f32)
+            acc = T.alloc_local((_VEC,), f32)
+            for j in T.unroll(nvc):
+                if (not guarded) or ((cb * nvc + j) * threads + tid < nvec):
+                    for k in T.vectorized(_VEC):
+                        xr[j, k] = x[t, ((cb * nvc + j) * threads + tid) * _VEC + k]
+                    for i in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            rr[j, i, k] = residual[t, i, ((cb * nvc + j) * threads + tid) * _VEC + k]
+            for o in T.unroll(m):
+                pr[o] = post_layer_mix[t, o]
+            for i in T.unroll(m):
+                for o in T.unroll(m):
+                    cr[i, o] = comb_res_mix[t, i, o]
+            for j in T.unroll(nvc):
+                if (not guarded) or ((cb * nvc + j) * threads + tid < nvec):
+                    for k in T.unroll(_VEC):
+                        xf[k] = T.cast(xr[j, k], f32)
+                    for o in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            acc[k] = pr[o] * xf[k]
+                            for i in T.unroll(m):
+                                acc[k] += cr[i, o] * T.cast(rr[j, i, k], f32)
+                        for k in T.vectorized(_VEC):
+                            out[t, o, ((cb * nvc + j) * threads + tid) * _VEC + k] = T.cast(acc[k], bf16)
+
+    return mhc_post_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_post_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_post_forward_key`), built once per key."""
+    return jit_compile("mhc_post_forward", key, build_mhc_post_forward(*key))
+
+
+def mhc_post_forward(
+    x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Launches the mHC post forward on the current stream (flat 3-D shapes, inputs validated upstream).
+
+    Args:
+        x: ``(T, H)`` bf16 sublayer output, ``T > 0``, ``H % 64 == 0``.
+        residual: ``(T, m, H)`` bf16.
+        post_layer_mix: ``(T, m)`` f32 (a ``(T, m, 1)`` view is accepted).
+        comb_res_mix: ``(T, m, m)`` f32, ``comb[t, i, o]`` from input stream ``i`` to output ``o``.
+        out: ``(T, m, H)`` bf16, written (the op's new output).
+    """
+    kernel = get_mhc_post_forward_kernel(*mhc_post_forward_key(x, residual))
+    kernel(x, residual, post_layer_mix.reshape(residual.shape[0], residual.shape[1]), comb_res_mix, out)
+
+
+def mhc_post_backward_key(x: torch.Tensor, residual: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count); only ``m = 4`` is supported."""
+    _, hc_mult, hidden_size = (int(s) for s in residual.shape)
+    _check_hidden("mhc_post_backward", hidden_size)
+    if hc_mult != 4:
+        raise ValueError(f"mhc_post_backward: only hc_mult = 4 is supported on CUDA, got {hc_mult}")
+    return (hidden_size, hc_mult)
+
+
+def build_mhc_post_backward(hidden_size: int, hc_mult: int):
+    """Builds the mHC post backward (one CTA per token).
+
+    ``d_x[t, d] = bf16(sum_o f32(d_o[t, o, d]) * post[t, o])``,
+    ``d_res[t, i, d] = bf16(sum_o comb[t, i, o] * f32(d_o[t, o, d]))`` (o ascending),
+    ``d_post[t, o] = sum_d f32(d_o[t, o, d]) * f32(x[t, d])`` and
+    ``d_comb[t, i, o] = sum_d f32(res[t, i, d]) * f32(d_o[t, o, d])``: ``m + m*m`` per-thread fp32
+    partials, a butterfly warp reduction and an ascending-warp-order sum (deterministic).
+
+    Args:
+        hidden_size: ``H`` (multiple of 64).
+        hc_mult: ``m`` (4).
+
+    Returns:
+        ``T.prim_func(x (T, H) bf16, residual (T, m, H) bf16, post_layer_mix (T, m) f32,
+        comb_res_mix (T, m, m) f32, d_o (T, m, H) bf16, d_x (T, H) bf16, d_residual (T, m, H) bf16,
+        d_post (T, m) f32, d_comb (T, m, m) f32)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    threads, nv, guarded = _row_layout(H, _RED_MAX_THREADS)
+    nwarps = threads // 32
+    nred = m + m * m  # d_post (m) then d_comb (m*m, row-major [i, o])
+    nvec = H // _VEC
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_post_backward_cuda(
+        x: T.Tensor((num_tokens, H), bf16),
+        residual: T.Tensor((num_tokens, m, H), bf16),
+        post_layer_mix: T.Tensor((num_tokens, m), f32),
+        comb_res_mix: T.Tensor((num_tokens, m, m), f32),
+        d_o: T.Tensor((num_tokens, m, H), bf16),
+        d_x: T.Tensor((num_tokens, H), bf16),
+        d_residual: T.Tensor((num_tokens, m, H), bf16),
+        d_post: T.Tensor((num_tokens, m), f32),
+        d_comb: T.Tensor((num_tokens, m, m), f32),
+    ):
+        with T.Kernel(num_tokens, threads=threads) as t:
+            # NOTE: <= 256 threads, vectors processed one at a time (9 x 16-byte loads each, the next
+            # vector's loads hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per
+            # thread: ~96 registers, 2-3 token CTAs per SM overlap reductions with loads.
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 128))
+            tid = T.get_thread_binding()
+            lane = tid % 32
+            wid = tid // 32
+            pr = T.alloc_local((m,), f32)
+            cr = T.alloc_local((m, m), f32)
+            xr = T.alloc_local((_VEC,), bf16)
+            rr = T.alloc_local((m, _VEC), bf16)
+            gr = T.alloc_local((m, _VEC), bf16)
+            xf = T.alloc_local((_VEC,), f32)
+            rf = T.alloc_local((m, _VEC), f32)
+            gf = T.alloc_local((m, _VEC), f32)
+            acc = T.alloc_local((_VEC,), f32)
+            part = T.alloc_local((nred,), f32)
+            red = T.alloc_shared((nred, nwarps), f32)
+            for o in T.unroll(m):
+                pr[o] = post_layer_mix[t, o]
+            for i in T.unroll(m):
+                for o in T.unroll(m):
+                    cr[i, o] = comb_res_mix[t, i, o]
+            for r in T.unroll(nred):
+                part[r] = 0.0
+            for j in T.unroll(nv):
+                if (not guarded) or (j * threads + tid < nvec):
+                    for o in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            gr[o, k] = d_o[t, o, (j * threads + tid) * _VEC + k]
+                    for k in T.vectorized(_VEC):
+                        xr[k] = x[t, (j * threads + tid) * _VEC + k]
+                    for i in T.unroll(m):
+                        for k in T.vectorized(_VEC):
+                            rr[i, k] = residual[t, i, (j * threads + tid) * _VEC + k]
+                    for o in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            gf[o, k] = T.cast(gr[o, k], f32)
+                    for k in T.unroll(_VEC):
+                        xf[k] = T.cast(xr[k], f32)
+                    for i in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            rf[i, k] = T.cast(rr[i, k], f32)
+                    # d_x = sum_o d_o[o] * post[o]
+                    for k in T.unroll(_VEC):
+                        acc[k] = gf[0, k] * pr[0]
+                        for o in T.unroll(1, m):
+                            acc[k] += gf[o, k] * pr[o]
+                    for k in T.vectorized(_VEC):
+                        d_x[t, (j * threads + tid) * _VEC + k] = T.cast(acc[k], bf16)
+                    # d_residual[i] = sum_o comb[i, o] * d_o[o]
+                    for i in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            acc[k] = cr[i, 0] * gf[0, k]
+                            for o in T.unroll(1, m):
+                                acc[k] += cr[i, o] * gf[o, k]
+                        for k in T.vectorized(_VEC):
+                            d_residual[t, i, (j * threads + tid) * _VEC + k] = T.cast(acc[k], bf16)
+                    # partials of d_post[o] and d_comb[i, o]
+                    for o in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            part[o] += gf[o, k] * xf[k]
+                    for i in T.unroll(m):
+                        for o in T.unroll(m):
+                            for k in T.unroll(_VEC):
+                                part[m + i * m + o] += rf[i, k] * gf[o, k]
+            for r in T.unroll(nred):
+                part[r] = T.warp_reduce_sum(part[r])
+            if lane == 0:
+                for r in T.unroll(nred):
+                    red[r, wid] = part[r]
+            T.sync_threads()
+            if tid < nred:
+                part[0] = red[tid, 0]
+                for w in T.unroll(1, nwarps):
+                    part[0] += red[tid, w]
+                if tid < m:
+                    d_post[t, tid] = part[0]
+                else:
+                    d_comb[t, (tid - m) // m, (tid - m) % m] = part[0]
+
+    return mhc_post_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_post_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`mhc_post_backward_key`), built once per key."""
+    return jit_compile("mhc_post_backward", key, build_mhc_post_backward(*key))
+
+
+def mhc_post_backward(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_layer_mix: torch.Tensor,
+    comb_res_mix: torch.Tensor,
+    d_o: torch.Tensor,
+    d_x: torch.Tensor,
+    d_residual: torch.Tensor,
+    d_post: torch.Tensor,
+    d_comb: torch.Tensor,
+) -> None:
+    """Launches the mHC post backward on the current stream (flat 3-D shapes, ``m = 4``).
+
+    Args:
+        x: ``(T, H)`` bf16, ``T > 0``.
+        residual: ``(T, m, H)`` bf16.
+        post_layer_mix: ``(T, m)`` f32 (``(T, m, 1)`` accepted).
+        comb_res_mix: ``(T, m, m)`` f32.
+        d_o: ``(T, m, H)`` bf16.
+        d_x: ``(T, H)`` bf16, written.
+        d_residual: ``(T, m, H)`` bf16, written.
+        d_post: ``(T, m)`` f32 (``(T, m, 1)`` accepted), written.
+        d_comb: ``(T, m, m)`` f32, written.
+    """
+    kernel = get_mhc_post_backward_kernel(*mhc_post_backward_key(x, residual))
+    n, m = residual.shape[0], residual.shape[1]
+    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, d_o, d_x, d_residual, d_post.view(n, m), d_comb)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def streaming_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Every streaming kernel variant at ``hidden_size``, as un-compiled prim_funcs (CPU build tests).
+
+    Case names: ``expand_fwd``, ``expand_bwd``, ``normw_merge_fwd``, ``normw_merge_bwd`` (``M3 = m(m+2)``,
+    ``K = m * H``), ``pre_apply_mix_fwd``, ``pre_apply_mix_bwd``, ``post_fwd``, ``post_bwd``.
+
+    Returns:
+        ``{case name: T.prim_func}``.
+    """
+    H, m = hidden_size, hc_mult
+    m3 = m * (m + 2)
+    return {
+        "expand_fwd": build_expand_to_mhc_forward(H, m),
+        "expand_bwd": build_expand_to_mhc_backward(H, m),
+        "normw_merge_fwd": build_mhc_fn_normw_merge_forward(m3, m * H),
+        "normw_merge_bwd": build_mhc_fn_normw_merge_backward(m3, m * H),
+        "pre_apply_mix_fwd": build_mhc_pre_apply_mix_forward(H, m),
+        "pre_apply_mix_bwd": build_mhc_pre_apply_mix_backward(H, m),
+        "post_fwd": build_mhc_post_forward(H, m),
+        "post_bwd": build_mhc_post_backward(H, m),
+    }
+
+
+lowering_cases = streaming_lowering_cases

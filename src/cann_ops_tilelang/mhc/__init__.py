@@ -1,0 +1,43 @@
+"""mHC (manifold-constrained hyper-connection) primitives (OPS.md §B.2, §C): custom ops and validation."""
+
+from .ops import (
+    expand_to_mhc_backward,
+    expand_to_mhc_forward,
+    mhc_fn_normw_merge_backward,
+    mhc_fn_normw_merge_forward,
+    mhc_gemm_with_sqrsum_backward,
+    mhc_gemm_with_sqrsum_forward,
+    mhc_head_compute_mix_backward,
+    mhc_head_compute_mix_forward,
+    mhc_post_backward,
+    mhc_post_forward,
+    mhc_pre_apply_mix_backward,
+    mhc_pre_apply_mix_forward,
+    mhc_pre_split_mixes_backward,
+    mhc_pre_split_mixes_forward,
+    mhc_reduce_partials_and_rmsnorm_backward,
+    mhc_reduce_partials_and_rmsnorm_forward,
+    mhc_sinkhorn_backward,
+    mhc_sinkhorn_forward,
+)
+
+__all__ = [
+    "expand_to_mhc_backward",
+    "expand_to_mhc_forward",
+    "mhc_fn_normw_merge_backward",
+    "mhc_fn_normw_merge_forward",
+    "mhc_gemm_with_sqrsum_backward",
+    "mhc_gemm_with_sqrsum_forward",
+    "mhc_head_compute_mix_backward",
+    "mhc_head_compute_mix_forward",
+    "mhc_post_backward",
+    "mhc_post_forward",
+    "mhc_pre_apply_mix_backward",
+    "mhc_pre_apply_mix_forward",
+    "mhc_pre_split_mixes_backward",
+    "mhc_pre_split_mixes_forward",
+    "mhc_reduce_partials_and_rmsnorm_backward",
+    "mhc_reduce_partials_and_rmsnorm_forward",
+    "mhc_sinkhorn_backward",
+    "mhc_sinkhorn_forward",
+]

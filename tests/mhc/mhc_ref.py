@@ -1,0 +1,266 @@
+"""Device-free PyTorch references of the mHC primitives (OPS.md §B.2 and §C).
+
+Each ``*_ref`` function follows the op's contract: same arguments (buffers the op writes are written
+here too), accumulation orders where the contract fixes them, fp32 arithmetic. The ``*_model``
+functions are the differentiable maths (any float dtype) used to check the references' backward
+formulas against autograd in float64.
+"""
+
+import torch
+
+HC_MULT = 4
+
+
+def _f(t: torch.Tensor) -> torch.Tensor:
+    """fp32 view of an op input; float64 stays float64 (the autograd cross-checks run in float64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def m3(m: int = HC_MULT) -> int:
+    return m * (m + 2)
+
+
+# --- B.2.1 expand --------------------------------------------------------------------------------------
+
+
+def expand_to_mhc_forward_ref(x, out) -> None:
+    out.copy_(x.unsqueeze(1).expand(out.shape))
+
+
+def expand_to_mhc_backward_ref(out_grad, x_grad) -> None:
+    acc = _f(out_grad[:, 0])
+    for i in range(1, out_grad.shape[1]):
+        acc = acc + _f(out_grad[:, i])
+    x_grad.copy_(acc.to(x_grad.dtype))
+
+
+# --- B.2.2 normw merge ---------------------------------------------------------------------------------
+
+
+def mhc_fn_normw_merge_forward_ref(fn, normw, out_fn) -> None:
+    out_fn.copy_(fn * normw)
+
+
+def mhc_fn_normw_merge_backward_ref(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
+    fn_grad += out_fn_grad * normw
+    row_sum = torch.zeros_like(normw)
+    for r in range(fn.shape[0]):
+        row_sum = row_sum + out_fn_grad[r] * fn[r]
+    normw_grad += row_sum
+
+
+# --- B.2.3 pre-norm GEMM with sum of squares ----------------------------------------------------------------
+
+
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> TF32 (10 mantissa bits), rounding half away from zero on the 13 dropped bits."""
+    bits = t.float().contiguous().view(torch.int32)
+    rounded = (bits + 0x1000) & ~0x1FFF
+    keep = torch.isfinite(t.float())
+    return torch.where(keep, rounded.view(torch.float32), t.float())
+
+
+def split_ranges(k: int, n_splits: int) -> list[tuple[int, int]]:
+    """Column ranges of the split-K partials: ``K/64`` blocks, split ``s`` gets ``nb // S`` blocks plus
+    one when ``s < nb % S``, in order."""
+    blocks = k // 64
+    ranges, start = [], 0
+    for s in range(n_splits):
+        count = blocks // n_splits + (1 if s < blocks % n_splits else 0)
+        ranges.append((start * 64, (start + count) * 64))
+        start += count
+    return ranges
+
+
+def mhc_gemm_with_sqrsum_forward_ref(x, fn, n_splits):
+    """Returns ``(out_mul_part (S, T, M3), sqrsum_part (S, T))``: TF32 ``fn`` (x is exact), fp64
+    accumulation rounded to fp32 (the tolerance-tested oracle)."""
+    xd = x.double()
+    fd = tf32_round(fn).double()
+    parts, sqs = [], []
+    for lo, hi in split_ranges(x.shape[1], n_splits):
+        parts.append((xd[:, lo:hi] @ fd[:, lo:hi].T).float())
+        sqs.append(xd[:, lo:hi].square().sum(-1).float())
+    return torch.stack(parts).contiguous(), torch.stack(sqs).contiguous()
+
+
+def mhc_gemm_with_sqrsum_backward_ref(out_mul_grad, sqrsum_grad, x, fn, x_grad):
+    """Accumulates into ``x_grad`` (bf16 read-modify-write); returns ``fn_grad (M3, K)`` fp32."""
+    xf = x.double()
+    g = out_mul_grad.double()
+    delta = g @ fn.double() + 2 * xf * sqrsum_grad.double().unsqueeze(-1)
+    acc = torch.float64 if x_grad.dtype == torch.float64 else torch.float32  # float64 in the autograd check
+    x_grad.copy_((x_grad.to(acc) + delta.to(acc)).to(x_grad.dtype))
+    return (g.T @ xf).to(out_mul_grad.dtype).contiguous()
+
+
+# --- B.2.4 reduce partials + RMSNorm -------------------------------------------------------------------------
+
+
+def mhc_reduce_partials_and_rmsnorm_forward_ref(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out,
+                                                rms_group_size, rms_eps, n_splits) -> None:
+    om = out_mul_splitted[0].clone()
+    sq = sqrsum_splitted[0].clone()
+    for s in range(1, n_splits):
+        om = om + out_mul_splitted[s]
+        sq = sq + sqrsum_splitted[s]
+    r = torch.rsqrt(sq / rms_group_size + rms_eps)
+    res = torch.zeros_like(out)
+    for g in range(om.shape[1]):
+        res = res + om[:, g] * r[:, g : g + 1]
+    out_mul.copy_(om)
+    sqrsum.copy_(sq)
+    out.copy_(res)
+
+
+def mhc_reduce_partials_and_rmsnorm_backward_ref(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad,
+                                                 rms_group_size, rms_eps) -> None:
+    r = torch.rsqrt(sqrsum / rms_group_size + rms_eps)
+    out_mul_grad.copy_(out_grad.unsqueeze(1) * r.unsqueeze(-1))
+    rho = (out_grad.unsqueeze(1) * out_mul).sum(-1)
+    sqrsum_grad.copy_(-rho * r / (2 * (sqrsum + rms_eps * rms_group_size)))
+
+
+def reduce_rmsnorm_model(out_mul, sqrsum, rms_group_size, rms_eps):
+    r = torch.rsqrt(sqrsum / rms_group_size + rms_eps)
+    return (out_mul * r.unsqueeze(-1)).sum(1)
+
+
+# --- B.2.5 split mixes ------------------------------------------------------------------------------------
+
+
+def _segments(m, device):
+    seg = torch.full((m3(m),), 2, dtype=torch.long, device=device)
+    seg[:m] = 0
+    seg[m : 2 * m] = 1
+    return seg
+
+
+def mhc_pre_split_mixes_forward_ref(input_mixes, mhc_scale, mhc_base, pre, post, comb, post_mult_value,
+                                    pre_eps) -> None:
+    m = pre.shape[1]
+    z = input_mixes * mhc_scale[_segments(m, input_mixes.device)] + mhc_base
+    pre.copy_(torch.sigmoid(z[:, :m]) + pre_eps)
+    post.copy_(torch.sigmoid(z[:, m : 2 * m]) * post_mult_value)
+    comb.copy_(z[:, 2 * m :])
+
+
+def mhc_pre_split_mixes_backward_ref(pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base,
+                                     input_mixes_grad, mhc_scale_grad, mhc_base_grad, post_mult_value) -> None:
+    m = pre_grad.shape[1]
+    seg = _segments(m, input_mixes.device)
+    z = input_mixes * mhc_scale[seg] + mhc_base
+    s = torch.sigmoid(z[:, :m])
+    dz = torch.cat([pre_grad * s * (1 - s), post_grad * post * (1 - post / post_mult_value), comb_grad], dim=1)
+    input_mixes_grad.copy_(dz * mhc_scale[seg])
+    mhc_base_grad.copy_(dz.sum(0))
+    prod = (dz * input_mixes).sum(0)
+    mhc_scale_grad.copy_(torch.stack([prod[seg == c].sum() for c in range(3)]))
+
+
+def split_mixes_model(input_mixes, mhc_scale, mhc_base, m, post_mult_value, pre_eps):
+    z = input_mixes * mhc_scale[_segments(m, input_mixes.device)] + mhc_base
+    return torch.sigmoid(z[:, :m]) + pre_eps, torch.sigmoid(z[:, m : 2 * m]) * post_mult_value, z[:, 2 * m :]
+
+
+# --- B.2.6 Sinkhorn ------------------------------------------------------------------------------------------
+
+
+def sinkhorn_model(x, repeat, eps):
+    """The forward as differentiable torch ops (also the fp32 reference)."""
+    y = torch.softmax(x, dim=-1) + eps
+    y = y / (y.sum(-2, keepdim=True) + eps)
+    for _ in range(repeat - 1):
+        y = y / (y.sum(-1, keepdim=True) + eps)
+        y = y / (y.sum(-2, keepdim=True) + eps)
+    return y
+
+
+def mhc_sinkhorn_forward_ref(comb, comb_out, repeat, eps) -> None:
+    comb_out.copy_(sinkhorn_model(comb, repeat, eps))
+
+
+def mhc_sinkhorn_backward_ref(grad_output, x, grad_input, repeat, eps) -> None:
+    """The recompute backward of B.2.6 (explicit per-step formulas)."""
+    p = torch.softmax(x, dim=-1)
+    y = p + eps
+    steps = []  # (axis, input, raw sum)
+    axes = [-2] + [a for _ in range(repeat - 1) for a in (-1, -2)]
+    for axis in axes:
+        total = y.sum(axis, keepdim=True)
+        steps.append((axis, y, total))
+        y = y / (total + eps)
+    g = grad_output
+    for axis, u, total in reversed(steps):
+        denom = total + eps
+        g = (g - (g * u).sum(axis, keepdim=True) / denom) / denom
+    grad_input.copy_((g - (g * p).sum(-1, keepdim=True)) * p)
+
+
+# --- B.2.7 pre apply mix -----------------------------------------------------------------------------------
+
+
+def mhc_pre_apply_mix_forward_ref(x, mix, out) -> None:
+    acc = mix[:, 0:1] * _f(x[:, 0])
+    for i in range(1, x.shape[1]):
+        acc = acc + mix[:, i : i + 1] * _f(x[:, i])
+    out.copy_(acc.to(out.dtype))
+
+
+def mhc_pre_apply_mix_backward_ref(out_grad, x, mix, x_grad):
+    og = _f(out_grad)
+    x_grad.copy_((_f(x_grad) + mix.unsqueeze(-1) * og.unsqueeze(1)).to(x_grad.dtype))
+    return (og.unsqueeze(1) * _f(x)).sum(-1)
+
+
+def apply_mix_model(x, mix):
+    return (mix.unsqueeze(-1) * x).sum(1)
+
+
+# --- B.2.8 post --------------------------------------------------------------------------------------------
+
+
+def mhc_post_forward_ref(x, residual, post_layer_mix, comb_res_mix):
+    acc = post_layer_mix.unsqueeze(-1) * x.float().unsqueeze(1)
+    for i in range(residual.shape[1]):
+        acc = acc + comb_res_mix[:, i, :].unsqueeze(-1) * residual[:, i].float().unsqueeze(1)
+    return acc.to(torch.bfloat16)
+
+
+def mhc_post_backward_ref(x, residual, post_layer_mix, comb_res_mix, d_o):
+    do = d_o.float()
+    d_x = (do * post_layer_mix.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+    d_residual = torch.einsum("nio,nod->nid", comb_res_mix, do).to(torch.bfloat16)
+    d_post = (do * x.float().unsqueeze(1)).sum(-1)
+    d_comb = torch.einsum("nid,nod->nio", residual.float(), do)
+    return d_x, d_residual, d_post, d_comb
+
+
+def post_model(x, residual, post_layer_mix, comb_res_mix):
+    return post_layer_mix.unsqueeze(-1) * x.unsqueeze(1) + torch.einsum("nio,nid->nod", comb_res_mix, residual)
+
+
+# --- B.2.9 head mix ----------------------------------------------------------------------------------------
+
+
+def mhc_head_compute_mix_forward_ref(input_mix, mhc_scale, mhc_base, output_mix, pre_eps) -> None:
+    output_mix.copy_(torch.sigmoid(input_mix * mhc_scale[0] + mhc_base) + pre_eps)
+
+
+def worker_ranges(tokens: int, partials: int) -> list[tuple[int, int]]:
+    per = -(-tokens // partials) if tokens else 0
+    return [(min(p * per, tokens), min((p + 1) * per, tokens)) for p in range(partials)]
+
+
+def mhc_head_compute_mix_backward_ref(output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad,
+                                      mhc_scale_grad_partial, mhc_base_grad_partial) -> None:
+    s = torch.sigmoid(input_mix * mhc_scale[0] + mhc_base)
+    dz = output_mix_grad * s * (1 - s)
+    input_mix_grad.copy_(dz * mhc_scale[0])
+    for p, (lo, hi) in enumerate(worker_ranges(input_mix.shape[0], mhc_scale_grad_partial.shape[0])):
+        mhc_scale_grad_partial[p, 0] = (dz[lo:hi] * input_mix[lo:hi]).sum()
+        mhc_base_grad_partial[p] = dz[lo:hi].sum(0)
+
+
+def head_mix_model(input_mix, mhc_scale, mhc_base, pre_eps):
+    return torch.sigmoid(input_mix * mhc_scale[0] + mhc_base) + pre_eps

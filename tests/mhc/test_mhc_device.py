@@ -1,0 +1,150 @@
+"""Device tier of the mHC primitives (CUDA GPU or Ascend NPU; skipped without one): every op against
+its fp32 reference with the tolerances of OPS.md §E.2, buffers that ops accumulate into start with
+random content (the contract's use of the prior content is checked), Sinkhorn also with large logits
+and R in {1, 10, 20}, and opcheck on the device."""
+
+import pytest
+import torch
+from _plugins.device import requires_device
+from _plugins.levels import level_choice
+from mhc_cases import OPS, make_args
+
+import mhc_ref as ref
+
+pytestmark = requires_device
+
+TOKENS = level_choice([1, 509], [0, 1, 509, 1001, 8192], [0, 1, 509, 1001, 4096, 8192, 16384])
+HIDDEN_SIZES = level_choice([1280, 4096], [1280, 2560, 4096, 7168], [1280, 2560, 4096, 5120, 7168])
+HIDDEN = [pytest.param(h, marks=pytest.mark.xdist_group(f"mhc-H{h}")) for h in HIDDEN_SIZES]
+PER_TOKEN_OPS = [op for op in OPS if any(k in op for k in ("split_mixes", "sinkhorn", "head", "reduce_partials"))]
+STREAMING_OPS = [op for op in OPS if op not in PER_TOKEN_OPS]
+
+
+def calc_diff(x, y):
+    x, y = x.double(), y.double()
+    denominator = (x * x + y * y).sum()
+    return 0.0 if denominator == 0 else float(((x - y) ** 2).sum() / denominator)
+
+
+def bf16_close(got, want):
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
+
+
+def run_both(name, args):
+    """Runs the op on the device and the reference on copies; returns (op result, op args, ref result, ref args)."""
+    ours_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    ours = getattr(torch.ops.cann_ops_tilelang, name).default(*ours_args)
+    want = getattr(ref, f"{name.removesuffix('_out')}_ref")(*(ref_args[:-1] if name.endswith("_out") else ref_args))
+    if name.endswith("_out"):
+        ref_args[-1].copy_(want)
+    return ours, ours_args, want, ref_args
+
+
+def check(name, ours, oa, want, ra, tokens):
+    """The per-op comparison (OPS.md §E.2)."""
+    if name == "expand_to_mhc_forward":
+        assert torch.equal(oa[1], ra[1])  # a copy: bitwise
+    elif name == "expand_to_mhc_backward":
+        bf16_close(oa[1], ra[1])
+    elif name.startswith("mhc_fn_normw_merge"):
+        for i in range(2, len(oa)):
+            assert calc_diff(oa[i], ra[i]) < 1e-8
+    elif name == "mhc_gemm_with_sqrsum_forward":
+        assert calc_diff(ours[0].sum(0), want[0].sum(0)) < 1e-8
+        assert calc_diff(ours[1].sum(0), want[1].sum(0)) < 1e-8
+    elif name == "mhc_gemm_with_sqrsum_backward":
+        bf16_close(oa[4], ra[4])
+        torch.testing.assert_close(ours, want, rtol=1e-3, atol=3e-2)
+    elif name == "mhc_reduce_partials_and_rmsnorm_forward":
+        for i in (2, 3, 4):
+            torch.testing.assert_close(oa[i], ra[i], rtol=1e-5, atol=1e-5)
+    elif name == "mhc_reduce_partials_and_rmsnorm_backward":
+        for i in (3, 4):
+            assert calc_diff(oa[i], ra[i]) < 1e-8
+    elif name.startswith("mhc_pre_split_mixes"):
+        for i in range(len(oa)):
+            if isinstance(oa[i], torch.Tensor):
+                torch.testing.assert_close(oa[i], ra[i], rtol=1e-5, atol=2e-5)
+    elif name.startswith("mhc_sinkhorn"):
+        torch.testing.assert_close(oa[2 if name.endswith("backward") else 1], ra[2 if name.endswith("backward") else 1])
+    elif name == "mhc_pre_apply_mix_forward":
+        torch.testing.assert_close(oa[2], ra[2], rtol=1e-3, atol=1e-2)
+    elif name == "mhc_pre_apply_mix_backward":
+        torch.testing.assert_close(oa[3], ra[3], rtol=1e-3, atol=1e-2)
+        torch.testing.assert_close(ours, want, rtol=1e-3, atol=1e-2)
+    elif name in ("mhc_post_forward", "mhc_post_forward_out"):
+        bf16_close(ours if name == "mhc_post_forward" else oa[4], want if name == "mhc_post_forward" else ra[4])
+    elif name == "mhc_post_backward":
+        bf16_close(ours[0], want[0])
+        bf16_close(ours[1], want[1])
+        torch.testing.assert_close(ours[2], want[2], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours[3], want[3], rtol=1e-4, atol=1e-4)
+    elif name == "mhc_head_compute_mix_forward":
+        torch.testing.assert_close(oa[3], ra[3], rtol=1e-4, atol=1e-5)
+    elif name == "mhc_head_compute_mix_backward":
+        torch.testing.assert_close(oa[4], ra[4], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(oa[5].sum(0), ra[5].sum(0), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(oa[6].sum(0), ra[6].sum(0), rtol=1e-4, atol=1e-5)
+    else:
+        raise KeyError(name)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("name", STREAMING_OPS)
+def test_streaming_op_vs_reference(name, tokens, hidden, device, seed):
+    args = make_args(name, tokens, hidden, seed=seed, device=device)
+    check(name, *run_both(name, args), tokens)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("name", PER_TOKEN_OPS)
+def test_per_token_op_vs_reference(name, tokens, device, seed):
+    args = make_args(name, tokens, 4096, seed=seed, device=device)
+    check(name, *run_both(name, args), tokens)
+
+
+@pytest.mark.parametrize("repeat", [1, 10, 20])
+@pytest.mark.parametrize("name", ["mhc_sinkhorn_forward", "mhc_sinkhorn_backward"])
+def test_sinkhorn_repeats(name, repeat, device, seed):
+    args = make_args(name, 1001, 4096, seed=seed, device=device, repeat=repeat)
+    check(name, *run_both(name, args), 1001)
+
+
+@pytest.mark.parametrize("offset", [-100.0, 100.0])
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+@pytest.mark.parametrize("name", ["mhc_sinkhorn_forward", "mhc_sinkhorn_backward"])
+def test_sinkhorn_large_logits(name, offset, eps, device, seed):
+    args = make_args(name, 1024, 4096, seed=seed, device=device, logit_offset=offset, sinkhorn_eps=eps)
+    _, oa, _, ra = run_both(name, args)
+    out = 2 if name.endswith("backward") else 1
+    assert torch.isfinite(oa[out]).all()
+    torch.testing.assert_close(oa[out], ra[out], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mhc_fn_normw_merge_backward", "mhc_gemm_with_sqrsum_backward",
+                                  "mhc_pre_apply_mix_backward"])
+def test_accumulating_ops_use_the_prior_content(name, device, seed):
+    """x_grad / fn_grad / normw_grad are read-modify-write: a zero start and a random start differ by the
+    random start (within the output precision)."""
+    args = make_args(name, 509, 2560, seed=seed, device=device)
+    buffers = {"mhc_fn_normw_merge_backward": [3, 4], "mhc_gemm_with_sqrsum_backward": [4],
+               "mhc_pre_apply_mix_backward": [3]}[name]
+    zero_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    for i in buffers:
+        zero_args[i].zero_()
+    op = getattr(torch.ops.cann_ops_tilelang, name).default
+    prior = [args[i].clone() for i in buffers]
+    op(*args)
+    op(*zero_args)
+    for i, start in zip(buffers, prior):
+        got = args[i].float() - zero_args[i].float()
+        tol = dict(rtol=2e-2, atol=2e-2) if args[i].dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, start.float(), **tol)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck_on_device(name, device, seed):
+    torch.library.opcheck(getattr(torch.ops.cann_ops_tilelang, name).default,
+                          tuple(make_args(name, 37, 1280, seed=seed, device=device)))

@@ -1,0 +1,64 @@
+"""CPU tier: every mHC kernel lowers for both targets (Ascend 950: AscendC within the UB budget; CUDA:
+an sm_90a cubin, when nvcc is present), the per-token kernels once, the hidden-size-dependent ones at
+H in {1280, 2560, 4096, 7168}; and the token count is never part of a compile key."""
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from cann_ops_tilelang.kernels.ascend import _build as ascend_build  # noqa: E402
+from cann_ops_tilelang.kernels.ascend import mhc as ascend_mhc  # noqa: E402
+from cann_ops_tilelang.kernels.cuda import _build as cuda_build  # noqa: E402
+from cann_ops_tilelang.kernels.cuda import mhc as cuda_mhc  # noqa: E402
+
+HIDDEN = [1280, 2560, 4096, 7168]
+HAVE_NVCC = shutil.which("nvcc") is not None
+
+
+def cases(module):
+    """(H, case) pairs: per-token ("small/...") cases only at the first H, they do not depend on it."""
+    out = []
+    for h in HIDDEN:
+        out += [(h, name) for name in sorted(module.lowering_cases(h)) if h == HIDDEN[0] or not name.startswith("small/")]
+    return out
+
+
+@pytest.mark.parametrize("hidden,name", cases(ascend_mhc))
+def test_ascend_lowers_within_ub(hidden, name):
+    lowered = ascend_build.lower_ascendc(ascend_mhc.lowering_cases(hidden)[name])
+    assert "__aicore__" in lowered.source or "__global__" in lowered.source
+    assert 0 < lowered.ub_bytes <= lowered.budget_bytes, (name, hidden, lowered.ub_bytes, lowered.budget_bytes)
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("hidden,name", cases(cuda_mhc))
+def test_cuda_compiles_to_sm90a_cubin(hidden, name):
+    cubin = cuda_build.compile_cubin(cuda_mhc.lowering_cases(hidden)[name], arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+@pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])
+def test_every_op_has_a_launcher(module):
+    import cann_ops_tilelang as ops
+
+    for name in ops.registered_ops():
+        if name.startswith("engram") or name == "mhc_post_forward_out":
+            continue
+        assert callable(getattr(module, name, None)), (module.__name__, name)
+
+
+@pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])
+def test_token_count_is_dynamic(module):
+    from tvm import tirx
+
+    for name, prim_func in module.lowering_cases(2560).items():
+        dims = [prim_func.buffer_map[p].shape[0] for p in prim_func.params if p in prim_func.buffer_map]
+        if "normw" in name or name.endswith("_reduce"):
+            continue  # weight-only kernels and second-stage reductions of partials: no token dimension
+        assert any(isinstance(d, tirx.Var) for d in dims) or any(
+            any(isinstance(s, tirx.Var) for s in prim_func.buffer_map[p].shape)
+            for p in prim_func.params if p in prim_func.buffer_map
+        ), f"{name}: no dynamic dim in {dims}"
