@@ -1,0 +1,132 @@
+"""Benchmarks of the mHC primitives (run only when asked: ``-m benchmark``), side by side in one run:
+ours, the peer (DeepSeek tile_kernels 2.1.0, when importable), the eager PyTorch reference and the
+inductor-compiled reference, with the device copy ceiling measured in the same run. The pre-norm GEMM
+has no peer: it is compared with PyTorch's TF32 matmul plus a sum of squares (``torch_tf32``).
+
+Bytes: every tensor the op reads or writes once, buffers it accumulates into twice (OPS.md §E.3);
+``gbs = bytes / time_us / 1e3``. Results are compared with tests/mhc/benchmark/<chip>/.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+from _plugins.device import requires_cuda
+from mhc_cases import make_args
+
+import mhc_ref as ref
+
+pytestmark = [pytest.mark.benchmark, requires_cuda]
+
+HAVE_PEER = importlib.util.find_spec("tile_kernels") is not None
+SHAPES = [(512, 4096), (512, 7168), (8192, 4096), (8192, 7168)]
+# buffers each op accumulates into (read and written): counted twice
+ACCUMULATED = {"mhc_fn_normw_merge_backward": (3, 4), "mhc_gemm_with_sqrsum_backward": (4,),
+               "mhc_pre_apply_mix_backward": (3,)}
+
+
+def tensor_bytes(values):
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def as_tuple(result):
+    if result is None:
+        return ()
+    return result if isinstance(result, tuple) else (result,)
+
+
+def peer_call(name, args):
+    """The peer's entry point for ``name`` on our arguments, or None (no peer, or no such op there)."""
+    if not HAVE_PEER:
+        return None
+    from tile_kernels import mhc
+
+    short = name.replace("_forward", "_fwd").replace("_backward", "_bwd")
+    if name == "mhc_post_forward":
+        x, res, post, comb = args
+        t, m, h = res.shape
+        return lambda: mhc.mhc_post_fwd(x.view(1, t, h), res.view(1, t, m, h), post.view(1, t, m, 1),
+                                        comb.view(1, t, m, m))
+    if name == "mhc_post_backward":
+        x, res, post, comb, d_o = args
+        t, m, h = res.shape
+        return lambda: mhc.mhc_post_bwd(x.view(1, t, h), res.view(1, t, m, h), post.view(1, t, m, 1),
+                                        comb.view(1, t, m, m), d_o.view(1, t, m, h))
+    if name == "mhc_head_compute_mix_backward":
+        return lambda: mhc.mhc_head_compute_mix_bwd(*args, args[-1].shape[0])
+    fn = getattr(mhc, short, None)
+    return None if fn is None else (lambda: fn(*args))
+
+
+def bench_op(bench, device, name, tokens, hidden, case, **make):
+    args = make_args(name, tokens, hidden, device=device, **make)
+    op = getattr(torch.ops.cann_ops_tilelang, name).default
+    outputs = as_tuple(op(*args))
+    nbytes = tensor_bytes(args) + tensor_bytes(outputs) + tensor_bytes(args[i] for i in ACCUMULATED.get(name, ()))
+    reference = getattr(ref, f"{name}_ref")
+    torch._dynamo.reset()
+    compiled = torch.compile(reference, fullgraph=True, dynamic=False)
+    impls = {"ours": lambda: op(*args), "eager": lambda: reference(*args), "inductor": lambda: compiled(*args)}
+    peer = peer_call(name, args)
+    if peer is not None:
+        try:
+            peer()
+            impls["peer"] = peer
+        except Exception as exc:  # the peer's wrappers assert their own layouts; record that, don't fail
+            bench.record(case, impl="peer", error=f"{type(exc).__name__}: {exc}"[:300])
+    for impl, fn in impls.items():
+        bench.record(case, impl=impl, time_us=bench.time_us(fn), bytes=nbytes)
+
+
+def test_copy_ceiling(bench, device):
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    bench.record("copy_1GiB", impl="copy", time_us=bench.time_us(lambda: dst.copy_(src)), bytes=2 * src.numel())
+
+
+STREAMING = ["expand_to_mhc_forward", "expand_to_mhc_backward", "mhc_pre_apply_mix_forward",
+             "mhc_pre_apply_mix_backward", "mhc_post_forward", "mhc_post_backward", "mhc_gemm_with_sqrsum_forward",
+             "mhc_gemm_with_sqrsum_backward"]
+
+
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+@pytest.mark.parametrize("name", STREAMING)
+def test_bench_streaming(bench, device, name, tokens, hidden):
+    bench_op(bench, device, name, tokens, hidden, f"{name}-T{tokens}-H{hidden}")
+
+
+@pytest.mark.parametrize("tokens,hidden", [(8192, 4096), (8192, 7168)])
+def test_bench_gemm_vs_torch_tf32(bench, device, tokens, hidden):
+    x, fn, _ = make_args("mhc_gemm_with_sqrsum_forward", tokens, hidden, device=device)
+
+    def torch_tf32():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        xf = x.float()
+        return xf @ fn.T, xf.square().sum(-1)
+
+    nbytes = tensor_bytes([x, fn]) + tokens * (24 + 1) * 4
+    time_us = bench.time_us(torch_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bench.record(f"gemm_tf32-T{tokens}-H{hidden}", impl="torch_tf32", time_us=time_us, bytes=nbytes,
+                 tflops=2 * tokens * 24 * 4 * hidden / time_us / 1e6)
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+@pytest.mark.parametrize("name", ["mhc_fn_normw_merge_forward", "mhc_fn_normw_merge_backward"])
+def test_bench_normw(bench, device, name, hidden):
+    bench_op(bench, device, name, 0, hidden, f"{name}-K{4 * hidden}")
+
+
+@pytest.mark.parametrize("tokens", [512, 8192])
+@pytest.mark.parametrize("name", ["mhc_reduce_partials_and_rmsnorm_forward", "mhc_reduce_partials_and_rmsnorm_backward",
+                                  "mhc_pre_split_mixes_forward", "mhc_pre_split_mixes_backward",
+                                  "mhc_head_compute_mix_forward", "mhc_head_compute_mix_backward"])
+def test_bench_per_token(bench, device, name, tokens):
+    bench_op(bench, device, name, tokens, 4096, f"{name}-T{tokens}")
+
+
+@pytest.mark.parametrize("repeat", [10, 20])
+@pytest.mark.parametrize("tokens", [512, 8192])
+@pytest.mark.parametrize("name", ["mhc_sinkhorn_forward", "mhc_sinkhorn_backward"])
+def test_bench_sinkhorn(bench, device, name, tokens, repeat):
+    bench_op(bench, device, name, tokens, 4096, f"{name}-T{tokens}-R{repeat}", repeat=repeat)
