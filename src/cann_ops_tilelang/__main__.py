@@ -1,7 +1,8 @@
 """``python -m cann_ops_tilelang``: versions, backends and registered ops, then a demonstration.
 
-With a CUDA GPU or an Ascend NPU it runs every op once at a model shape and a few training steps of
-a small model that uses the Engram gate, with timings. On a CPU-only machine it lowers every kernel
+With a CUDA GPU or an Ascend NPU it runs every Engram op once at a model shape and a few training
+steps of a small model that uses the Engram gate, with timings (the mHC primitives join the
+demonstration once their device tier has run). On a CPU-only machine it lowers every kernel
 for both targets (AscendC source for Ascend 950; an sm_90a cubin for CUDA, when nvcc is present)
 and reports each, so the package can be seen working anywhere.
 """
@@ -19,7 +20,7 @@ from . import config
 from ._library import registered_ops
 from ._version import __version__
 
-FAMILIES = ("engram",)
+FAMILIES = ("engram", "mhc")
 
 
 def _version(dist: str) -> str:
@@ -100,7 +101,7 @@ def _run_on_device(device: str, tokens: int, hidden_size: int, steps: int) -> No
     x, kv, wh, we = randn(tokens, m, hidden_size), randn(tokens, m + 1, hidden_size), randn(m, hidden_size), randn(
         m, hidden_size
     )
-    print(f"every op once at T={tokens}, m={m}, H={hidden_size} (first call compiles):")
+    print(f"every Engram op once at T={tokens}, m={m}, H={hidden_size} (first call compiles):")
     wf = ops.engram_fused_weight(wh, we)
     out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6)
     gx, gkv, part = ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, 1e-6)
