@@ -41,13 +41,23 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
 
 
 @pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])
-def test_every_op_has_a_launcher(module):
+def test_every_op_has_a_launcher_with_its_schema(module):
+    """The op layer calls ``launcher(*op arguments, *new outputs)``: names and arity must match."""
+    import inspect
+
     import cann_ops_tilelang as ops
 
-    for name in ops.registered_ops():
+    for name, public in ops.registered_ops().items():
         if name.startswith("engram") or name == "mhc_post_forward_out":
             continue
-        assert callable(getattr(module, name, None)), (module.__name__, name)
+        launcher = getattr(module, name, None)
+        assert callable(launcher), (module.__name__, name)
+        schema = inspect.signature(public.prepare)
+        returns = public.op._opoverload._schema.returns
+        params = list(inspect.signature(launcher).parameters.values())
+        required = [p for p in params if p.default is inspect.Parameter.empty]
+        assert [p.name for p in params[: len(schema.parameters)]] == list(schema.parameters), name
+        assert len(required) <= len(schema.parameters) + len(returns) <= len(params), name
 
 
 @pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])
