@@ -14,7 +14,7 @@ Schedules:
   of the token-major tensors (``_FLAT_NV`` vectors per thread, strided by the CTA size so that every
   warp access is coalesced);
 * element-wise ops with per-token scalars (apply-mix forward, post forward) run a 2-D grid
-  ``(column chunks, tokens)``; a thread loads its token's scalars once (uniform loads, broadcast);
+  ``(tokens, column chunks)``; a thread loads its token's scalars once (uniform loads, broadcast);
 * per-token reductions (apply-mix backward, post backward) run one CTA per token: each thread keeps
   fp32 partial sums of its columns, the CTA reduces them with warp shuffles and one shared-memory
   step in a fixed order (deterministic, no atomics).
@@ -421,7 +421,7 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     """Builds ``out[t, d] = bf16(sum_{i=0..m-1} mix[t, i] * f32(x[t, i, d]))`` (i ascending, starting
     from the product ``mix_0 * x_0``).
 
-    Grid ``(column chunks, T)``; a thread loads its token's ``m`` mixes once and ``m`` 16-byte vectors
+    Grid ``(T, column chunks)``; a thread loads its token's ``m`` mixes once and ``m`` 16-byte vectors
     per column vector.
 
     Args:
@@ -447,7 +447,8 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     def mhc_pre_apply_mix_forward_cuda(
         x: T.Tensor((num_tokens, m, H), bf16), mix: T.Tensor((num_tokens, m), f32), out: T.Tensor((num_tokens, H), bf16)
     ):
-        with T.Kernel(chunks, num_tokens, threads=threads) as (cb, t):
+        # Tokens on grid x (up to 2**31 - 1 CTAs); grid y is limited to 65535.
+        with T.Kernel(num_tokens, chunks, threads=threads) as (t, cb):
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
             tid = T.get_thread_binding()
             mx = T.alloc_local((m,), f32)
@@ -617,7 +618,7 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     """Builds ``out[t, o, d] = bf16(post[t, o] * f32(x[t, d]) + sum_{i=0..m-1} comb[t, i, o] * f32(res[t, i, d]))``,
     accumulated in exactly that order (post term first, then i ascending).
 
-    Grid ``(column chunks, T)``; a thread loads its token's ``m + m*m`` scalars once (uniform
+    Grid ``(T, column chunks)``; a thread loads its token's ``m + m*m`` scalars once (uniform
     loads) and, per column vector, ``1 + m`` 16-byte loads and ``m`` 16-byte stores.
 
     Args:
@@ -648,7 +649,8 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
         comb_res_mix: T.Tensor((num_tokens, m, m), f32),
         out: T.Tensor((num_tokens, m, H), bf16),
     ):
-        with T.Kernel(chunks, num_tokens, threads=threads) as (cb, t):
+        # Tokens on grid x (up to 2**31 - 1 CTAs); grid y is limited to 65535.
+        with T.Kernel(num_tokens, chunks, threads=threads) as (t, cb):
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 80))
             tid = T.get_thread_binding()
             pr = T.alloc_local((m,), f32)
