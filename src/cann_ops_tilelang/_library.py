@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from . import config
+
 __all__ = ["NAMESPACE", "declare", "registered_ops"]
 
 NAMESPACE = "cann_ops_tilelang"
@@ -52,6 +54,16 @@ def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device |
                 if isinstance(item, torch.Tensor):
                     return item.device
     return None
+
+
+def _describe(arguments: dict[str, Any]) -> str:
+    parts = []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name}={tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}")
+        else:
+            parts.append(f"{name}={value!r}")
+    return ", ".join(parts)
 
 
 def _device_name(device: torch.device | None) -> str:
@@ -89,6 +101,8 @@ class _Op:
             bound = self.signature.bind(*args, **kwargs)
             bound.apply_defaults()
             outputs = self.prepare(*bound.args, **bound.kwargs)
+            if config.debug_enabled():
+                config.logger.debug("%s::%s on %s: %s", NAMESPACE, self.name, backend, _describe(bound.arguments))
             if self.launch is None:
                 raise NotImplementedError(f"{NAMESPACE}::{self.name} has no launch function")
             self.launch(_backend_module(backend, self.family), outputs, **bound.arguments)
@@ -139,6 +153,7 @@ def declare(name: str, *, family: str, mutates_args: Sequence[str] = ()) -> Call
             return fn
 
         public.op = custom
+        public.backend_kernel = op.kernel  # backend -> the device kernel (prepare + launch), for tests
         public.qualname = f"{NAMESPACE}::{name}"
         public.launch = set_launch
         public.prepare = prepare

@@ -5,8 +5,8 @@ neither TileLang nor torch_npu. Each query is computed on first use and cached.
 
 Environment variables (all optional; see the README for the full table):
 
-* ``OPS_TILELANG_DEBUG`` (bool, default off): log every kernel launch key at DEBUG level and make
-  the launchers synchronize-free checks stricter (no effect on results).
+* ``OPS_TILELANG_DEBUG`` (bool, default off): log every op call on a device (op, backend, argument
+  shapes and dtypes) at DEBUG level on the ``cann_ops_tilelang`` logger (no effect on results).
 * ``OPS_TILELANG_NUM_SMS`` (int, default: the device's count): override the number of CUDA SMs used
   to size persistent grids.
 * ``OPS_TILELANG_NUM_VEC_CORES`` (int, default: the NPU's count, else 64): override the number of
@@ -73,8 +73,9 @@ def env_int(name: str, default: int | None = None) -> int | None:
     return value
 
 
+@functools.cache
 def debug_enabled() -> bool:
-    """Whether ``OPS_TILELANG_DEBUG`` is on (read at each call; cheap)."""
+    """Whether ``OPS_TILELANG_DEBUG`` is on (read once, on first use)."""
     return env_flag("OPS_TILELANG_DEBUG")
 
 

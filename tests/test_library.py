@@ -1,0 +1,75 @@
+"""The op helper's device path on the CPU, with a stub backend module: prepare (validation and
+allocation) runs first, then the op's launch function hands the arguments and the new outputs to the
+backend's launcher; zero tokens launch nothing; OPS_TILELANG_DEBUG logs each call."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang import _library, config
+
+
+@pytest.fixture
+def stub_backend(monkeypatch):
+    calls = []
+
+    def record(name):
+        def launcher(*args):
+            calls.append((name, args))
+            for value in args:  # mark every floating output-like tensor the launcher was handed
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 2:
+                    value.fill_(7.0)
+        return launcher
+
+    module = types.SimpleNamespace(**{name: record(name) for name in ops.registered_ops()})
+    monkeypatch.setattr(_library, "_backend_module", lambda backend, family: module)
+    return calls
+
+
+def test_prepare_then_launch_with_new_outputs(stub_backend, monkeypatch, caplog):
+    monkeypatch.setattr(config, "debug_enabled", lambda: True)
+    wh = torch.ones(4, 512, dtype=torch.bfloat16)
+    we = torch.ones(4, 512, dtype=torch.bfloat16)
+    run = ops.engram_fused_weight.backend_kernel("cuda")
+    with caplog.at_level(logging.DEBUG, logger="cann_ops_tilelang"):
+        out = run(wh, we)
+    assert out.shape == (4, 512) and out.dtype == torch.float32 and torch.equal(out, torch.full((4, 512), 7.0))
+    (name, args), = stub_backend
+    assert name == "engram_fused_weight" and args[0] is wh and args[1] is we and args[2] is out
+    assert "cann_ops_tilelang::engram_fused_weight on cuda: weight_hidden=(4, 512):bfloat16" in caplog.text
+
+
+def test_bad_arguments_never_reach_the_backend(stub_backend):
+    run = ops.engram_fused_weight.backend_kernel("ascend")
+    with pytest.raises(ValueError):
+        run(torch.ones(4, 512, dtype=torch.bfloat16), torch.ones(4, 256, dtype=torch.bfloat16))
+    assert stub_backend == []
+
+
+def test_zero_tokens_launch_nothing(stub_backend):
+    x = torch.empty(0, 4, 512, dtype=torch.bfloat16)
+    kv = torch.empty(0, 5, 512, dtype=torch.bfloat16)
+    result = ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(x, kv, torch.ones(4, 512), 1e-6, 1e-6)
+    assert [t.shape for t in result] == [(0, 4, 512), (0, 4), (0, 4), (0, 4), (0, 4)]
+    mixes = torch.empty(0, 24)
+    scale_grad, base_grad = torch.full((3,), 5.0), torch.full((24,), 5.0)
+    ops.registered_ops()["mhc_pre_split_mixes_backward"].backend_kernel("cuda")(
+        torch.empty(0, 4), torch.empty(0, 4), torch.empty(0, 16), mixes, torch.empty(0, 4), torch.ones(3),
+        torch.ones(24), torch.empty(0, 24), scale_grad, base_grad, 2.0)
+    # sums over no tokens are zeros, written without a launch
+    assert torch.equal(scale_grad, torch.zeros(3)) and torch.equal(base_grad, torch.zeros(24))
+    assert stub_backend == []
+
+
+def test_mhc_launchers_get_arguments_then_new_outputs(stub_backend):
+    x = torch.randn(3, 4 * 256).bfloat16()
+    fn = torch.randn(24, 4 * 256)
+    run = ops.registered_ops()["mhc_gemm_with_sqrsum_forward"].backend_kernel("cuda")
+    parts, sq = run(x, fn, 4)
+    (name, args), = stub_backend
+    assert name == "mhc_gemm_with_sqrsum_forward"
+    assert args[0] is x and args[1] is fn and args[2] == 4 and args[3] is parts and args[4] is sq
+    assert parts.shape == (4, 3, 24) and sq.shape == (4, 3)
