@@ -501,7 +501,9 @@ def mhc_pre_apply_mix_backward_key(out_grad: torch.Tensor, x: torch.Tensor) -> t
 def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
     """Builds the pre-apply-mix backward (one CTA per token).
 
-    ``x_grad[t, i, d] = bf16(f32(x_grad[t, i, d]) + mix[t, i] * f32(out_grad[t, d]))`` (in place) and
+    ``x_grad[t, i, d] = bf16(f32(x_grad[t, i, d]) + mix[t, i] * f32(out_grad[t, d]))`` (in place; the
+    product is rounded before the add, as the contract writes it: nvcc would otherwise contract the two
+    into one FMA, whose single rounding moves the bf16 result by an ulp of the prior content) and
     ``mix_grad[t, i] = sum_d f32(out_grad[t, d]) * f32(x[t, i, d])``: per-thread fp32 partials over the
     thread's columns (vector slots ascending), a butterfly warp reduction, then one thread sums the warp
     results in ascending warp order (deterministic).
@@ -564,7 +566,8 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
                         for k in T.unroll(_VEC):
                             part[i] += gf[k] * T.cast(xr[i, k], f32)
                         for k in T.vectorized(_VEC):
-                            x_grad[t, i, (j * threads + tid) * _VEC + k] = T.cast(T.cast(xg[i, k], f32) + mx[i] * gf[k], bf16)
+                            x_grad[t, i, (j * threads + tid) * _VEC + k] = T.cast(
+                                T.cast(xg[i, k], f32) + T.ieee_mul(mx[i], gf[k]), bf16)
             for i in T.unroll(m):
                 part[i] = T.warp_reduce_sum(part[i])
             if lane == 0:
