@@ -66,7 +66,7 @@ def test_token_count_is_dynamic(module):
 
     for name, prim_func in module.lowering_cases(2560).items():
         dims = [prim_func.buffer_map[p].shape[0] for p in prim_func.params if p in prim_func.buffer_map]
-        if "normw" in name or name.endswith("_reduce"):
+        if "normw" in name or "fn_split" in name or name.endswith("_reduce"):
             continue  # weight-only kernels and second-stage reductions of partials: no token dimension
         assert any(isinstance(d, tirx.Var) for d in dims) or any(
             any(isinstance(s, tirx.Var) for s in prim_func.buffer_map[p].shape)

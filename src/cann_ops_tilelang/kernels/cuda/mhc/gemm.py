@@ -4,13 +4,16 @@ Forward (``mhc_gemm_with_sqrsum_forward``): ``out_mul_part[s, t, j] = sum_{k in 
 tf32(fn[j, k])`` and ``sqrsum_part[s, t] = sum_{k in K_s} f32(x[t, k])**2``, K cut into 64-column
 blocks (``nb = K / 64``), split ``s`` owning ``nb // S`` blocks plus one for ``s < nb % S``, in order.
 
-TF32 products on bf16 tensor cores: ``fn`` is rounded to TF32 in the kernel (add half a TF32 ulp to
-the int32 bit pattern, clear the low 13 bits: round-half-away, as the old TileKernels path) and the
-11-bit TF32 significand is split exactly into two bf16 values ``hi`` (top 8 bits) and ``lo`` (the
-remaining <= 3 bits). ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
+TF32 products on bf16 tensor cores: ``fn`` is rounded to TF32 (add half a TF32 ulp to the int32 bit
+pattern, clear the low 13 bits: round-half-away, as the old TileKernels path) and the 11-bit TF32
+significand is split exactly into two bf16 values ``hi`` (top 8 bits) and ``lo`` (the remaining <= 3
+bits), once per call by a small preparation kernel into a ``(2 M3, K)`` bf16 workspace (rows ``j``:
+hi, ``M3 + j``: lo). ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
 and ``acc_hi + acc_lo`` is the TF32 product sum, fp32-accumulated (same precision class as a TF32
-MMA). The CTA is one warpgroup on a 64-token x 64-column tile: two ``64 x 24 x 64`` WGMMAs per block
-(hi and lo), the sum of squares on the CUDA cores from the same shared tile.
+MMA). The main CTA is one warpgroup on 64 tokens: per step of ``BK`` columns (128 where every split
+owns an even number of 64-column blocks, else 64) one ``64 x 2M3 x BK`` WGMMA over the hi/lo rows, the
+sum of squares on the CUDA cores from the same shared tile, with the x and weight tiles of the next
+steps in flight (cp.async, ``_FWD_STAGES`` deep).
 
 Backward (``mhc_gemm_with_sqrsum_backward``): ``x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j] *
 fn[j, k] + 2 * f32(x[t, k]) * sg[t])`` (read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] *
@@ -32,9 +35,11 @@ import torch
 from .._build import jit_compile
 
 __all__ = [
+    "build_mhc_gemm_fn_split",
     "build_mhc_gemm_with_sqrsum_backward",
     "build_mhc_gemm_with_sqrsum_backward_reduce",
     "build_mhc_gemm_with_sqrsum_forward",
+    "get_mhc_gemm_fn_split_kernel",
     "get_mhc_gemm_with_sqrsum_backward_kernel",
     "get_mhc_gemm_with_sqrsum_backward_reduce_kernel",
     "get_mhc_gemm_with_sqrsum_forward_kernel",
@@ -43,15 +48,16 @@ __all__ = [
     "mhc_gemm_with_sqrsum_backward_key",
     "mhc_gemm_with_sqrsum_backward_partials",
     "mhc_gemm_with_sqrsum_forward",
+    "mhc_gemm_with_sqrsum_forward_block_k",
     "mhc_gemm_with_sqrsum_forward_key",
 ]
 
 _BLOCK_K = 64  # split granularity (the interface's 64-column blocks) and the K step of the forward
 _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
-# NOTE tuned for H200 (not yet measured): 4 stages of (64 x 64 bf16 x + 24 x 64 f32 fn) = 14 KiB
-# each, 3 in flight, ~62 KiB of shared memory per CTA with the bf16 hi/lo tiles: 3 CTAs per SM keep
-# ~72 KiB of x loads in flight per SM (HBM3e needs ~40 KiB).
-_FWD_STAGES = 4
+# NOTE measured on the H200 (T = 8192, S = 16): 128-column steps, 3 stages (90 KiB of shared memory,
+# 2 CTAs per SM) and the split-major grid give 79.9 / 131.1 us at H = 4096 / 7168 (3.54 / 3.70 TB/s,
+# fn preparation included); 64-column steps with 4-6 stages and 256-column steps were 1-10 % slower.
+_FWD_STAGES = {64: 6, 128: 3}
 _FWD_THREADS = 128
 _BWD_THREADS = 128  # 4 warps; a warp row covers the CTA's 64 columns (2 per lane, 4-byte accesses)
 _BWD_TARGET_CTAS = 8 * 132  # backward grid target: ~8 CTAs per H200 SM over all waves
@@ -74,112 +80,168 @@ def _check(op: str, rows: int, cols: int) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def mhc_gemm_with_sqrsum_forward_block_k(cols: int, n_splits: int) -> int:
+    """Columns per pipeline step of the forward at ``K = cols`` and ``S = n_splits``: 128 where every
+    split owns the same even number of 64-column blocks (so a step never straddles a split boundary),
+    else 64."""
+    nb = cols // _BLOCK_K
+    return 2 * _BLOCK_K if nb % n_splits == 0 and (nb // n_splits) % 2 == 0 else _BLOCK_K
+
+
 def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> tuple:
-    """Compile-time key ``(K, M3, S)`` (never the token count)."""
+    """Compile-time key ``(K, M3, S, block_k)`` (never the token count)."""
     rows, cols = (int(s) for s in fn.shape)
     _check("mhc_gemm_with_sqrsum_forward", rows, cols)
     if int(n_splits) < 1:
         raise ValueError(f"mhc_gemm_with_sqrsum_forward: n_splits must be >= 1, got {n_splits}")
-    return (cols, rows, int(n_splits))
+    return (cols, rows, int(n_splits), mhc_gemm_with_sqrsum_forward_block_k(cols, int(n_splits)))
 
 
-def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int):
-    """Builds the split-K forward.
+def build_mhc_gemm_fn_split(cols: int, rows: int):
+    """Builds the ``fn`` preparation of the forward: ``fhl[j] = hi(tf32(fn[j]))`` and
+    ``fhl[M3 + j] = lo(tf32(fn[j]))`` (see the module docstring), ``(2 * M3, K)`` bf16.
+
+    One pass over the ``M3 x K`` weight (1.5 MiB at K = 16384) so that the GEMM CTAs, which read each
+    weight block once per token tile, load ready bf16 operands and need no conversion step.
+    """
+    from tilelang import language as T
+
+    K, M3 = cols, rows
+    f32, bf16, u32 = T.float32, T.bfloat16, T.uint32
+    threads = 256
+    per_cta = threads * 4
+
+    @T.prim_func
+    def mhc_gemm_fn_split_cuda(fn: T.Tensor((M3, K), f32), fhl: T.Tensor((2 * M3, K), bf16)):
+        with T.Kernel(T.ceildiv(M3 * K, per_cta), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            v = T.alloc_local((4,), f32)
+            hi = T.alloc_local((4,), bf16)
+            lo = T.alloc_local((4,), bf16)
+            base = bx * per_cta + tid * 4
+            if base < M3 * K:
+                for k in T.vectorized(4):
+                    v[k] = fn[(base + k) // K, (base + k) % K]
+                for k in T.unroll(4):
+                    # TF32: add half a TF32 ulp to the bit pattern, clear the low 13 bits (round half
+                    # away); hi keeps the top 8 significand bits, lo the remaining <= 3 (both exact).
+                    hi[k] = T.cast(
+                        T.reinterpret((T.reinterpret(v[k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32), bf16)
+                    lo[k] = T.cast(
+                        T.reinterpret((T.reinterpret(v[k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFFE000, u32), f32)
+                        - T.reinterpret((T.reinterpret(v[k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32),
+                        bf16,
+                    )
+                for k in T.vectorized(4):
+                    fhl[(base + k) // K, (base + k) % K] = hi[k]
+                for k in T.vectorized(4):
+                    fhl[M3 + (base + k) // K, (base + k) % K] = lo[k]
+
+    return mhc_gemm_fn_split_cuda
+
+
+def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, block_k: int = _BLOCK_K,
+                                       stages: int | None = None, split_major: bool = True):
+    """Builds the split-K forward main kernel.
 
     Args:
         cols: ``K`` (multiple of 64).
         rows: ``M3`` (multiple of 8, <= 32).
         n_splits: ``S``.
+        block_k: columns per pipeline step (64, or 128 when every split owns an even number of
+            64-column blocks, see :func:`mhc_gemm_with_sqrsum_forward_block_k`).
+        stages: shared-memory pipeline depth (default: ``_FWD_STAGES[block_k]``).
+        split_major: grid ``(S, token tiles)`` (the S CTAs of one token tile are launched together
+            and read whole rows of x between them) instead of ``(token tiles, S)``.
 
     Returns:
-        ``T.prim_func(x (T, K) bf16, fn (M3, K) f32, out_mul_part (S, T, M3) f32, sqrsum_part (S, T) f32)``;
-        ``T`` is dynamic.
+        ``T.prim_func(x (T, K) bf16, fhl (2 M3, K) bf16, out_mul_part (S, T, M3) f32, sqrsum_part (S, T) f32)``
+        with ``fhl`` from :func:`build_mhc_gemm_fn_split`; ``T`` is dynamic.
     """
     from tilelang import language as T
 
     K, M3, S = cols, rows, n_splits
-    BT, BK, NS = _FWD_BLOCK_T, _BLOCK_K, _FWD_STAGES
-    nb = K // BK
+    BT, BK = _FWD_BLOCK_T, block_k
+    NS = stages if stages is not None else _FWD_STAGES[BK]
+    g = BK // _BLOCK_K
+    nb = K // _BLOCK_K
     q, r = nb // S, nb % S
-    f32, bf16, u32 = T.float32, T.bfloat16, T.uint32
+    if g > 1 and (r != 0 or q % g != 0):
+        raise ValueError(f"mhc_gemm_with_sqrsum_forward: block_k {BK} needs equal splits of a multiple of {g} blocks")
+    HALF = 64  # the sum of squares is kept per (token, column mod 64)
+    f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_forward_cuda(
         x: T.Tensor((num_tokens, K), bf16),
-        fn: T.Tensor((M3, K), f32),
+        fhl: T.Tensor((2 * M3, K), bf16),
         out_mul_part: T.Tensor((S, num_tokens, M3), f32),
         sqrsum_part: T.Tensor((S, num_tokens), f32),
     ):
-        with T.Kernel(T.ceildiv(num_tokens, BT), S, threads=_FWD_THREADS) as (bt, s):
+        with T.Kernel(S if split_major else T.ceildiv(num_tokens, BT), T.ceildiv(num_tokens, BT) if split_major else S,
+                      threads=_FWD_THREADS) as (bx, by):
+            s = bx if split_major else by
+            bt = by if split_major else bx
             x_s = T.alloc_shared((NS, BT, BK), bf16)
-            fn_s = T.alloc_shared((NS, M3, BK), f32)
-            fh_s = T.alloc_shared((M3, BK), bf16)
-            fl_s = T.alloc_shared((M3, BK), bf16)
-            acc_h = T.alloc_fragment((BT, M3), f32)
-            acc_l = T.alloc_fragment((BT, M3), f32)
-            sq = T.alloc_fragment((BT, BK), f32)
+            f_s = T.alloc_shared((NS, 2 * M3, BK), bf16)
+            acc = T.alloc_fragment((BT, 2 * M3), f32)
+            sq = T.alloc_fragment((BT, HALF), f32)
             sq_row = T.alloc_fragment((BT,), f32)
-            T.clear(acc_h)
-            T.clear(acc_l)
+            o_s = T.alloc_shared((BT, 2 * M3), f32)  # hi and lo products, summed on the way out
+            T.clear(acc)
             T.clear(sq)
-            cnt = T.if_then_else(s < r, q + 1, q)
-            start = s * q + T.min(s, r)
-            # Prologue: blocks 0 .. NS-2 in flight (an empty group where the split has fewer blocks,
-            # so that the group count below stays uniform).
+            cnt = T.if_then_else(s < r, q + 1, q) // g
+            col0 = (s * q + T.min(s, r)) * _BLOCK_K
+            # Prologue: steps 0 .. NS-2 in flight (an empty group where the split has fewer steps, so
+            # that the group count below stays uniform).
             for st in T.unroll(NS - 1):
                 if st < cnt:
-                    T.async_copy(x[bt * BT : bt * BT + BT, (start + st) * BK : (start + st) * BK + BK], x_s[st, :, :])
-                    T.async_copy(fn[0:M3, (start + st) * BK : (start + st) * BK + BK], fn_s[st, :, :])
+                    T.async_copy(x[bt * BT : bt * BT + BT, col0 + st * BK : col0 + st * BK + BK], x_s[st, :, :])
+                    T.async_copy(fhl[0 : 2 * M3, col0 + st * BK : col0 + st * BK + BK], f_s[st, :, :])
                 else:
                     T.ptx_commit_group()
                     T.ptx_commit_group()
             for kb in T.serial(cnt):
-                # Block kb + NS - 1 goes into the stage consumed at kb - 1 (released by the barrier
-                # that closed iteration kb - 1).
+                # Step kb + NS - 1 goes into the stage consumed at kb - 1 (released by the barrier that
+                # closed iteration kb - 1).
                 if kb + NS - 1 < cnt:
                     T.async_copy(
-                        x[bt * BT : bt * BT + BT, (start + kb + NS - 1) * BK : (start + kb + NS - 1) * BK + BK],
+                        x[bt * BT : bt * BT + BT, col0 + (kb + NS - 1) * BK : col0 + (kb + NS - 1) * BK + BK],
                         x_s[(kb + NS - 1) % NS, :, :],
                     )
                     T.async_copy(
-                        fn[0:M3, (start + kb + NS - 1) * BK : (start + kb + NS - 1) * BK + BK], fn_s[(kb + NS - 1) % NS, :, :]
+                        fhl[0 : 2 * M3, col0 + (kb + NS - 1) * BK : col0 + (kb + NS - 1) * BK + BK],
+                        f_s[(kb + NS - 1) % NS, :, :],
                     )
                 else:
                     T.ptx_commit_group()
                     T.ptx_commit_group()
                 T.ptx_wait_group(2 * (NS - 1))
                 T.sync_threads()
-                # fn -> TF32 (round half away on bit 13) -> exact bf16 pair (hi, lo).
-                for j, k in T.Parallel(M3, BK):
-                    fh_s[j, k] = T.cast(
-                        T.reinterpret(
-                            (T.reinterpret(fn_s[kb % NS, j, k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32
-                        ),
-                        bf16,
-                    )
-                    fl_s[j, k] = T.cast(
-                        T.reinterpret((T.reinterpret(fn_s[kb % NS, j, k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFFE000, u32), f32)
-                        - T.reinterpret(
-                            (T.reinterpret(fn_s[kb % NS, j, k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32
-                        ),
-                        bf16,
-                    )
-                T.sync_threads()
-                T.gemm(x_s[kb % NS, :, :], fh_s, acc_h, transpose_B=True)
-                T.gemm(x_s[kb % NS, :, :], fl_s, acc_l, transpose_B=True)
-                for i, k in T.Parallel(BT, BK):
-                    sq[i, k] += T.cast(x_s[kb % NS, i, k], f32) * T.cast(x_s[kb % NS, i, k], f32)
+                # one 64 x 2M3 x BK product: columns 0..M3-1 take hi, M3..2M3-1 lo
+                T.gemm(x_s[kb % NS, :, :], f_s[kb % NS, :, :], acc, transpose_B=True)
+                for h in T.unroll(g):
+                    for i, k in T.Parallel(BT, HALF):
+                        sq[i, k] += T.cast(x_s[kb % NS, i, h * HALF + k], f32) * T.cast(x_s[kb % NS, i, h * HALF + k], f32)
                 T.sync_threads()
             T.reduce_sum(sq, sq_row, dim=1)
+            T.copy(acc, o_s)
+            T.sync_threads()
             for i, j in T.Parallel(BT, M3):
                 if bt * BT + i < num_tokens:
-                    out_mul_part[s, bt * BT + i, j] = acc_h[i, j] + acc_l[i, j]
+                    out_mul_part[s, bt * BT + i, j] = o_s[i, j] + o_s[i, M3 + j]
             for i in T.Parallel(BT):
                 if bt * BT + i < num_tokens:
                     sqrsum_part[s, bt * BT + i] = sq_row[i]
 
     return mhc_gemm_with_sqrsum_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_gemm_fn_split_kernel(*key):
+    """Compiled ``fn`` preparation for ``(K, M3)``, built once per key."""
+    return jit_compile("mhc_gemm_fn_split", key, build_mhc_gemm_fn_split(*key))
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,17 +253,22 @@ def get_mhc_gemm_with_sqrsum_forward_kernel(*key):
 def mhc_gemm_with_sqrsum_forward(
     x: torch.Tensor, fn: torch.Tensor, n_splits: int, out_mul_part: torch.Tensor, sqrsum_part: torch.Tensor
 ) -> None:
-    """Launches the split-K pre-norm GEMM forward on the current stream (inputs validated upstream).
+    """Launches the split-K pre-norm GEMM forward on the current stream (inputs validated upstream):
+    the ``fn`` preparation into a ``(2 M3, K)`` bf16 workspace (allocated with torch on the current
+    stream), then the main kernel.
 
     Args:
         x: ``(T, K)`` bf16 (the residual ``(T, m, H)`` viewed flat), ``T > 0``, ``K % 64 == 0``.
-        fn: ``(M3, K)`` f32 (rounded to TF32 in the kernel; idempotent on pre-rounded input).
+        fn: ``(M3, K)`` f32 (rounded to TF32 here; idempotent on pre-rounded input).
         n_splits: ``S >= 1``.
         out_mul_part: ``(S, T, M3)`` f32, written.
         sqrsum_part: ``(S, T)`` f32, written.
     """
-    kernel = get_mhc_gemm_with_sqrsum_forward_kernel(*mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits))
-    kernel(x.view(x.shape[0], -1), fn, out_mul_part, sqrsum_part)
+    key = mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits)
+    cols, rows = key[0], key[1]
+    fhl = torch.empty((2 * rows, cols), dtype=torch.bfloat16, device=fn.device)
+    get_mhc_gemm_fn_split_kernel(cols, rows)(fn, fhl)
+    get_mhc_gemm_with_sqrsum_forward_kernel(*key)(x.view(x.shape[0], -1), fhl, out_mul_part, sqrsum_part)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,9 +490,10 @@ def gemm_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     K, m3 = hc_mult * hidden_size, hc_mult * (hc_mult + 2)
     P = mhc_gemm_with_sqrsum_backward_partials(K)
     cases = {
-        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward(K, m3, 16),
-        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward(K, m3, 1),
-        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward(K, m3, 7),
+        "gemm_fn_split": build_mhc_gemm_fn_split(K, m3),
+        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward(K, m3, 16, mhc_gemm_with_sqrsum_forward_block_k(K, 16)),
+        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward(K, m3, 1, mhc_gemm_with_sqrsum_forward_block_k(K, 1)),
+        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward(K, m3, 7, mhc_gemm_with_sqrsum_forward_block_k(K, 7)),
         "gemm_bwd": build_mhc_gemm_with_sqrsum_backward(K, m3, P),
     }
     if P > 1:

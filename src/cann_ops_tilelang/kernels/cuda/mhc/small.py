@@ -92,12 +92,14 @@ _HEAD_BWD_TOKENS = 64
 # Number of per-worker partial rows of ``mhc_pre_split_mixes_backward`` (one worker per H200 SM).
 # A fixed number, not the device's SM count, so a token count always maps to the same partition.
 MHC_SPLIT_MIXES_PARTIALS = 132
-# NOTE Sinkhorn backward keeps every step input (2R-1 matrices of m*m floats), every step
-# denominator (2R-1 vectors of m) and the softmax output of each of its tokens in shared memory:
-# (2R-1)*(m*m+m) + m*m floats per token = 3184 B at m = 4, R = 20, i.e. 102 KB for 32 tokens. The
-# budget below keeps two CTAs per H200 SM (2 x 113 KB <= 227 KB); larger R or m halve the token block.
+# NOTE Sinkhorn backward keeps, per token and eps-normalization step, every lane's row of the step
+# input and one denominator per lane in shared memory: (2R-1)*L*(m+1) floats per token (L = 4 lanes
+# at m = 4: 3120 B at R = 20, 25 KB for an 8-token CTA, so ~9 CTAs fit an H200 SM). The budget below
+# halves the token block for large R or m (the CTA keeps a full warp; surplus lanes idle).
 _SINKHORN_SMEM_BUDGET = 113 * 1024
 _SINKHORN_MAX_REPEAT = 256
+# Sinkhorn tokens per CTA: one warp at m = 4 (4 lanes per token).
+_SINKHORN_TOKENS = 8
 _MAX_MULT = 8
 _MAX_MULT3 = 32
 _MAX_GROUPS = 16
@@ -777,10 +779,31 @@ def mhc_sinkhorn_forward_key(comb: torch.Tensor, repeat: int) -> tuple:
     return (hc_mult, int(repeat))
 
 
-def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
-    """Tokens per CTA of the Sinkhorn backward: 32, halved until its shared memory fits the budget."""
-    per_token = 4 * ((2 * repeat - 1) * (hc_mult * hc_mult + hc_mult) + hc_mult * hc_mult)
-    tb = _TOKENS_PER_CTA
+def _sinkhorn_lanes(hc_mult: int) -> int:
+    """Lanes per token of the Sinkhorn kernels: one per matrix row, padded to a power of two."""
+    lanes = 1
+    while lanes < hc_mult:
+        lanes *= 2
+    return lanes
+
+
+def _sinkhorn_tokens_per_cta(hc_mult: int, tokens_per_cta: int) -> int:
+    """At least one full warp per CTA (the warp shuffles name all 32 lanes)."""
+    return max(int(tokens_per_cta), 32 // _sinkhorn_lanes(hc_mult))
+
+
+def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int, tokens_per_cta: int = _SINKHORN_TOKENS) -> int:
+    """Tokens per CTA of the Sinkhorn backward that own shared-memory slots.
+
+    Per token the backward keeps, for each of its ``2R-1`` eps-normalization steps, every lane's
+    row of the step input (``m`` floats) and one denominator per lane: ``4*(2R-1)*L*(m+1)`` bytes
+    with ``L`` lanes per token (3120 B at m = 4, R = 20). Starts from ``tokens_per_cta`` and halves
+    until the CTA fits the budget (the CTA keeps its full warp; the lanes of tokens beyond the
+    block idle).
+    """
+    lanes = _sinkhorn_lanes(hc_mult)
+    per_token = 4 * (2 * repeat - 1) * lanes * (hc_mult + 1)
+    tb = _sinkhorn_tokens_per_cta(hc_mult, tokens_per_cta)
     while tb > 1 and tb * per_token > _SINKHORN_SMEM_BUDGET:
         tb //= 2
     if tb * per_token > 227 * 1024:
@@ -798,115 +821,139 @@ def mhc_sinkhorn_backward_key(x: torch.Tensor, repeat: int) -> tuple:
     return (hc_mult, int(repeat))
 
 
-def _sinkhorn_macros(T, m: int):
-    """Per-thread Sinkhorn building blocks on an ``m*m`` register matrix ``y`` (row-major, ``y[i*m+o]``).
+def _sinkhorn_macros(T, m: int, lanes: int):
+    """Sinkhorn building blocks for the row-per-lane layout (see the module docstring for the arithmetic).
 
-    Returns ``(softmax, normalize, normalize_back, softmax_back)`` macros (see the module docstring
-    for the exact arithmetic).
+    Lane ``i`` of a token's ``lanes``-lane group holds row ``i`` of the ``m x m`` matrix in registers
+    (``y[o]``, ``o < m``); lanes ``i >= m`` (``m`` not a power of two) carry junk rows that no valid
+    lane reads. Row steps are lane-local. Column steps gather the ``m`` rows of the token with
+    ``m*m`` warp shuffles (all of them independent, so one shuffle latency) and every lane forms all
+    ``m`` column sums itself in ascending row order, so all lanes agree bit for bit.
+
+    Returns ``(softmax, row_norm, col_norm, row_back, col_back, softmax_back)`` macros.
     """
-    f32 = T.float32
+
+    @T.macro
+    def gather(src, cols):
+        # cols[r*m + o] = src[o] of lane r of this token.
+        for r in T.unroll(m):
+            for o in T.unroll(m):
+                cols[r * m + o] = T.shfl_sync(src[o], r, lanes)
 
     @T.macro
     def softmax(y, aux):
         # Row softmax, max-subtracted; aux[0] = row max, aux[1] = row sum.
-        for i in T.unroll(m):
-            aux[0] = y[i * m]
-            for o in T.unroll(1, m):
-                aux[0] = T.max(aux[0], y[i * m + o])
-            for o in T.unroll(m):
-                y[i * m + o] = T.exp(y[i * m + o] - aux[0])
-            aux[1] = y[i * m]
-            for o in T.unroll(1, m):
-                aux[1] = aux[1] + y[i * m + o]
-            for o in T.unroll(m):
-                y[i * m + o] = y[i * m + o] / aux[1]
+        aux[0] = y[0]
+        for o in T.unroll(1, m):
+            aux[0] = T.max(aux[0], y[o])
+        for o in T.unroll(m):
+            y[o] = T.exp(y[o] - aux[0])
+        aux[1] = y[0]
+        for o in T.unroll(1, m):
+            aux[1] = aux[1] + y[o]
+        for o in T.unroll(m):
+            y[o] = y[o] / aux[1]
 
     @T.macro
-    def normalize(y, d, rc, q, eps, col: bool):
-        # y <- y / (sum_axis(y) + eps); leaves the denominators in d (sequential sums).
-        for a in T.unroll(m):
-            if col:
-                d[a] = y[a]
-                for i in T.unroll(1, m):
-                    d[a] = d[a] + y[i * m + a]
-            else:
-                d[a] = y[a * m]
-                for o in T.unroll(1, m):
-                    d[a] = d[a] + y[a * m + o]
-            d[a] = d[a] + eps
-            rc[a] = T.ieee_frcp(d[a])
-        for i in T.unroll(m):
-            for o in T.unroll(m):
-                # Correctly rounded y / d (Markstein): q = RN(y * rc), y' = RN(q + RN(y - d*q) * rc).
-                if col:
-                    q[0] = T.ieee_mul(y[i * m + o], rc[o])
-                    y[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], y[i * m + o]), rc[o], q[0])
-                else:
-                    q[0] = T.ieee_mul(y[i * m + o], rc[i])
-                    y[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[i], q[0], y[i * m + o]), rc[i], q[0])
+    def row_norm(y, d, rc, q, eps):
+        # y <- y / (rowsum + eps); d[0] = rowsum + eps.
+        d[0] = y[0]
+        for o in T.unroll(1, m):
+            d[0] = d[0] + y[o]
+        d[0] = d[0] + eps
+        rc[0] = T.ieee_frcp(d[0])
+        for o in T.unroll(m):
+            q[0] = T.ieee_mul(y[o], rc[0])
+            y[o] = T.ieee_fmaf(T.ieee_fmaf(-d[0], q[0], y[o]), rc[0], q[0])
 
     @T.macro
-    def normalize_back(g, u, d, rc, c, q, col: bool):
-        # g <- (g - sum_axis(g*u) / d) / d with d = the step's (sum + eps).
-        for a in T.unroll(m):
-            rc[a] = T.ieee_frcp(d[a])
-            if col:
-                c[a] = g[a] * u[a]
-                for i in T.unroll(1, m):
-                    c[a] = c[a] + g[i * m + a] * u[i * m + a]
-            else:
-                c[a] = g[a * m] * u[a * m]
-                for o in T.unroll(1, m):
-                    c[a] = c[a] + g[a * m + o] * u[a * m + o]
-            q[0] = T.ieee_mul(c[a], rc[a])
-            c[a] = T.ieee_fmaf(T.ieee_fmaf(-d[a], q[0], c[a]), rc[a], q[0])
-        for i in T.unroll(m):
-            for o in T.unroll(m):
-                if col:
-                    q[1] = g[i * m + o] - c[o]
-                    q[0] = T.ieee_mul(q[1], rc[o])
-                    g[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], q[1]), rc[o], q[0])
-                else:
-                    q[1] = g[i * m + o] - c[i]
-                    q[0] = T.ieee_mul(q[1], rc[i])
-                    g[i * m + o] = T.ieee_fmaf(T.ieee_fmaf(-d[i], q[0], q[1]), rc[i], q[0])
+    def col_norm(y, cols, d, rc, q, eps):
+        # y <- y / (colsum + eps); d[o] = colsum_o + eps (identical in every lane of the token).
+        gather(y, cols)
+        for o in T.unroll(m):
+            d[o] = cols[o]
+            for r in T.unroll(1, m):
+                d[o] = d[o] + cols[r * m + o]
+            d[o] = d[o] + eps
+            rc[o] = T.ieee_frcp(d[o])
+        for o in T.unroll(m):
+            q[0] = T.ieee_mul(y[o], rc[o])
+            y[o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], y[o]), rc[o], q[0])
+
+    @T.macro
+    def row_back(g, u, d, rc, c, q):
+        # g <- (g - rowsum(g*u) / d) / d; d[0] = the step's rowsum + eps.
+        rc[0] = T.ieee_frcp(d[0])
+        c[0] = g[0] * u[0]
+        for o in T.unroll(1, m):
+            c[0] = c[0] + g[o] * u[o]
+        q[0] = T.ieee_mul(c[0], rc[0])
+        c[0] = T.ieee_fmaf(T.ieee_fmaf(-d[0], q[0], c[0]), rc[0], q[0])
+        for o in T.unroll(m):
+            q[1] = g[o] - c[0]
+            q[0] = T.ieee_mul(q[1], rc[0])
+            g[o] = T.ieee_fmaf(T.ieee_fmaf(-d[0], q[0], q[1]), rc[0], q[0])
+
+    @T.macro
+    def col_back(g, u, pr, cols, d, rc, c, q):
+        # g <- (g - colsum(g*u) / d) / d with d[o] = the step's colsum + eps; the column sum adds
+        # the rounded products g*u of rows 0..m-1 in ascending order.
+        for o in T.unroll(m):
+            rc[o] = T.ieee_frcp(d[o])
+            pr[o] = T.ieee_mul(g[o], u[o])
+        gather(pr, cols)
+        for o in T.unroll(m):
+            c[o] = cols[o]
+            for r in T.unroll(1, m):
+                c[o] = c[o] + cols[r * m + o]
+            q[0] = T.ieee_mul(c[o], rc[o])
+            c[o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], c[o]), rc[o], q[0])
+        for o in T.unroll(m):
+            q[1] = g[o] - c[o]
+            q[0] = T.ieee_mul(q[1], rc[o])
+            g[o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], q[1]), rc[o], q[0])
 
     @T.macro
     def softmax_back(g, pm, c):
-        # grad_input = (g - sum_o g*P) * P per row.
-        for i in T.unroll(m):
-            c[0] = g[i * m] * pm[i * m]
-            for o in T.unroll(1, m):
-                c[0] = c[0] + g[i * m + o] * pm[i * m + o]
-            for o in T.unroll(m):
-                g[i * m + o] = (g[i * m + o] - c[0]) * pm[i * m + o]
+        # grad_input = (g - sum_o g*P) * P (own row).
+        c[0] = g[0] * pm[0]
+        for o in T.unroll(1, m):
+            c[0] = c[0] + g[o] * pm[o]
+        for o in T.unroll(m):
+            g[o] = (g[o] - c[0]) * pm[o]
 
-    return softmax, normalize, normalize_back, softmax_back
+    return softmax, row_norm, col_norm, row_back, col_back, softmax_back
 
 
-def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
+def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int, tokens_per_cta: int = _SINKHORN_TOKENS):
     """Builds the Sinkhorn forward prim_func (OPS.md B.2.6).
 
-    One thread per token (the whole ``m x m`` matrix in registers), 32 tokens per one-warp CTA
-    (NOTE: 256 CTAs at T = 8192 spread over all 132 SMs, at most two warps per SM, so each warp's
-    dependent chain of 2R normalizations is the critical path; the Markstein division keeps it at
-    one reciprocal per row/column instead of one division per element).
+    One lane per matrix row (``L`` = ``m`` rounded up to a power of two lanes per token, 4 at m = 4),
+    ``tokens_per_cta`` tokens per CTA (default 8: one warp at m = 4, so 64 CTAs at T = 512 and 1024 at
+    T = 8192). NOTE the dependent chain of a lane is R x (row step + column step) with one reciprocal
+    per step instead of 2R x m reciprocals and m*m corrections serially in one thread; the column
+    step costs one round of ``m*m`` independent shuffles. Every lane of the warp runs every shuffle
+    (tokens past ``T`` compute on zeros and store nothing).
 
     Args:
         hc_mult: ``m`` (1..8).
         repeat: ``R`` (1..256, compile-time).
+        tokens_per_cta: tokens per CTA (raised to one full warp).
 
     Returns:
         ``T.prim_func(comb (T, m*m) f32, comb_out (T, m*m) f32, eps: f32)``; ``T`` is dynamic.
     """
     from tilelang import language as T
 
-    m, R, TB = hc_mult, repeat, _TOKENS_PER_CTA
+    m, R = hc_mult, repeat
+    L = _sinkhorn_lanes(m)
+    TB = _sinkhorn_tokens_per_cta(m, tokens_per_cta)
+    threads = _ceil32(TB * L)
     M2 = m * m
-    v = _vec(M2)
+    v = _vec(m)
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    softmax, normalize, _, _ = _sinkhorn_macros(T, m)
+    softmax, row_norm, col_norm, _, _, _ = _sinkhorn_macros(T, m, L)
 
     @T.prim_func
     def mhc_sinkhorn_fwd_cuda(
@@ -914,28 +961,34 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
         comb_out: T.Tensor((num_tokens, M2), f32),
         eps: f32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, TB), threads=TB) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
             tid = T.get_thread_binding()
-            y = T.alloc_local((M2,), f32)
+            y = T.alloc_local((m,), f32)
+            cols = T.alloc_local((M2,), f32)
             d = T.alloc_local((m,), f32)
             rc = T.alloc_local((m,), f32)
             q = T.alloc_local((2,), f32)
-            t = bx * TB + tid
-            if t < num_tokens:
-                for c in T.unroll(M2 // v):
+            t = bx * TB + tid // L
+            i = tid % L
+            ok = (tid < TB * L) and (t < num_tokens) and (i < m)
+            for o in T.unroll(m):
+                y[o] = 0.0
+            if ok:
+                for cc in T.unroll(m // v):
                     for k in T.vectorized(v):
-                        y[c * v + k] = comb[t, c * v + k]
-                softmax(y, q)
-                for e in T.unroll(M2):
-                    y[e] = y[e] + eps
-                normalize(y, d, rc, q, eps, True)
-                if R > 1:
-                    for _r in T.serial(R - 1):
-                        normalize(y, d, rc, q, eps, False)
-                        normalize(y, d, rc, q, eps, True)
-                for c in T.unroll(M2 // v):
+                        y[cc * v + k] = comb[t, i * m + cc * v + k]
+            softmax(y, q)
+            for o in T.unroll(m):
+                y[o] = y[o] + eps
+            col_norm(y, cols, d, rc, q, eps)
+            if R > 1:
+                for _r in T.serial(R - 1):
+                    row_norm(y, d, rc, q, eps)
+                    col_norm(y, cols, d, rc, q, eps)
+            if ok:
+                for cc in T.unroll(m // v):
                     for k in T.vectorized(v):
-                        comb_out[t, c * v + k] = y[c * v + k]
+                        comb_out[t, i * m + cc * v + k] = y[cc * v + k]
 
     return mhc_sinkhorn_fwd_cuda
 
@@ -960,20 +1013,26 @@ def mhc_sinkhorn_forward(comb: torch.Tensor, comb_out: torch.Tensor, repeat: int
     kernel(comb.view(T_, m * m), comb_out.view(T_, m * m), float(eps))
 
 
-def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
+def build_mhc_sinkhorn_backward(
+    hc_mult: int, repeat: int, tokens_per_cta: int = _SINKHORN_TOKENS, unroll_steps: bool | None = None
+):
     """Builds the Sinkhorn backward prim_func (OPS.md B.2.6, recompute strategy).
 
-    One thread per token. The thread recomputes the forward from the logits with the forward's exact
-    arithmetic, storing the softmax ``P``, every eps-normalization input ``U_n`` and denominator
-    ``Sigma_n + eps`` in its own shared-memory slots (layout ``[step][chunk][token][4]``: a warp's
-    ``float4`` accesses are contiguous, bank-conflict free, and no barrier is needed since no slot is
-    shared between threads); then it walks the steps backwards with ``grad_output`` in registers and
-    finishes with the softmax backward. Tokens per CTA: :func:`mhc_sinkhorn_backward_token_block`
-    (32 at m = 4 for R <= 22: 102 KB at R = 20, 50 KB at R = 10).
+    Lane layout of the forward (lane ``i`` of a token holds row ``i``). The lanes recompute the forward
+    with its exact arithmetic, keeping the softmax row in registers and, per eps-normalization step
+    ``n``, their row of the step input ``U_n`` and one denominator (a row step: the lane's own
+    ``rowsum + eps``; a column step: ``colsum_i + eps`` of column ``i``) in shared memory. After one
+    barrier they walk the steps backwards with the ``grad_output`` row in registers: a column step
+    reads the token's ``m`` column denominators from its lanes' slots and sums the rounded products
+    ``g*u`` of the ``m`` rows gathered by shuffles. Token block: :func:`mhc_sinkhorn_backward_token_block`
+    (8 tokens = one warp at m = 4: 25 KB of shared memory at R = 20).
 
     Args:
         hc_mult: ``m`` (1..8).
         repeat: ``R`` (compile-time).
+        tokens_per_cta: tokens per CTA before the shared-memory budget is applied.
+        unroll_steps: fully unroll the backward step loop (default: for ``R <= 32``), so that the
+            shared-memory loads and reciprocals of a step are scheduled ahead of the ``g`` chain.
 
     Returns:
         ``T.prim_func(grad_output (T, m*m) f32, x (T, m*m) f32, grad_input (T, m*m) f32, eps: f32)``;
@@ -982,36 +1041,42 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
     from tilelang import language as T
 
     m, R = hc_mult, repeat
-    TB = mhc_sinkhorn_backward_token_block(m, R)
+    L = _sinkhorn_lanes(m)
+    TB = mhc_sinkhorn_backward_token_block(m, R, tokens_per_cta)
+    NL = TB * L  # lanes with shared-memory slots
+    threads = _ceil32(NL)
     M2 = m * m
     NS = 2 * R - 1  # eps-normalization steps
-    v = _vec(M2)
-    nc = M2 // v
+    v = _vec(m)
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    softmax, normalize, normalize_back, softmax_back = _sinkhorn_macros(T, m)
+    softmax, row_norm, col_norm, row_back, col_back, softmax_back = _sinkhorn_macros(T, m, L)
+    back_loop = T.unroll if (R <= 32 if unroll_steps is None else unroll_steps) else T.serial
 
     @T.macro
     def store_u(us, y, n, tid):
-        for c in T.unroll(nc):
+        for cc in T.unroll(m // v):
             for k in T.vectorized(v):
-                us[n, c, tid, k] = y[c * v + k]
+                us[n, tid, cc * v + k] = y[cc * v + k]
 
     @T.macro
     def load_u(us, u, n, tid):
-        for c in T.unroll(nc):
+        for cc in T.unroll(m // v):
             for k in T.vectorized(v):
-                u[c * v + k] = us[n, c, tid, k]
+                u[cc * v + k] = us[n, tid, cc * v + k]
 
     @T.macro
-    def store_d(ds, d, n, tid):
-        for a in T.unroll(m):
-            ds[n, a, tid] = d[a]
+    def store_col_d(ds, d, sel, n, tid, i):
+        # This lane's slot keeps d[i] (m-way select: no dynamic register index).
+        sel[0] = d[0]
+        for o in T.unroll(1, m):
+            sel[0] = T.if_then_else(i == o, d[o], sel[0])
+        ds[n, tid] = sel[0]
 
     @T.macro
-    def load_d(ds, d, n, tid):
-        for a in T.unroll(m):
-            d[a] = ds[n, a, tid]
+    def load_col_d(ds, d, n, tid, i):
+        for o in T.unroll(m):
+            d[o] = ds[n, tid - i + o]
 
     @T.prim_func
     def mhc_sinkhorn_bwd_cuda(
@@ -1020,64 +1085,78 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
         grad_input: T.Tensor((num_tokens, M2), f32),
         eps: f32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, TB), threads=TB) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
             tid = T.get_thread_binding()
-            us = T.alloc_shared((NS, nc, TB, v), f32)
-            ds = T.alloc_shared((NS, m, TB), f32)
-            ps = T.alloc_shared((nc, TB, v), f32)
-            y = T.alloc_local((M2,), f32)
-            g = T.alloc_local((M2,), f32)
-            u = T.alloc_local((M2,), f32)
+            us = T.alloc_shared((NS, NL, m), f32)
+            ds = T.alloc_shared((NS, NL), f32)
+            y = T.alloc_local((m,), f32)
+            g = T.alloc_local((m,), f32)
+            pm = T.alloc_local((m,), f32)
+            pr = T.alloc_local((m,), f32)
+            cols = T.alloc_local((M2,), f32)
             d = T.alloc_local((m,), f32)
             rc = T.alloc_local((m,), f32)
             c = T.alloc_local((m,), f32)
             q = T.alloc_local((2,), f32)
-            t = bx * TB + tid
-            if t < num_tokens:
-                for cc in T.unroll(nc):
+            sel = T.alloc_local((1,), f32)
+            t = bx * TB + tid // L
+            i = tid % L
+            slot = tid < NL
+            ok = slot and (t < num_tokens) and (i < m)
+            for o in T.unroll(m):
+                y[o] = 0.0
+                g[o] = 0.0
+            if ok:
+                for cc in T.unroll(m // v):
                     for k in T.vectorized(v):
-                        y[cc * v + k] = x[t, cc * v + k]
-                for cc in T.unroll(nc):
+                        y[cc * v + k] = x[t, i * m + cc * v + k]
+                for cc in T.unroll(m // v):
                     for k in T.vectorized(v):
-                        g[cc * v + k] = grad_output[t, cc * v + k]
-                # Forward recompute (same arithmetic as mhc_sinkhorn_fwd_cuda).
-                softmax(y, q)
-                for cc in T.unroll(nc):
-                    for k in T.vectorized(v):
-                        ps[cc, tid, k] = y[cc * v + k]
-                for e in T.unroll(M2):
-                    y[e] = y[e] + eps
+                        g[cc * v + k] = grad_output[t, i * m + cc * v + k]
+            # Forward recompute (same arithmetic as mhc_sinkhorn_fwd_cuda).
+            softmax(y, q)
+            for o in T.unroll(m):
+                pm[o] = y[o]
+                y[o] = y[o] + eps
+            if slot:
                 store_u(us, y, 0, tid)
-                normalize(y, d, rc, q, eps, True)
-                store_d(ds, d, 0, tid)
-                if R > 1:
-                    for r in T.serial(R - 1):
+            col_norm(y, cols, d, rc, q, eps)
+            if slot:
+                store_col_d(ds, d, sel, 0, tid, i)
+            if R > 1:
+                for r in T.serial(R - 1):
+                    if slot:
                         store_u(us, y, 2 * r + 1, tid)
-                        normalize(y, d, rc, q, eps, False)
-                        store_d(ds, d, 2 * r + 1, tid)
+                    row_norm(y, d, rc, q, eps)
+                    if slot:
+                        ds[2 * r + 1, tid] = d[0]
                         store_u(us, y, 2 * r + 2, tid)
-                        normalize(y, d, rc, q, eps, True)
-                        store_d(ds, d, 2 * r + 2, tid)
-                # Backward through the eps-normalizations, last step first.
-                if R > 1:
-                    for rr in T.serial(R - 1):
-                        load_u(us, u, 2 * (R - 2 - rr) + 2, tid)
-                        load_d(ds, d, 2 * (R - 2 - rr) + 2, tid)
-                        normalize_back(g, u, d, rc, c, q, True)
-                        load_u(us, u, 2 * (R - 2 - rr) + 1, tid)
-                        load_d(ds, d, 2 * (R - 2 - rr) + 1, tid)
-                        normalize_back(g, u, d, rc, c, q, False)
-                load_u(us, u, 0, tid)
-                load_d(ds, d, 0, tid)
-                normalize_back(g, u, d, rc, c, q, True)
-                # Softmax backward (the +eps is an identity for the gradient).
-                for cc in T.unroll(nc):
+                    col_norm(y, cols, d, rc, q, eps)
+                    if slot:
+                        store_col_d(ds, d, sel, 2 * r + 2, tid, i)
+            # The column steps read the denominators other lanes stored.
+            T.sync_threads()
+            # Backward through the eps-normalizations, last step first.
+            if R > 1:
+                for rr in back_loop(R - 1):
+                    if slot:
+                        load_u(us, y, 2 * (R - 2 - rr) + 2, tid)
+                        load_col_d(ds, d, 2 * (R - 2 - rr) + 2, tid, i)
+                    col_back(g, y, pr, cols, d, rc, c, q)
+                    if slot:
+                        load_u(us, y, 2 * (R - 2 - rr) + 1, tid)
+                        d[0] = ds[2 * (R - 2 - rr) + 1, tid]
+                    row_back(g, y, d, rc, c, q)
+            if slot:
+                load_u(us, y, 0, tid)
+                load_col_d(ds, d, 0, tid, i)
+            col_back(g, y, pr, cols, d, rc, c, q)
+            # Softmax backward (the +eps is an identity for the gradient).
+            softmax_back(g, pm, c)
+            if ok:
+                for cc in T.unroll(m // v):
                     for k in T.vectorized(v):
-                        u[cc * v + k] = ps[cc, tid, k]
-                softmax_back(g, u, c)
-                for cc in T.unroll(nc):
-                    for k in T.vectorized(v):
-                        grad_input[t, cc * v + k] = g[cc * v + k]
+                        grad_input[t, i * m + cc * v + k] = g[cc * v + k]
 
     return mhc_sinkhorn_bwd_cuda
 
