@@ -72,3 +72,19 @@ def test_token_count_is_dynamic(module):
             any(isinstance(s, tirx.Var) for s in prim_func.buffer_map[p].shape)
             for p in prim_func.params if p in prim_func.buffer_map
         ), f"{name}: no dynamic dim in {dims}"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 16, 24, 100, 448, 1000])
+@pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 7168, 8192])
+def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
+    """The CUDA GEMM forward's pipeline step (64 or 128 columns) tiles every split's 64-column blocks
+    exactly (OPS.md §C split contract), and the wider step is taken whenever it can be."""
+    from cann_ops_tilelang.kernels.cuda.mhc.gemm import mhc_gemm_with_sqrsum_forward_block_k
+
+    k = 4 * hidden
+    nb = k // 64
+    bk = mhc_gemm_with_sqrsum_forward_block_k(k, splits)
+    counts = [nb // splits + (1 if s < nb % splits else 0) for s in range(splits)]
+    assert bk in (64, 128)
+    assert all(c * 64 % bk == 0 for c in counts)
+    assert (bk == 128) == all(c % 2 == 0 for c in counts)
