@@ -140,8 +140,7 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
     return mhc_gemm_fn_split_cuda
 
 
-def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, block_k: int = _BLOCK_K,
-                                       stages: int | None = None, split_major: bool = True):
+def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, block_k: int = _BLOCK_K):
     """Builds the split-K forward main kernel.
 
     Args:
@@ -150,9 +149,6 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
         n_splits: ``S``.
         block_k: columns per pipeline step (64, or 128 when every split owns an even number of
             64-column blocks, see :func:`mhc_gemm_with_sqrsum_forward_block_k`).
-        stages: shared-memory pipeline depth (default: ``_FWD_STAGES[block_k]``).
-        split_major: grid ``(S, token tiles)`` (the S CTAs of one token tile are launched together
-            and read whole rows of x between them) instead of ``(token tiles, S)``.
 
     Returns:
         ``T.prim_func(x (T, K) bf16, fhl (2 M3, K) bf16, out_mul_part (S, T, M3) f32, sqrsum_part (S, T) f32)``
@@ -162,7 +158,7 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
 
     K, M3, S = cols, rows, n_splits
     BT, BK = _FWD_BLOCK_T, block_k
-    NS = stages if stages is not None else _FWD_STAGES[BK]
+    NS = _FWD_STAGES[BK]
     g = BK // _BLOCK_K
     nb = K // _BLOCK_K
     q, r = nb // S, nb % S
@@ -179,10 +175,8 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
         out_mul_part: T.Tensor((S, num_tokens, M3), f32),
         sqrsum_part: T.Tensor((S, num_tokens), f32),
     ):
-        with T.Kernel(S if split_major else T.ceildiv(num_tokens, BT), T.ceildiv(num_tokens, BT) if split_major else S,
-                      threads=_FWD_THREADS) as (bx, by):
-            s = bx if split_major else by
-            bt = by if split_major else bx
+        # split-major grid: the S CTAs of one token tile are launched together and read whole rows of x
+        with T.Kernel(S, T.ceildiv(num_tokens, BT), threads=_FWD_THREADS) as (s, bt):
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             f_s = T.alloc_shared((NS, 2 * M3, BK), bf16)
             acc = T.alloc_fragment((BT, 2 * M3), f32)

@@ -787,23 +787,23 @@ def _sinkhorn_lanes(hc_mult: int) -> int:
     return lanes
 
 
-def _sinkhorn_tokens_per_cta(hc_mult: int, tokens_per_cta: int) -> int:
-    """At least one full warp per CTA (the warp shuffles name all 32 lanes)."""
-    return max(int(tokens_per_cta), 32 // _sinkhorn_lanes(hc_mult))
+def _sinkhorn_tokens_per_cta(hc_mult: int) -> int:
+    """``_SINKHORN_TOKENS``, raised to at least one full warp per CTA (the warp shuffles name all 32 lanes)."""
+    return max(_SINKHORN_TOKENS, 32 // _sinkhorn_lanes(hc_mult))
 
 
-def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int, tokens_per_cta: int = _SINKHORN_TOKENS) -> int:
+def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
     """Tokens per CTA of the Sinkhorn backward that own shared-memory slots.
 
     Per token the backward keeps, for each of its ``2R-1`` eps-normalization steps, every lane's
     row of the step input (``m`` floats) and one denominator per lane: ``4*(2R-1)*L*(m+1)`` bytes
-    with ``L`` lanes per token (3120 B at m = 4, R = 20). Starts from ``tokens_per_cta`` and halves
+    with ``L`` lanes per token (3120 B at m = 4, R = 20). Starts from the forward's token block and halves
     until the CTA fits the budget (the CTA keeps its full warp; the lanes of tokens beyond the
     block idle).
     """
     lanes = _sinkhorn_lanes(hc_mult)
     per_token = 4 * (2 * repeat - 1) * lanes * (hc_mult + 1)
-    tb = _sinkhorn_tokens_per_cta(hc_mult, tokens_per_cta)
+    tb = _sinkhorn_tokens_per_cta(hc_mult)
     while tb > 1 and tb * per_token > _SINKHORN_SMEM_BUDGET:
         tb //= 2
     if tb * per_token > 227 * 1024:
@@ -925,11 +925,11 @@ def _sinkhorn_macros(T, m: int, lanes: int):
     return softmax, row_norm, col_norm, row_back, col_back, softmax_back
 
 
-def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int, tokens_per_cta: int = _SINKHORN_TOKENS):
+def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     """Builds the Sinkhorn forward prim_func (OPS.md B.2.6).
 
     One lane per matrix row (``L`` = ``m`` rounded up to a power of two lanes per token, 4 at m = 4),
-    ``tokens_per_cta`` tokens per CTA (default 8: one warp at m = 4, so 64 CTAs at T = 512 and 1024 at
+    ``_SINKHORN_TOKENS`` tokens per CTA (8: one warp at m = 4, so 64 CTAs at T = 512 and 1024 at
     T = 8192). NOTE the dependent chain of a lane is R x (row step + column step) with one reciprocal
     per step instead of 2R x m reciprocals and m*m corrections serially in one thread; the column
     step costs one round of ``m*m`` independent shuffles. Every lane of the warp runs every shuffle
@@ -938,7 +938,6 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int, tokens_per_cta: int = 
     Args:
         hc_mult: ``m`` (1..8).
         repeat: ``R`` (1..256, compile-time).
-        tokens_per_cta: tokens per CTA (raised to one full warp).
 
     Returns:
         ``T.prim_func(comb (T, m*m) f32, comb_out (T, m*m) f32, eps: f32)``; ``T`` is dynamic.
@@ -947,7 +946,7 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int, tokens_per_cta: int = 
 
     m, R = hc_mult, repeat
     L = _sinkhorn_lanes(m)
-    TB = _sinkhorn_tokens_per_cta(m, tokens_per_cta)
+    TB = _sinkhorn_tokens_per_cta(m)
     threads = _ceil32(TB * L)
     M2 = m * m
     v = _vec(m)
@@ -1014,7 +1013,7 @@ def mhc_sinkhorn_forward(comb: torch.Tensor, comb_out: torch.Tensor, repeat: int
 
 
 def build_mhc_sinkhorn_backward(
-    hc_mult: int, repeat: int, tokens_per_cta: int = _SINKHORN_TOKENS, unroll_steps: bool | None = None
+    hc_mult: int, repeat: int
 ):
     """Builds the Sinkhorn backward prim_func (OPS.md B.2.6, recompute strategy).
 
@@ -1029,10 +1028,8 @@ def build_mhc_sinkhorn_backward(
 
     Args:
         hc_mult: ``m`` (1..8).
-        repeat: ``R`` (compile-time).
-        tokens_per_cta: tokens per CTA before the shared-memory budget is applied.
-        unroll_steps: fully unroll the backward step loop (default: for ``R <= 32``), so that the
-            shared-memory loads and reciprocals of a step are scheduled ahead of the ``g`` chain.
+        repeat: ``R`` (compile-time; the backward step loop is fully unrolled for ``R <= 32`` so that
+            the shared-memory loads and reciprocals of a step are scheduled ahead of the ``g`` chain).
 
     Returns:
         ``T.prim_func(grad_output (T, m*m) f32, x (T, m*m) f32, grad_input (T, m*m) f32, eps: f32)``;
@@ -1042,7 +1039,7 @@ def build_mhc_sinkhorn_backward(
 
     m, R = hc_mult, repeat
     L = _sinkhorn_lanes(m)
-    TB = mhc_sinkhorn_backward_token_block(m, R, tokens_per_cta)
+    TB = mhc_sinkhorn_backward_token_block(m, R)
     NL = TB * L  # lanes with shared-memory slots
     threads = _ceil32(NL)
     M2 = m * m
@@ -1051,7 +1048,7 @@ def build_mhc_sinkhorn_backward(
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
     softmax, row_norm, col_norm, row_back, col_back, softmax_back = _sinkhorn_macros(T, m, L)
-    back_loop = T.unroll if (R <= 32 if unroll_steps is None else unroll_steps) else T.serial
+    back_loop = T.unroll if R <= 32 else T.serial
 
     @T.macro
     def store_u(us, y, n, tid):

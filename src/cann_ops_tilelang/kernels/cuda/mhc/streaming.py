@@ -327,25 +327,22 @@ def mhc_fn_normw_merge_backward_key(fn: torch.Tensor, normw: torch.Tensor, out_f
     return (rows, cols)
 
 
-def build_mhc_fn_normw_merge_backward(rows: int, cols: int, *, row_groups: int = _NORMW_BWD_ROW_GROUPS,
-                                      col_groups: int = _NORMW_BWD_COL_GROUPS):
+def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
     """Builds the merge backward (both outputs accumulate in place).
 
     ``fn_grad[r, k] += out_fn_grad[r, k] * normw[k]``;
     ``normw_grad[k] += sum_{r=0..M3-1} out_fn_grad[r, k] * fn[r, k]`` (rows in order, added once).
     Deterministic, no atomics.
 
-    A CTA covers ``4 * col_groups`` columns and all ``M3`` rows, split over ``row_groups`` thread groups
-    so that every thread issues all its loads (``ceil(M3 / row_groups)`` rows x 3 float4) at once; each
-    thread updates ``fn_grad`` (product rounded before the add, as the reference does) and parks the
+    A CTA covers ``4 * _NORMW_BWD_COL_GROUPS`` columns and all ``M3`` rows, split over
+    ``_NORMW_BWD_ROW_GROUPS`` thread groups so that every thread issues all its loads
+    (``ceil(M3 / _NORMW_BWD_ROW_GROUPS)`` rows x 3 float4) at once; each thread updates ``fn_grad`` (product rounded before the add, as the reference does) and parks the
     rounded products ``out_fn_grad * fn`` in shared memory; after one barrier, one thread per column
     sums the ``M3`` products in row order and adds the sum to ``normw_grad``.
 
     Args:
         rows: ``M3``.
         cols: ``K`` (multiple of 4; the column tail is guarded).
-        row_groups: thread groups splitting the rows.
-        col_groups: float4 column groups per CTA (``threads = row_groups * col_groups``).
 
     Returns:
         ``T.prim_func(fn, normw, out_fn_grad, fn_grad, normw_grad)`` (shapes as the forward).
@@ -355,9 +352,8 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int, *, row_groups: int =
     M3, K = rows, cols
     nq = K // 4
     f32 = T.float32
+    row_groups, col_groups = _NORMW_BWD_ROW_GROUPS, _NORMW_BWD_COL_GROUPS
     threads = row_groups * col_groups
-    if threads % 32 != 0 or threads > 1024 or 4 * col_groups > threads:
-        raise ValueError(f"mhc_fn_normw_merge_backward: bad split {row_groups} x {col_groups}")
     rpg = -(-M3 // row_groups)  # rows per thread group (contiguous block)
     ragged = rpg * row_groups != M3
     ncols = 4 * col_groups
