@@ -8,8 +8,9 @@ over blocks of tokens (32 per CTA unless noted), with all loads of a thread issu
 vector (``float4``) accesses wherever the row length allows, and fp32 math throughout. The two
 parameter-gradient backwards (split mixes, head mix) use a fixed grid of ``P`` workers; worker ``p``
 owns the contiguous token range ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and writes its partial row
-(zeros when the range is empty); the partial rows are summed in ascending ``p`` (split mixes: by a
-second one-CTA kernel; head mix: by the caller). No atomics: results are deterministic run to run.
+(zeros when the range is empty); the partial rows are summed in a fixed order (split mixes: by a
+second one-CTA kernel, 8 strided groups then their sums; head mix: by the caller). No atomics:
+results are deterministic run to run.
 
 Arithmetic contracts (the fused ``mhc_pre_big_fuse`` must reproduce these to stay bit-exact):
 
@@ -19,17 +20,22 @@ Arithmetic contracts (the fused ``mhc_pre_big_fuse`` must reproduce these to sta
 * split mixes / head mix forward: ``z = __fmul_rn(x, scale) + base`` (two roundings, as torch's
   ``x * scale + base``); ``sigmoid(z) = 1 / (1 + expf(-z))``; ``pre = sigmoid + pre_eps``,
   ``post = sigmoid * post_mult_value``, ``comb = z``.
-* Sinkhorn: row softmax ``exp(x - rowmax) / rowsum`` (``expf``, IEEE division, sequential sums);
-  every eps-normalization ``y / (sum + eps)`` with a sequential sum along the axis is computed exactly
-  as the IEEE quotient, but without a division per element: ``rc = __frcp_rn(d)``,
-  ``q = __fmul_rn(y, rc)``, ``y' = __fmaf_rn(__fmaf_rn(-d, q, y), rc, q)``, which is the correctly
-  rounded ``y / d`` for normal operands (Markstein's theorem: ``rc`` is the correctly rounded
-  reciprocal and ``q`` is within one ulp of the quotient, so one FMA correction step rounds exactly).
+* Sinkhorn: every sum along a row or a column of the ``m x m`` matrix is a pairwise tree,
+  ``(y_0 + y_1) + (y_2 + y_3)`` at m = 4 (an xor-butterfly over the lanes that hold the elements; with
+  ``k > 1`` elements per lane, the lane's own elements are added in order first); row softmax
+  ``exp(x - rowmax) / rowsum`` (``expf``, IEEE division); every eps-normalization is the IEEE
+  quotient ``y / (sum + eps)``. The backward's walk over the steps forms its quotients by a
+  denominator ``d`` whose reciprocal is known ahead of the chain: ``rc = __frcp_rn(d)``,
+  ``q = __fmul_rn(y, rc)``, ``y' = __fmaf_rn(__fmaf_rn(-d, q, y), rc, q)``, which is the same correctly
+  rounded ``y / d`` for normal operands (Markstein: ``rc`` is the correctly rounded reciprocal and
+  ``q`` within one ulp of the quotient, so one FMA correction rounds exactly); its products
+  ``g * U`` are rounded before they are summed (``__fmul_rn``).
 
 Launchers assume validated, contiguous inputs with 16-byte aligned data pointers (every fresh torch
 allocation is), ``T > 0``, and launch on the current stream without synchronizing. Supported sizes:
-any ``H`` (these kernels do not depend on it), ``m`` in 1..8 (m = 4 tuned), reduce ``G`` in 1..16 and
-``M3 <= 32``, Sinkhorn ``R`` in 1..256 (the backward's token block shrinks for large ``R``).
+any ``H`` (these kernels do not depend on it), ``m`` in 1..8 (m = 4 tuned; Sinkhorn: m in {1, 2, 4, 8}),
+reduce ``G`` in 1..16 and ``M3 <= 32``, Sinkhorn ``R`` in 1..256 (the backward's token block shrinks for
+large ``R``).
 
 TileLang is imported lazily (inside the builders) so that importing this module never does.
 """
@@ -84,7 +90,7 @@ __all__ = [
 # in a single wave while each CTA stays a handful of warps (the ops are latency-bound, not
 # bandwidth-bound: 8192 tokens x 24 mixes are 0.8 MB).
 _TOKENS_PER_CTA = 32
-# Head-mix forward is a pure elementwise map over (T, m): 64 tokens (64 threads at m = 4) per CTA.
+# Head-mix forward is a pure elementwise map over (T, m): 64 tokens (256 threads at m = 4) per CTA.
 _HEAD_FWD_TOKENS = 64
 # Head-mix backward: 64 tokens per worker iteration; at the largest test size (T = 24576, P = 132)
 # each worker runs 3 iterations.
@@ -92,14 +98,21 @@ _HEAD_BWD_TOKENS = 64
 # Number of per-worker partial rows of ``mhc_pre_split_mixes_backward`` (one worker per H200 SM).
 # A fixed number, not the device's SM count, so a token count always maps to the same partition.
 MHC_SPLIT_MIXES_PARTIALS = 132
-# NOTE Sinkhorn backward keeps, per token and eps-normalization step, every lane's row of the step
-# input and one denominator per lane in shared memory: (2R-1)*L*(m+1) floats per token (L = 4 lanes
-# at m = 4: 3120 B at R = 20, 25 KB for an 8-token CTA, so ~9 CTAs fit an H200 SM). The budget below
-# halves the token block for large R or m (the CTA keeps a full warp; surplus lanes idle).
+# Split-mixes backward: threads (= tokens per pass) of a worker CTA; 64 covers the 63 tokens a
+# worker owns at T = 8192 in one pass.
+_SPLIT_BWD_TOKENS = 64
+# Warps of the split-mixes partial reduction: 132 rows become 8 chains of <= 17 loads and adds.
+_SPLIT_REDUCE_WARPS = 8
+# NOTE Sinkhorn backward keeps, per token and eps-normalization step, the step input and its
+# denominator of every matrix element in shared memory: 8*(2R-1)*m*m bytes per token (2.5 KB at
+# m = 4, R = 20: 40 KB for an 8-token CTA, 5 CTAs per H200 SM). The budget below halves the token
+# block for large R (down to one warp per CTA).
 _SINKHORN_SMEM_BUDGET = 113 * 1024
 _SINKHORN_MAX_REPEAT = 256
-# Sinkhorn tokens per CTA: one warp at m = 4 (4 lanes per token).
-_SINKHORN_TOKENS = 8
+# Sinkhorn threads per CTA: 8 tokens of 16 lanes at m = 4.
+_SINKHORN_THREADS = 128
+# Sinkhorn matrix elements per lane (1: one lane per element; raised to m*m/32 when m*m > 32).
+_SINKHORN_LANE_ELEMS = 1
 _MAX_MULT = 8
 _MAX_MULT3 = 32
 _MAX_GROUPS = 16
@@ -426,10 +439,9 @@ def mhc_pre_split_mixes_forward_key(pre: torch.Tensor) -> tuple:
 def build_mhc_pre_split_mixes_forward(hc_mult: int):
     """Builds the mix-splitting forward prim_func (OPS.md B.2.5, forward).
 
-    One CTA per 32 tokens; thread ``(token, c)`` owns the ``c``-th 4-float chunk of the token's M3
-    mixes (6 chunks at m = 4: pre, post, then four comb chunks), so the ``input_mixes`` load of a
-    CTA is one contiguous, coalesced ``float4`` sweep, and every output row is written with vector
-    stores.
+    One thread per token, 32 tokens per CTA: a thread loads its token's ``M3`` mixes (six ``float4``
+    at m = 4) and ``mhc_base`` with vector loads, all in flight before its math, and writes its
+    ``pre``, ``post`` and ``comb`` rows with vector stores.
 
     Args:
         hc_mult: ``m`` (1..8).
@@ -443,9 +455,6 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int):
     m, TB = hc_mult, _TOKENS_PER_CTA
     M3, M2 = m * (m + 2), m * m
     v = _vec(m)
-    ch = M3 // v  # chunks per token
-    cp = m // v  # chunks per pre / post segment
-    threads = TB * ch  # NOTE 192 at m = 4
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
 
@@ -460,39 +469,35 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int):
         post_mult_value: f32,
         pre_eps: f32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=TB) as bx:
             tid = T.get_thread_binding()
-            x = T.alloc_local((v,), f32)
-            b = T.alloc_local((v,), f32)
-            y = T.alloc_local((v,), f32)
-            sc = T.alloc_local((1,), f32)
+            x = T.alloc_local((M3,), f32)
+            b = T.alloc_local((M3,), f32)
             s3 = T.alloc_local((3,), f32)
-            t = bx * TB + tid // ch
-            c = tid % ch
+            t = bx * TB + tid
             if t < num_tokens:
-                for k in T.vectorized(v):
-                    x[k] = input_mixes[t, c * v + k]
+                for cc in T.unroll(M3 // v):
+                    for k in T.vectorized(v):
+                        x[cc * v + k] = input_mixes[t, cc * v + k]
                 for i in T.unroll(3):
                     s3[i] = mhc_scale[i]
-                sc[0] = T.if_then_else(c < cp, s3[0], T.if_then_else(c < 2 * cp, s3[1], s3[2]))
-                for k in T.unroll(v):
-                    b[k] = mhc_base[c * v + k]
-                for k in T.unroll(v):
-                    y[k] = T.ieee_mul(x[k], sc[0]) + b[k]
-                if c < cp:
-                    for k in T.unroll(v):
-                        y[k] = T.sigmoid(y[k]) + pre_eps
+                for cc in T.unroll(M3 // v):
                     for k in T.vectorized(v):
-                        pre[t, c * v + k] = y[k]
-                else:
-                    if c < 2 * cp:
-                        for k in T.unroll(v):
-                            y[k] = T.sigmoid(y[k]) * post_mult_value
-                        for k in T.vectorized(v):
-                            post[t, (c - cp) * v + k] = y[k]
-                    else:
-                        for k in T.vectorized(v):
-                            comb[t, (c - 2 * cp) * v + k] = y[k]
+                        b[cc * v + k] = mhc_base[cc * v + k]
+                for j in T.unroll(m):
+                    x[j] = T.sigmoid(T.ieee_mul(x[j], s3[0]) + b[j]) + pre_eps
+                    x[m + j] = T.sigmoid(T.ieee_mul(x[m + j], s3[1]) + b[m + j]) * post_mult_value
+                for j in T.unroll(M2):
+                    x[2 * m + j] = T.ieee_mul(x[2 * m + j], s3[2]) + b[2 * m + j]
+                for cc in T.unroll(m // v):
+                    for k in T.vectorized(v):
+                        pre[t, cc * v + k] = x[cc * v + k]
+                for cc in T.unroll(m // v):
+                    for k in T.vectorized(v):
+                        post[t, cc * v + k] = x[m + cc * v + k]
+                for cc in T.unroll(M2 // v):
+                    for k in T.vectorized(v):
+                        comb[t, cc * v + k] = x[2 * m + cc * v + k]
 
     return mhc_pre_split_mixes_fwd_cuda
 
@@ -544,12 +549,13 @@ def mhc_pre_split_mixes_backward_key(post: torch.Tensor) -> tuple:
 def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
     """Builds the main mix-splitting backward prim_func (OPS.md B.2.5, backward).
 
-    ``P`` persistent CTAs; CTA ``p`` owns tokens ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and walks
-    them 32 at a time with the thread layout of the forward (thread = (token, 4-float chunk)). Each
-    thread writes ``input_mixes_grad`` for its chunk and accumulates ``dz`` and ``dz * x`` per mix
-    index in registers (ascending token); the CTA then sums the 32 token lanes in ascending order
-    through shared memory and writes row ``p`` of the partials: ``[0, M3)`` = sum of ``dz`` per mix,
-    ``M3 + c`` = sum of ``dz * x`` over segment ``c`` (ascending mix index).
+    ``P`` persistent CTAs of ``_SPLIT_BWD_TOKENS`` threads, one token per thread; CTA ``p`` owns
+    tokens ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` (one pass at T <= 8448). A thread loads its
+    token's rows with vector loads (all in flight before its math), writes its ``input_mixes_grad``
+    row and accumulates ``dz`` and ``dz * x`` per mix index in registers (ascending token); the CTA
+    then sums the thread rows in ascending order through shared memory and writes row ``p`` of the
+    partials: ``[0, M3)`` = sum of ``dz`` per mix, ``M3 + c`` = sum of ``dz * x`` over segment ``c``
+    (ascending mix index).
 
     Args:
         hc_mult: ``m`` (1..8).
@@ -562,15 +568,20 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
     """
     from tilelang import language as T
 
-    m, P, TB = hc_mult, num_partials, _TOKENS_PER_CTA
+    m, P, TB = hc_mult, num_partials, _SPLIT_BWD_TOKENS
     M3, M2 = m * (m + 2), m * m
     W = M3 + 3
     v = _vec(m)
-    ch = M3 // v
-    cp = m // v
-    threads = TB * ch  # NOTE 192 at m = 4
+    RW = 2 * M3 + 1  # padded row of the reduction buffer (odd: conflict-free row writes)
+    passes = (2 * M3 + TB - 1) // TB
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
+
+    @T.macro
+    def load_row(dst, off, src, t, n):
+        for cc in T.unroll(n // v):
+            for k in T.vectorized(v):
+                dst[off + cc * v + k] = src[t, cc * v + k]
 
     @T.prim_func
     def mhc_pre_split_mixes_bwd_cuda(
@@ -585,81 +596,76 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
         partial: T.Tensor((P, W), f32),
         post_mult_value: f32,
     ):
-        with T.Kernel(P, threads=threads) as p:
+        with T.Kernel(P, threads=TB) as p:
             tid = T.get_thread_binding()
-            tl = tid // ch
-            c = tid % ch
-            # red[1, TB, :] holds the per-mix column sums of dz * x (one buffer: no aliasing by the planner).
-            red = T.alloc_shared((2, TB + 1, M3), f32)
-            x = T.alloc_local((v,), f32)
-            gr = T.alloc_local((v,), f32)
-            pv = T.alloc_local((v,), f32)
-            dz = T.alloc_local((v,), f32)
-            b = T.alloc_local((v,), f32)
-            ab = T.alloc_local((v,), f32)  # sum of dz per mix index
-            ax = T.alloc_local((v,), f32)  # sum of dz * x per mix index
-            sc = T.alloc_local((2,), f32)
+            red = T.alloc_shared((TB, RW), f32)
+            seg = T.alloc_shared((M3,), f32)
+            x = T.alloc_local((M3,), f32)
+            dz = T.alloc_local((M3,), f32)
+            b = T.alloc_local((M3,), f32)
+            gp = T.alloc_local((m,), f32)
+            gq = T.alloc_local((m,), f32)
+            pv = T.alloc_local((m,), f32)
+            ab = T.alloc_local((M3,), f32)  # sum of dz per mix index
+            ax = T.alloc_local((M3,), f32)  # sum of dz * x per mix index
             s3 = T.alloc_local((3,), f32)
-            for k in T.unroll(v):
-                ab[k] = 0.0
-                ax[k] = 0.0
+            acc = T.alloc_local((1,), f32)
+            for j in T.unroll(M3):
+                ab[j] = 0.0
+                ax[j] = 0.0
             for i in T.unroll(3):
                 s3[i] = mhc_scale[i]
-            sc[0] = T.if_then_else(c < cp, s3[0], T.if_then_else(c < 2 * cp, s3[1], s3[2]))
-            for k in T.unroll(v):
-                b[k] = mhc_base[c * v + k]
+            for cc in T.unroll(M3 // v):
+                for k in T.vectorized(v):
+                    b[cc * v + k] = mhc_base[cc * v + k]
             per = T.ceildiv(num_tokens, P)
             t_begin = T.min(per * p, num_tokens)
             t_end = T.min(per * p + per, num_tokens)
             for it in T.serial(T.ceildiv(t_end - t_begin, TB)):
-                t = t_begin + it * TB + tl
+                t = t_begin + it * TB + tid
                 if t < t_end:
-                    for k in T.vectorized(v):
-                        x[k] = input_mixes[t, c * v + k]
-                    if c < cp:
+                    load_row(x, 0, input_mixes, t, M3)
+                    load_row(gp, 0, pre_grad, t, m)
+                    load_row(gq, 0, post_grad, t, m)
+                    load_row(pv, 0, post, t, m)
+                    load_row(dz, 2 * m, comb_grad, t, M2)
+                    for j in T.unroll(m):
+                        acc[0] = T.sigmoid(T.ieee_mul(x[j], s3[0]) + b[j])
+                        dz[j] = gp[j] * acc[0] * (1.0 - acc[0])
+                        dz[m + j] = gq[j] * pv[j] * (1.0 - pv[j] / post_mult_value)
+                    for j in T.unroll(M3):
+                        ab[j] = ab[j] + dz[j]
+                        ax[j] = ax[j] + dz[j] * x[j]
+                    for j in T.unroll(m):
+                        dz[j] = dz[j] * s3[0]
+                        dz[m + j] = dz[m + j] * s3[1]
+                    for j in T.unroll(M2):
+                        dz[2 * m + j] = dz[2 * m + j] * s3[2]
+                    for cc in T.unroll(M3 // v):
                         for k in T.vectorized(v):
-                            gr[k] = pre_grad[t, c * v + k]
-                        for k in T.unroll(v):
-                            pv[k] = T.sigmoid(T.ieee_mul(x[k], sc[0]) + b[k])
-                            dz[k] = gr[k] * pv[k] * (1.0 - pv[k])
-                    else:
-                        if c < 2 * cp:
-                            for k in T.vectorized(v):
-                                gr[k] = post_grad[t, (c - cp) * v + k]
-                            for k in T.vectorized(v):
-                                pv[k] = post[t, (c - cp) * v + k]
-                            for k in T.unroll(v):
-                                dz[k] = gr[k] * pv[k] * (1.0 - pv[k] / post_mult_value)
-                        else:
-                            for k in T.vectorized(v):
-                                dz[k] = comb_grad[t, (c - 2 * cp) * v + k]
-                    for k in T.unroll(v):
-                        gr[k] = dz[k] * sc[0]
-                    for k in T.vectorized(v):
-                        input_mixes_grad[t, c * v + k] = gr[k]
-                    for k in T.unroll(v):
-                        ab[k] = ab[k] + dz[k]
-                        ax[k] = ax[k] + dz[k] * x[k]
-            # Deterministic CTA reduction: lanes in ascending token order, then segments in mix order.
-            for k in T.unroll(v):
-                red[0, tl, c * v + k] = ab[k]
-                red[1, tl, c * v + k] = ax[k]
+                            input_mixes_grad[t, cc * v + k] = dz[cc * v + k]
+            # Deterministic CTA reduction: thread rows in ascending token order, then segments in
+            # mix order.
+            for j in T.unroll(M3):
+                red[tid, j] = ab[j]
+                red[tid, M3 + j] = ax[j]
             T.sync_threads()
-            if tid < M3:
-                sc[0] = red[0, 0, tid]
-                sc[1] = red[1, 0, tid]
-                for i in T.unroll(1, TB):
-                    sc[0] = sc[0] + red[0, i, tid]
-                    sc[1] = sc[1] + red[1, i, tid]
-                partial[p, tid] = sc[0]
-                red[1, TB, tid] = sc[1]
+            for ps in T.unroll(passes):
+                if tid + ps * TB < 2 * M3:
+                    acc[0] = red[0, tid + ps * TB]
+                    for i in T.unroll(1, TB):
+                        acc[0] = acc[0] + red[i, tid + ps * TB]
+                    if tid + ps * TB < M3:
+                        partial[p, tid + ps * TB] = acc[0]
+                    else:
+                        seg[tid + ps * TB - M3] = acc[0]
             T.sync_threads()
             if tid < 3:
-                sc[1] = 0.0
+                acc[0] = 0.0
                 for j in T.unroll(M3):
                     if (j // m if j < 2 * m else 2) == tid:
-                        sc[1] = sc[1] + red[1, TB, j]
-                partial[p, M3 + tid] = sc[1]
+                        acc[0] = acc[0] + seg[j]
+                partial[p, M3 + tid] = acc[0]
 
     return mhc_pre_split_mixes_bwd_cuda
 
@@ -667,7 +673,10 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
 def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     """Builds the second (partial-reduction) kernel of the mix-splitting backward.
 
-    One CTA; thread ``j < M3 + 3`` sums column ``j`` of the partials in ascending ``p`` and
+    One CTA of ``_SPLIT_REDUCE_WARPS`` groups of ``ceil32(M3 + 3)`` threads (one warp at m = 4); thread
+    ``j < M3 + 3`` of group ``w`` sums column ``j`` of
+    the partial rows ``w, w + G, w + 2G, ...`` in ascending order (all its loads in flight at once,
+    then a short add chain), and thread ``j`` adds the ``G`` group sums in ascending ``w`` and
     overwrites ``mhc_base_grad[j]`` (``j < M3``) or ``mhc_scale_grad[j - M3]``.
 
     Args:
@@ -682,7 +691,10 @@ def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     m, P = hc_mult, num_partials
     M3 = m * (m + 2)
     W = M3 + 3
-    threads = _ceil32(W)
+    NW = _SPLIT_REDUCE_WARPS
+    lanes = _ceil32(W)
+    threads = NW * lanes
+    per = (P + NW - 1) // NW
     f32 = T.float32
 
     @T.prim_func
@@ -693,12 +705,25 @@ def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     ):
         with T.Kernel(1, threads=threads) as _:
             tid = T.get_thread_binding()
+            w = tid // lanes
+            j = tid % lanes
+            red = T.alloc_shared((NW, lanes), f32)
+            v = T.alloc_local((per,), f32)
             acc = T.alloc_local((1,), f32)
+            if j < W:
+                for i in T.unroll(per):
+                    v[i] = 0.0
+                    if w + i * NW < P:
+                        v[i] = partial[w + i * NW, j]
+                acc[0] = v[0]
+                for i in T.unroll(1, per):
+                    acc[0] = acc[0] + v[i]
+                red[w, j] = acc[0]
+            T.sync_threads()
             if tid < W:
-                # Fully unrolled: the P independent loads are issued ahead of the dependent adds.
-                acc[0] = partial[0, tid]
-                for i in T.unroll(1, P):
-                    acc[0] = acc[0] + partial[i, tid]
+                acc[0] = red[0, tid]
+                for i in T.unroll(1, NW):
+                    acc[0] = acc[0] + red[i, tid]
                 if tid < M3:
                     mhc_base_grad[tid] = acc[0]
                 else:
@@ -735,7 +760,7 @@ def mhc_pre_split_mixes_backward(
     """Launches the mix-splitting backward (two kernels) on the current stream.
 
     The first kernel writes ``input_mixes_grad`` and ``(P, M3 + 3)`` per-worker partials into a
-    temporary ``torch.empty`` buffer (every row written); the second sums them in ascending worker
+    temporary ``torch.empty`` buffer (every row written); the second sums them in a fixed worker
     order and **overwrites** ``mhc_scale_grad`` and ``mhc_base_grad``.
 
     Args:
@@ -768,6 +793,8 @@ def mhc_pre_split_mixes_backward(
 
 def _check_sinkhorn(op: str, hc_mult: int, repeat: int) -> None:
     _check_mult(op, hc_mult)
+    if hc_mult & (hc_mult - 1):
+        raise ValueError(f"{op}: the CUDA Sinkhorn kernels need a power-of-two hc_mult (1, 2, 4 or 8), got {hc_mult}")
     if not 1 <= repeat <= _SINKHORN_MAX_REPEAT:
         raise ValueError(f"{op}: repeat must be in [1, {_SINKHORN_MAX_REPEAT}], got {repeat}")
 
@@ -779,36 +806,37 @@ def mhc_sinkhorn_forward_key(comb: torch.Tensor, repeat: int) -> tuple:
     return (hc_mult, int(repeat))
 
 
-def _sinkhorn_lanes(hc_mult: int) -> int:
-    """Lanes per token of the Sinkhorn kernels: one per matrix row, padded to a power of two."""
-    lanes = 1
-    while lanes < hc_mult:
-        lanes *= 2
-    return lanes
+def _sinkhorn_layout(hc_mult: int) -> tuple[int, int]:
+    """``(k, N)``: matrix elements per lane and lanes per token of the Sinkhorn kernels.
+
+    One lane per element (``N = m*m``) while a token fits a warp; at m = 8 two neighbouring
+    elements of a row per lane (``k = 2``, ``N = 32``).
+    """
+    k = max(min(_SINKHORN_LANE_ELEMS, hc_mult), hc_mult * hc_mult // 32)
+    return k, hc_mult * hc_mult // k
 
 
 def _sinkhorn_tokens_per_cta(hc_mult: int) -> int:
-    """``_SINKHORN_TOKENS``, raised to at least one full warp per CTA (the warp shuffles name all 32 lanes)."""
-    return max(_SINKHORN_TOKENS, 32 // _sinkhorn_lanes(hc_mult))
+    """Tokens per CTA of the Sinkhorn forward: ``_SINKHORN_THREADS`` threads (at least one token)."""
+    return max(1, _SINKHORN_THREADS // _sinkhorn_layout(hc_mult)[1])
 
 
 def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
-    """Tokens per CTA of the Sinkhorn backward that own shared-memory slots.
+    """Tokens per CTA of the Sinkhorn backward.
 
-    Per token the backward keeps, for each of its ``2R-1`` eps-normalization steps, every lane's
-    row of the step input (``m`` floats) and one denominator per lane: ``4*(2R-1)*L*(m+1)`` bytes
-    with ``L`` lanes per token (3120 B at m = 4, R = 20). Starts from the forward's token block and halves
-    until the CTA fits the budget (the CTA keeps its full warp; the lanes of tokens beyond the
-    block idle).
+    Per token the backward keeps, for each of its ``2R-1`` eps-normalization steps, the step input
+    (``m*m`` floats) and the step's ``m`` denominators in shared memory: ``4*(2R-1)*(m*m + m)`` bytes
+    (3120 B at m = 4, R = 20). Starts from the forward's token block and halves it while the CTA
+    exceeds the budget and keeps more than one warp.
     """
-    lanes = _sinkhorn_lanes(hc_mult)
-    per_token = 4 * (2 * repeat - 1) * lanes * (hc_mult + 1)
+    k, lanes = _sinkhorn_layout(hc_mult)
+    per_token = 4 * (2 * repeat - 1) * (hc_mult * hc_mult + hc_mult)
     tb = _sinkhorn_tokens_per_cta(hc_mult)
-    while tb > 1 and tb * per_token > _SINKHORN_SMEM_BUDGET:
+    while tb * lanes > 32 and tb * per_token > _SINKHORN_SMEM_BUDGET:
         tb //= 2
     if tb * per_token > 227 * 1024:
         raise ValueError(
-            f"mhc_sinkhorn_backward: m={hc_mult}, repeat={repeat} needs {per_token} B of shared memory per token"
+            f"mhc_sinkhorn_backward: m={hc_mult}, repeat={repeat} needs {tb * per_token} B of shared memory per CTA"
         )
     return tb
 
@@ -821,122 +849,68 @@ def mhc_sinkhorn_backward_key(x: torch.Tensor, repeat: int) -> tuple:
     return (hc_mult, int(repeat))
 
 
-def _sinkhorn_macros(T, m: int, lanes: int):
-    """Sinkhorn building blocks for the row-per-lane layout (see the module docstring for the arithmetic).
+def _sinkhorn_macros(T, m: int):
+    """Sinkhorn building blocks for the element-per-lane layout (see the module docstring for the arithmetic).
 
-    Lane ``i`` of a token's ``lanes``-lane group holds row ``i`` of the ``m x m`` matrix in registers
-    (``y[o]``, ``o < m``); lanes ``i >= m`` (``m`` not a power of two) carry junk rows that no valid
-    lane reads. Row steps are lane-local. Column steps gather the ``m`` rows of the token with
-    ``m*m`` warp shuffles (all of them independent, so one shuffle latency) and every lane forms all
-    ``m`` column sums itself in ascending row order, so all lanes agree bit for bit.
+    A token's ``N`` lanes hold its ``m x m`` matrix row-major, ``k`` neighbouring elements of one row
+    per lane (:func:`_sinkhorn_layout`): lane ``l`` holds elements ``l*k .. l*k+k-1``, so the lanes of a
+    row differ in their low ``log2(m/k)`` bits and the lanes of a column in the next ``log2(m)`` bits.
+    A row (column) sum is an xor-butterfly over those bits (after the lane's own ``k`` elements,
+    added in order, for a row): every lane of the row (column) ends with the same bits, since each
+    butterfly level adds the same two partial sums, only in swapped operand order.
 
-    Returns ``(softmax, row_norm, col_norm, row_back, col_back, softmax_back)`` macros.
+    Returns ``(row_max, row_sum, col_sum, quotient)`` macros.
     """
+    k, _ = _sinkhorn_layout(m)
+    row_bits = (m // k).bit_length() - 1  # butterfly levels of a row sum
+    col_bits = m.bit_length() - 1  # butterfly levels of a column sum
+    col_base = m // k  # lane distance between neighbouring rows
 
     @T.macro
-    def gather(src, cols):
-        # cols[r*m + o] = src[o] of lane r of this token.
-        for r in T.unroll(m):
-            for o in T.unroll(m):
-                cols[r * m + o] = T.shfl_sync(src[o], r, lanes)
+    def row_max(src, s):
+        s[0] = src[0]
+        for c in T.unroll(1, k):
+            s[0] = T.max(s[0], src[c])
+        for b in T.unroll(row_bits):
+            s[0] = T.max(s[0], T.shfl_xor(s[0], 1 << b))
 
     @T.macro
-    def softmax(y, aux):
-        # Row softmax, max-subtracted; aux[0] = row max, aux[1] = row sum.
-        aux[0] = y[0]
-        for o in T.unroll(1, m):
-            aux[0] = T.max(aux[0], y[o])
-        for o in T.unroll(m):
-            y[o] = T.exp(y[o] - aux[0])
-        aux[1] = y[0]
-        for o in T.unroll(1, m):
-            aux[1] = aux[1] + y[o]
-        for o in T.unroll(m):
-            y[o] = y[o] / aux[1]
+    def row_sum(src, s):
+        # s[0] = the sum of this lane's row of src.
+        s[0] = src[0]
+        for c in T.unroll(1, k):
+            s[0] = s[0] + src[c]
+        for b in T.unroll(row_bits):
+            s[0] = s[0] + T.shfl_xor(s[0], 1 << b)
 
     @T.macro
-    def row_norm(y, d, rc, q, eps):
-        # y <- y / (rowsum + eps); d[0] = rowsum + eps.
-        d[0] = y[0]
-        for o in T.unroll(1, m):
-            d[0] = d[0] + y[o]
-        d[0] = d[0] + eps
-        rc[0] = T.ieee_frcp(d[0])
-        for o in T.unroll(m):
-            q[0] = T.ieee_mul(y[o], rc[0])
-            y[o] = T.ieee_fmaf(T.ieee_fmaf(-d[0], q[0], y[o]), rc[0], q[0])
+    def col_sum(src, s):
+        # s[c] = the sum of the column of element c of this lane.
+        for c in T.unroll(k):
+            s[c] = src[c]
+            for b in T.unroll(col_bits):
+                s[c] = s[c] + T.shfl_xor(s[c], col_base << b)
 
     @T.macro
-    def col_norm(y, cols, d, rc, q, eps):
-        # y <- y / (colsum + eps); d[o] = colsum_o + eps (identical in every lane of the token).
-        gather(y, cols)
-        for o in T.unroll(m):
-            d[o] = cols[o]
-            for r in T.unroll(1, m):
-                d[o] = d[o] + cols[r * m + o]
-            d[o] = d[o] + eps
-            rc[o] = T.ieee_frcp(d[o])
-        for o in T.unroll(m):
-            q[0] = T.ieee_mul(y[o], rc[o])
-            y[o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], y[o]), rc[o], q[0])
+    def quotient(buf, i, d, rc, q):
+        # buf[i] <- buf[i] / d, correctly rounded (rc = __frcp_rn(d); one Markstein correction).
+        q[0] = T.ieee_mul(buf[i], rc)
+        buf[i] = T.ieee_fmaf(T.ieee_fmaf(-d, q[0], buf[i]), rc, q[0])
 
-    @T.macro
-    def row_back(g, u, d, rc, c, q):
-        # g <- (g - rowsum(g*u) / d) / d; d[0] = the step's rowsum + eps.
-        rc[0] = T.ieee_frcp(d[0])
-        c[0] = g[0] * u[0]
-        for o in T.unroll(1, m):
-            c[0] = c[0] + g[o] * u[o]
-        q[0] = T.ieee_mul(c[0], rc[0])
-        c[0] = T.ieee_fmaf(T.ieee_fmaf(-d[0], q[0], c[0]), rc[0], q[0])
-        for o in T.unroll(m):
-            q[1] = g[o] - c[0]
-            q[0] = T.ieee_mul(q[1], rc[0])
-            g[o] = T.ieee_fmaf(T.ieee_fmaf(-d[0], q[0], q[1]), rc[0], q[0])
-
-    @T.macro
-    def col_back(g, u, pr, cols, d, rc, c, q):
-        # g <- (g - colsum(g*u) / d) / d with d[o] = the step's colsum + eps; the column sum adds
-        # the rounded products g*u of rows 0..m-1 in ascending order.
-        for o in T.unroll(m):
-            rc[o] = T.ieee_frcp(d[o])
-            pr[o] = T.ieee_mul(g[o], u[o])
-        gather(pr, cols)
-        for o in T.unroll(m):
-            c[o] = cols[o]
-            for r in T.unroll(1, m):
-                c[o] = c[o] + cols[r * m + o]
-            q[0] = T.ieee_mul(c[o], rc[o])
-            c[o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], c[o]), rc[o], q[0])
-        for o in T.unroll(m):
-            q[1] = g[o] - c[o]
-            q[0] = T.ieee_mul(q[1], rc[o])
-            g[o] = T.ieee_fmaf(T.ieee_fmaf(-d[o], q[0], q[1]), rc[o], q[0])
-
-    @T.macro
-    def softmax_back(g, pm, c):
-        # grad_input = (g - sum_o g*P) * P (own row).
-        c[0] = g[0] * pm[0]
-        for o in T.unroll(1, m):
-            c[0] = c[0] + g[o] * pm[o]
-        for o in T.unroll(m):
-            g[o] = (g[o] - c[0]) * pm[o]
-
-    return softmax, row_norm, col_norm, row_back, col_back, softmax_back
+    return row_max, row_sum, col_sum, quotient
 
 
 def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     """Builds the Sinkhorn forward prim_func (OPS.md B.2.6).
 
-    One lane per matrix row (``L`` = ``m`` rounded up to a power of two lanes per token, 4 at m = 4),
-    ``_SINKHORN_TOKENS`` tokens per CTA (8: one warp at m = 4, so 64 CTAs at T = 512 and 1024 at
-    T = 8192). NOTE the dependent chain of a lane is R x (row step + column step) with one reciprocal
-    per step instead of 2R x m reciprocals and m*m corrections serially in one thread; the column
-    step costs one round of ``m*m`` independent shuffles. Every lane of the warp runs every shuffle
-    (tokens past ``T`` compute on zeros and store nothing).
+    ``N`` lanes per token (:func:`_sinkhorn_layout`: 16 at m = 4, one matrix element each) and
+    :func:`_sinkhorn_tokens_per_cta` tokens per CTA (8 at m = 4: 64 CTAs at T = 512, 1024 at T = 8192).
+    A normalization step is two butterfly levels (shuffle + add), the ``+ eps`` and one IEEE
+    division on every lane's dependent chain. Every lane runs every
+    shuffle (lanes of tokens past ``T`` compute on zeros and store nothing).
 
     Args:
-        hc_mult: ``m`` (1..8).
+        hc_mult: ``m`` (1, 2, 4 or 8).
         repeat: ``R`` (1..256, compile-time).
 
     Returns:
@@ -945,14 +919,13 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     from tilelang import language as T
 
     m, R = hc_mult, repeat
-    L = _sinkhorn_lanes(m)
+    k, N = _sinkhorn_layout(m)
     TB = _sinkhorn_tokens_per_cta(m)
-    threads = _ceil32(TB * L)
+    threads = _ceil32(TB * N)
     M2 = m * m
-    v = _vec(m)
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    softmax, row_norm, col_norm, _, _, _ = _sinkhorn_macros(T, m, L)
+    row_max, row_sum, col_sum, _ = _sinkhorn_macros(T, m)
 
     @T.prim_func
     def mhc_sinkhorn_fwd_cuda(
@@ -962,32 +935,38 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     ):
         with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
             tid = T.get_thread_binding()
-            y = T.alloc_local((m,), f32)
-            cols = T.alloc_local((M2,), f32)
-            d = T.alloc_local((m,), f32)
-            rc = T.alloc_local((m,), f32)
-            q = T.alloc_local((2,), f32)
-            t = bx * TB + tid // L
-            i = tid % L
-            ok = (tid < TB * L) and (t < num_tokens) and (i < m)
-            for o in T.unroll(m):
-                y[o] = 0.0
+            y = T.alloc_local((k,), f32)
+            s = T.alloc_local((k,), f32)
+            t = bx * TB + tid // N
+            e = (tid % N) * k
+            ok = (tid < TB * N) and (t < num_tokens)
+            for c in T.unroll(k):
+                y[c] = 0.0
             if ok:
-                for cc in T.unroll(m // v):
-                    for k in T.vectorized(v):
-                        y[cc * v + k] = comb[t, i * m + cc * v + k]
-            softmax(y, q)
-            for o in T.unroll(m):
-                y[o] = y[o] + eps
-            col_norm(y, cols, d, rc, q, eps)
+                for c in T.unroll(k):
+                    y[c] = comb[t, e + c]
+            # Row softmax (max-subtracted, IEEE division), then + eps.
+            row_max(y, s)
+            for c in T.unroll(k):
+                y[c] = T.exp(y[c] - s[0])
+            row_sum(y, s)
+            for c in T.unroll(k):
+                y[c] = y[c] / s[0] + eps
+            # Column step, then R - 1 (row step, column step) pairs.
+            col_sum(y, s)
+            for c in T.unroll(k):
+                y[c] = T.ieee_fdiv(y[c], s[c] + eps)
             if R > 1:
                 for _r in T.serial(R - 1):
-                    row_norm(y, d, rc, q, eps)
-                    col_norm(y, cols, d, rc, q, eps)
+                    row_sum(y, s)
+                    for c in T.unroll(k):
+                        y[c] = T.ieee_fdiv(y[c], s[0] + eps)
+                    col_sum(y, s)
+                    for c in T.unroll(k):
+                        y[c] = T.ieee_fdiv(y[c], s[c] + eps)
             if ok:
-                for cc in T.unroll(m // v):
-                    for k in T.vectorized(v):
-                        comb_out[t, i * m + cc * v + k] = y[cc * v + k]
+                for c in T.unroll(k):
+                    comb_out[t, e + c] = y[c]
 
     return mhc_sinkhorn_fwd_cuda
 
@@ -1012,24 +991,21 @@ def mhc_sinkhorn_forward(comb: torch.Tensor, comb_out: torch.Tensor, repeat: int
     kernel(comb.view(T_, m * m), comb_out.view(T_, m * m), float(eps))
 
 
-def build_mhc_sinkhorn_backward(
-    hc_mult: int, repeat: int
-):
+def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
     """Builds the Sinkhorn backward prim_func (OPS.md B.2.6, recompute strategy).
 
-    Lane layout of the forward (lane ``i`` of a token holds row ``i``). The lanes recompute the forward
-    with its exact arithmetic, keeping the softmax row in registers and, per eps-normalization step
-    ``n``, their row of the step input ``U_n`` and one denominator (a row step: the lane's own
-    ``rowsum + eps``; a column step: ``colsum_i + eps`` of column ``i``) in shared memory. After one
-    barrier they walk the steps backwards with the ``grad_output`` row in registers: a column step
-    reads the token's ``m`` column denominators from its lanes' slots and sums the rounded products
-    ``g*u`` of the ``m`` rows gathered by shuffles. Token block: :func:`mhc_sinkhorn_backward_token_block`
-    (8 tokens = one warp at m = 4: 25 KB of shared memory at R = 20).
+    Lane layout of the forward (one matrix element per lane at m = 4). The lanes recompute the
+    forward with its exact arithmetic, keeping the softmax ``P`` in registers and, per
+    eps-normalization step ``n``, the step input ``U_n`` of every element and the step's ``m``
+    denominators (``sum + eps`` of each row or column, stored by one lane each) in shared memory;
+    one barrier, then the walk back over the steps has only the ``g`` chain (product, butterfly
+    sum, two exact quotients) on the critical path: the shared-memory loads and reciprocals of a
+    step do not depend on ``g``. Token block: :func:`mhc_sinkhorn_backward_token_block` (8 tokens,
+    25 KB at m = 4, R = 20: the 1024 CTAs of T = 8192 fit the H200 at once).
 
     Args:
-        hc_mult: ``m`` (1..8).
-        repeat: ``R`` (compile-time; the backward step loop is fully unrolled for ``R <= 32`` so that
-            the shared-memory loads and reciprocals of a step are scheduled ahead of the ``g`` chain).
+        hc_mult: ``m`` (1, 2, 4 or 8).
+        repeat: ``R`` (compile-time; the backward step loop is fully unrolled for ``R <= 32``).
 
     Returns:
         ``T.prim_func(grad_output (T, m*m) f32, x (T, m*m) f32, grad_input (T, m*m) f32, eps: f32)``;
@@ -1038,42 +1014,63 @@ def build_mhc_sinkhorn_backward(
     from tilelang import language as T
 
     m, R = hc_mult, repeat
-    L = _sinkhorn_lanes(m)
+    k, N = _sinkhorn_layout(m)
     TB = mhc_sinkhorn_backward_token_block(m, R)
-    NL = TB * L  # lanes with shared-memory slots
+    NL = TB * N  # lanes with shared-memory slots
     threads = _ceil32(NL)
     M2 = m * m
     NS = 2 * R - 1  # eps-normalization steps
-    v = _vec(m)
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    softmax, row_norm, col_norm, row_back, col_back, softmax_back = _sinkhorn_macros(T, m, L)
+    row_max, row_sum, col_sum, quotient = _sinkhorn_macros(T, m)
     back_loop = T.unroll if R <= 32 else T.serial
 
     @T.macro
-    def store_u(us, y, n, tid):
-        for cc in T.unroll(m // v):
-            for k in T.vectorized(v):
-                us[n, tid, cc * v + k] = y[cc * v + k]
+    def save_row(us, ds, y, s, n, tid, tok, i, j0):
+        # The step input of every element; the row denominator from the first lane of each row.
+        for c in T.unroll(k):
+            us[n, c, tid] = y[c]
+        if j0 == 0:
+            ds[n, tok, i] = s[0]
 
     @T.macro
-    def load_u(us, u, n, tid):
-        for cc in T.unroll(m // v):
-            for k in T.vectorized(v):
-                u[cc * v + k] = us[n, tid, cc * v + k]
+    def save_col(us, ds, y, s, n, tid, tok, i, j0):
+        # The step input of every element; the column denominators from the lanes of row 0.
+        for c in T.unroll(k):
+            us[n, c, tid] = y[c]
+        if i == 0:
+            for c in T.unroll(k):
+                ds[n, tok, j0 + c] = s[c]
 
     @T.macro
-    def store_col_d(ds, d, sel, n, tid, i):
-        # This lane's slot keeps d[i] (m-way select: no dynamic register index).
-        sel[0] = d[0]
-        for o in T.unroll(1, m):
-            sel[0] = T.if_then_else(i == o, d[o], sel[0])
-        ds[n, tid] = sel[0]
+    def back_finish(g, p, s, rc, q):
+        # p = the step's sum of g*U_n along its axis: g <- (g - p / d) / d.
+        for c in T.unroll(k):
+            quotient(p, c, s[c], rc[c], q)
+            g[c] = g[c] - p[c]
+            quotient(g, c, s[c], rc[c], q)
 
     @T.macro
-    def load_col_d(ds, d, n, tid, i):
-        for o in T.unroll(m):
-            d[o] = ds[n, tid - i + o]
+    def back_col(us, ds, g, u, s, rc, p, q, n, tid, tok, j0):
+        for c in T.unroll(k):
+            u[c] = us[n, c, tid]
+            s[c] = ds[n, tok, j0 + c]
+            rc[c] = T.ieee_frcp(s[c])
+            p[c] = T.ieee_mul(g[c], u[c])
+        col_sum(p, p)
+        back_finish(g, p, s, rc, q)
+
+    @T.macro
+    def back_row(us, ds, g, u, s, rc, p, q, n, tid, tok, i):
+        for c in T.unroll(k):
+            u[c] = us[n, c, tid]
+            s[c] = ds[n, tok, i]
+            rc[c] = T.ieee_frcp(s[c])
+            p[c] = T.ieee_mul(g[c], u[c])
+        row_sum(p, p)
+        for c in T.unroll(1, k):
+            p[c] = p[0]
+        back_finish(g, p, s, rc, q)
 
     @T.prim_func
     def mhc_sinkhorn_bwd_cuda(
@@ -1084,76 +1081,79 @@ def build_mhc_sinkhorn_backward(
     ):
         with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
             tid = T.get_thread_binding()
-            us = T.alloc_shared((NS, NL, m), f32)
-            ds = T.alloc_shared((NS, NL), f32)
-            y = T.alloc_local((m,), f32)
-            g = T.alloc_local((m,), f32)
-            pm = T.alloc_local((m,), f32)
-            pr = T.alloc_local((m,), f32)
-            cols = T.alloc_local((M2,), f32)
-            d = T.alloc_local((m,), f32)
-            rc = T.alloc_local((m,), f32)
-            c = T.alloc_local((m,), f32)
-            q = T.alloc_local((2,), f32)
-            sel = T.alloc_local((1,), f32)
-            t = bx * TB + tid // L
-            i = tid % L
+            us = T.alloc_shared((NS, k, NL), f32)
+            ds = T.alloc_shared((NS, TB, m), f32)
+            y = T.alloc_local((k,), f32)
+            g = T.alloc_local((k,), f32)
+            pm = T.alloc_local((k,), f32)
+            u = T.alloc_local((k,), f32)
+            p = T.alloc_local((k,), f32)
+            s = T.alloc_local((k,), f32)
+            rc = T.alloc_local((k,), f32)
+            q = T.alloc_local((1,), f32)
+            tok = tid // N
+            t = bx * TB + tok
+            e = (tid % N) * k
+            i = e // m  # row of the lane's elements
+            j0 = e % m  # column of its first element
             slot = tid < NL
-            ok = slot and (t < num_tokens) and (i < m)
-            for o in T.unroll(m):
-                y[o] = 0.0
-                g[o] = 0.0
+            ok = slot and (t < num_tokens)
+            for c in T.unroll(k):
+                y[c] = 0.0
+                g[c] = 0.0
             if ok:
-                for cc in T.unroll(m // v):
-                    for k in T.vectorized(v):
-                        y[cc * v + k] = x[t, i * m + cc * v + k]
-                for cc in T.unroll(m // v):
-                    for k in T.vectorized(v):
-                        g[cc * v + k] = grad_output[t, i * m + cc * v + k]
-            # Forward recompute (same arithmetic as mhc_sinkhorn_fwd_cuda).
-            softmax(y, q)
-            for o in T.unroll(m):
-                pm[o] = y[o]
-                y[o] = y[o] + eps
+                for c in T.unroll(k):
+                    y[c] = x[t, e + c]
+                for c in T.unroll(k):
+                    g[c] = grad_output[t, e + c]
+            # Forward recompute (the arithmetic of mhc_sinkhorn_fwd_cuda), saving each step's input
+            # and denominators.
+            row_max(y, s)
+            for c in T.unroll(k):
+                y[c] = T.exp(y[c] - s[0])
+            row_sum(y, s)
+            for c in T.unroll(k):
+                pm[c] = y[c] / s[0]
+                y[c] = pm[c] + eps
+            col_sum(y, s)
+            for c in T.unroll(k):
+                s[c] = s[c] + eps
             if slot:
-                store_u(us, y, 0, tid)
-            col_norm(y, cols, d, rc, q, eps)
-            if slot:
-                store_col_d(ds, d, sel, 0, tid, i)
+                save_col(us, ds, y, s, 0, tid, tok, i, j0)
+            for c in T.unroll(k):
+                y[c] = T.ieee_fdiv(y[c], s[c])
             if R > 1:
                 for r in T.serial(R - 1):
+                    row_sum(y, s)
+                    s[0] = s[0] + eps
                     if slot:
-                        store_u(us, y, 2 * r + 1, tid)
-                    row_norm(y, d, rc, q, eps)
+                        save_row(us, ds, y, s, 2 * r + 1, tid, tok, i, j0)
+                    for c in T.unroll(k):
+                        y[c] = T.ieee_fdiv(y[c], s[0])
+                    col_sum(y, s)
+                    for c in T.unroll(k):
+                        s[c] = s[c] + eps
                     if slot:
-                        ds[2 * r + 1, tid] = d[0]
-                        store_u(us, y, 2 * r + 2, tid)
-                    col_norm(y, cols, d, rc, q, eps)
-                    if slot:
-                        store_col_d(ds, d, sel, 2 * r + 2, tid, i)
-            # The column steps read the denominators other lanes stored.
+                        save_col(us, ds, y, s, 2 * r + 2, tid, tok, i, j0)
+                    for c in T.unroll(k):
+                        y[c] = T.ieee_fdiv(y[c], s[c])
+            # The backward reads denominators other lanes of its token stored.
             T.sync_threads()
             # Backward through the eps-normalizations, last step first.
             if R > 1:
                 for rr in back_loop(R - 1):
-                    if slot:
-                        load_u(us, y, 2 * (R - 2 - rr) + 2, tid)
-                        load_col_d(ds, d, 2 * (R - 2 - rr) + 2, tid, i)
-                    col_back(g, y, pr, cols, d, rc, c, q)
-                    if slot:
-                        load_u(us, y, 2 * (R - 2 - rr) + 1, tid)
-                        d[0] = ds[2 * (R - 2 - rr) + 1, tid]
-                    row_back(g, y, d, rc, c, q)
-            if slot:
-                load_u(us, y, 0, tid)
-                load_col_d(ds, d, 0, tid, i)
-            col_back(g, y, pr, cols, d, rc, c, q)
-            # Softmax backward (the +eps is an identity for the gradient).
-            softmax_back(g, pm, c)
+                    back_col(us, ds, g, u, s, rc, p, q, 2 * (R - 2 - rr) + 2, tid, tok, j0)
+                    back_row(us, ds, g, u, s, rc, p, q, 2 * (R - 2 - rr) + 1, tid, tok, i)
+            back_col(us, ds, g, u, s, rc, p, q, 0, tid, tok, j0)
+            # Softmax backward (the + eps is an identity for the gradient).
+            for c in T.unroll(k):
+                p[c] = T.ieee_mul(g[c], pm[c])
+            row_sum(p, s)
+            for c in T.unroll(k):
+                g[c] = (g[c] - s[0]) * pm[c]
             if ok:
-                for cc in T.unroll(m // v):
-                    for k in T.vectorized(v):
-                        grad_input[t, i * m + cc * v + k] = g[cc * v + k]
+                for c in T.unroll(k):
+                    grad_input[t, e + c] = g[c]
 
     return mhc_sinkhorn_bwd_cuda
 
@@ -1196,7 +1196,8 @@ def mhc_head_compute_mix_forward_key(input_mix: torch.Tensor) -> tuple:
 def build_mhc_head_compute_mix_forward(hc_mult: int):
     """Builds the head-mix forward prim_func (OPS.md B.2.9): ``sigmoid(x * scale + base) + pre_eps``.
 
-    Elementwise; thread = (token, 4-float chunk), 64 tokens per CTA, vector loads and stores.
+    Elementwise; one thread per element, ``_HEAD_FWD_TOKENS`` tokens per CTA (256 threads at m = 4),
+    so a warp's loads and stores are single 128-byte lines and every thread has one short chain.
 
     Args:
         hc_mult: ``m`` (1..8).
@@ -1208,9 +1209,7 @@ def build_mhc_head_compute_mix_forward(hc_mult: int):
     from tilelang import language as T
 
     m, TB = hc_mult, _HEAD_FWD_TOKENS
-    v = _vec(m)
-    ch = m // v
-    threads = TB * ch
+    threads = TB * m
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
 
@@ -1224,21 +1223,10 @@ def build_mhc_head_compute_mix_forward(hc_mult: int):
     ):
         with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
             tid = T.get_thread_binding()
-            x = T.alloc_local((v,), f32)
-            b = T.alloc_local((v,), f32)
-            sc = T.alloc_local((1,), f32)
-            t = bx * TB + tid // ch
-            c = tid % ch
+            t = bx * TB + tid // m
+            j = tid % m
             if t < num_tokens:
-                for k in T.vectorized(v):
-                    x[k] = input_mix[t, c * v + k]
-                sc[0] = mhc_scale[0]
-                for k in T.unroll(v):
-                    b[k] = mhc_base[c * v + k]
-                for k in T.unroll(v):
-                    x[k] = T.sigmoid(T.ieee_mul(x[k], sc[0]) + b[k]) + pre_eps
-                for k in T.vectorized(v):
-                    output_mix[t, c * v + k] = x[k]
+                output_mix[t, j] = T.sigmoid(T.ieee_mul(input_mix[t, j], mhc_scale[0]) + mhc_base[j]) + pre_eps
 
     return mhc_head_compute_mix_fwd_cuda
 
