@@ -439,9 +439,14 @@ def mhc_pre_split_mixes_forward_key(pre: torch.Tensor) -> tuple:
 def build_mhc_pre_split_mixes_forward(hc_mult: int):
     """Builds the mix-splitting forward prim_func (OPS.md B.2.5, forward).
 
-    One thread per token, 32 tokens per CTA: a thread loads its token's ``M3`` mixes (six ``float4``
-    at m = 4) and ``mhc_base`` with vector loads, all in flight before its math, and writes its
-    ``pre``, ``post`` and ``comb`` rows with vector stores.
+    One CTA per 32 tokens; thread ``(c, token)`` owns the ``c``-th ``float4`` chunk of the token's
+    ``M3`` mixes (6 chunks at m = 4: pre, post, then four comb chunks), chunk-major, so every warp
+    works on one chunk: its branch (sigmoid + eps, sigmoid * post_mult, or copy) is warp-uniform, and
+    each thread has one vector load, four mixes of math and one vector store.
+
+    NOTE measured on the H200: 1.74-1.80 us at T = 512 and 2.3 us at T = 8192, against 2.1 / 2.6 us
+    for one thread per token and 2.4 / 2.9 us for the token-major (token, chunk) layout, whose warps
+    ran all three branches.
 
     Args:
         hc_mult: ``m`` (1..8).
@@ -455,6 +460,9 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int):
     m, TB = hc_mult, _TOKENS_PER_CTA
     M3, M2 = m * (m + 2), m * m
     v = _vec(m)
+    ch = M3 // v  # chunks per token
+    cp = m // v  # chunks per pre / post segment
+    threads = ch * TB  # NOTE 192 at m = 4
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
 
@@ -469,35 +477,34 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int):
         post_mult_value: f32,
         pre_eps: f32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, TB), threads=TB) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
             tid = T.get_thread_binding()
-            x = T.alloc_local((M3,), f32)
-            b = T.alloc_local((M3,), f32)
-            s3 = T.alloc_local((3,), f32)
-            t = bx * TB + tid
+            c = tid // TB
+            t = bx * TB + tid % TB
+            x = T.alloc_local((v,), f32)
+            b = T.alloc_local((v,), f32)
+            sc = T.alloc_local((1,), f32)
             if t < num_tokens:
-                for cc in T.unroll(M3 // v):
+                for k in T.vectorized(v):
+                    x[k] = input_mixes[t, c * v + k]
+                sc[0] = mhc_scale[T.min(c // cp, 2)]
+                for k in T.vectorized(v):
+                    b[k] = mhc_base[c * v + k]
+                for k in T.unroll(v):
+                    x[k] = T.ieee_mul(x[k], sc[0]) + b[k]
+                if c < cp:
+                    for k in T.unroll(v):
+                        x[k] = T.sigmoid(x[k]) + pre_eps
                     for k in T.vectorized(v):
-                        x[cc * v + k] = input_mixes[t, cc * v + k]
-                for i in T.unroll(3):
-                    s3[i] = mhc_scale[i]
-                for cc in T.unroll(M3 // v):
+                        pre[t, c * v + k] = x[k]
+                elif c < 2 * cp:
+                    for k in T.unroll(v):
+                        x[k] = T.sigmoid(x[k]) * post_mult_value
                     for k in T.vectorized(v):
-                        b[cc * v + k] = mhc_base[cc * v + k]
-                for j in T.unroll(m):
-                    x[j] = T.sigmoid(T.ieee_mul(x[j], s3[0]) + b[j]) + pre_eps
-                    x[m + j] = T.sigmoid(T.ieee_mul(x[m + j], s3[1]) + b[m + j]) * post_mult_value
-                for j in T.unroll(M2):
-                    x[2 * m + j] = T.ieee_mul(x[2 * m + j], s3[2]) + b[2 * m + j]
-                for cc in T.unroll(m // v):
+                        post[t, (c - cp) * v + k] = x[k]
+                else:
                     for k in T.vectorized(v):
-                        pre[t, cc * v + k] = x[cc * v + k]
-                for cc in T.unroll(m // v):
-                    for k in T.vectorized(v):
-                        post[t, cc * v + k] = x[m + cc * v + k]
-                for cc in T.unroll(M2 // v):
-                    for k in T.vectorized(v):
-                        comb[t, cc * v + k] = x[2 * m + cc * v + k]
+                        comb[t, (c - 2 * cp) * v + k] = x[k]
 
     return mhc_pre_split_mixes_fwd_cuda
 
