@@ -25,9 +25,19 @@ def tests_root(config: pytest.Config) -> Path:
 
 
 def test_name_in_file(item: pytest.Item) -> str:
-    """The node id without its file part, e.g. ``TestX::test_y[bf16-128]``."""
+    """The node id without its file part, e.g. ``TestX::test_y[bf16-128]``.
+
+    pytest-xdist's ``--dist loadgroup`` appends ``@<group>`` to the node id of a test marked
+    ``xdist_group``; that suffix is dropped, so a test has one name (one seed, one memory-profile entry)
+    however it is run.
+    """
     parts = item.nodeid.split("::", 1)
-    return parts[1] if len(parts) == 2 else item.name
+    name = parts[1] if len(parts) == 2 else item.name
+    group = item.get_closest_marker("xdist_group")
+    if group is not None:
+        suffix = "@" + str(group.args[0] if group.args else group.kwargs.get("name", ""))
+        name = name.removesuffix(suffix)
+    return name
 
 
 test_name_in_file.__test__ = False  # type: ignore[attr-defined]  # not a test if imported into a test module

@@ -59,3 +59,27 @@ def test_bench(bench):
     records = [json.loads(line) for line in (pytester.path / "out" / "fam" / "testchip" / "test_x.jsonl").read_text().splitlines()]
     assert sorted(r["worker"] for r in records) == ["gw0", "gw1"]
     assert {(r["case"], r["impl"], r["time_us"], r["test"], r["chip"]) for r in records} == {("c", "ours", 2.0, "test_bench", "testchip")}
+
+
+def test_loadgroup_names_drop_the_group_suffix(pytester, monkeypatch):
+    """Under ``--dist loadgroup`` the profile entry of a grouped test is keyed by its plain name."""
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv(device.KIND_ENV, "cuda")
+    monkeypatch.setenv(device.COUNT_ENV, "1")
+    write_inner_tree(pytester, FAKE_MEMORY)
+    fam = pytester.mkpydir("fam")
+    (fam / "test_g.py").write_text("""
+import pytest
+import _plugins.memprofile as mp
+
+@pytest.mark.device
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.xdist_group("grp"))])
+def test_grouped(n):
+    mp.backend_override.value = 1024
+""")
+    result = pytester.runpytest_subprocess(*INNER_ARGS, "-p", "xdist", "-n", "1", "--dist", "loadgroup",
+                                           "--refresh-mem-profiles")
+    result.assert_outcomes(passed=1)
+    assert json.loads((fam / "npu_mem_profiles" / "test_g.json").read_text()) == {"test_grouped[1]": 1024}
