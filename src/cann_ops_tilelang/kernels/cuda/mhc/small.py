@@ -893,7 +893,7 @@ def _sinkhorn_macros(T, m: int):
     added in order, for a row): every lane of the row (column) ends with the same bits, since each
     butterfly level adds the same two partial sums, only in swapped operand order.
 
-    Returns ``(row_max, row_sum, col_sum, quotient)`` macros.
+    Returns ``(softmax_eps, row_sum, col_sum, quotient)`` macros.
     """
     k, _ = _sinkhorn_layout(m)
     row_bits = (m // k).bit_length() - 1  # butterfly levels of a row sum
@@ -926,12 +926,23 @@ def _sinkhorn_macros(T, m: int):
                 s[c] = s[c] + T.shfl_xor(s[c], col_base << b)
 
     @T.macro
+    def softmax_eps(y, s, pm, eps):
+        # pm = row softmax of y (max-subtracted, IEEE division); y = pm + eps (pm may be y itself).
+        row_max(y, s)
+        for c in T.unroll(k):
+            y[c] = T.exp(y[c] - s[0])
+        row_sum(y, s)
+        for c in T.unroll(k):
+            pm[c] = y[c] / s[0]
+            y[c] = pm[c] + eps
+
+    @T.macro
     def quotient(buf, i, d, rc, q):
         # buf[i] <- buf[i] / d, correctly rounded (rc = __frcp_rn(d); one Markstein correction).
         q[0] = T.ieee_mul(buf[i], rc)
         buf[i] = T.ieee_fmaf(T.ieee_fmaf(-d, q[0], buf[i]), rc, q[0])
 
-    return row_max, row_sum, col_sum, quotient
+    return softmax_eps, row_sum, col_sum, quotient
 
 
 def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
@@ -959,7 +970,7 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     M2 = m * m
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    row_max, row_sum, col_sum, _ = _sinkhorn_macros(T, m)
+    softmax_eps, row_sum, col_sum, _ = _sinkhorn_macros(T, m)
 
     @T.prim_func
     def mhc_sinkhorn_fwd_cuda(
@@ -979,13 +990,7 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
             if ok:
                 for c in T.unroll(k):
                     y[c] = comb[t, e + c]
-            # Row softmax (max-subtracted, IEEE division), then + eps.
-            row_max(y, s)
-            for c in T.unroll(k):
-                y[c] = T.exp(y[c] - s[0])
-            row_sum(y, s)
-            for c in T.unroll(k):
-                y[c] = y[c] / s[0] + eps
+            softmax_eps(y, s, y, eps)
             # Column step, then R - 1 (row step, column step) pairs.
             col_sum(y, s)
             for c in T.unroll(k):
@@ -1056,7 +1061,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
     NS = 2 * R - 1  # eps-normalization steps
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    row_max, row_sum, col_sum, quotient = _sinkhorn_macros(T, m)
+    softmax_eps, row_sum, col_sum, quotient = _sinkhorn_macros(T, m)
     back_loop = T.unroll if R <= 32 else T.serial
 
     @T.macro
@@ -1142,13 +1147,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
                     g[c] = grad_output[t, e + c]
             # Forward recompute (the arithmetic of mhc_sinkhorn_fwd_cuda), saving each step's input
             # and denominators.
-            row_max(y, s)
-            for c in T.unroll(k):
-                y[c] = T.exp(y[c] - s[0])
-            row_sum(y, s)
-            for c in T.unroll(k):
-                pm[c] = y[c] / s[0]
-                y[c] = pm[c] + eps
+            softmax_eps(y, s, pm, eps)
             col_sum(y, s)
             for c in T.unroll(k):
                 s[c] = s[c] + eps
