@@ -116,6 +116,7 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
         with T.Kernel(T.ceildiv(M3 * K, per_cta), threads=threads) as bx:
             tid = T.get_thread_binding()
             v = T.alloc_local((4,), f32)
+            rb = T.alloc_local((4,), u32)
             hi = T.alloc_local((4,), bf16)
             lo = T.alloc_local((4,), bf16)
             base = bx * per_cta + tid * 4
@@ -125,11 +126,11 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
                 for k in T.unroll(4):
                     # TF32: add half a TF32 ulp to the bit pattern, clear the low 13 bits (round half
                     # away); hi keeps the top 8 significand bits, lo the remaining <= 3 (both exact).
-                    hi[k] = T.cast(
-                        T.reinterpret((T.reinterpret(v[k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32), bf16)
+                    rb[k] = T.reinterpret(v[k], u32) + T.cast(0x1000, u32)
+                    hi[k] = T.cast(T.reinterpret(rb[k] & T.cast(0xFFFF0000, u32), f32), bf16)
                     lo[k] = T.cast(
-                        T.reinterpret((T.reinterpret(v[k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFFE000, u32), f32)
-                        - T.reinterpret((T.reinterpret(v[k], u32) + T.cast(0x1000, u32)) & T.cast(0xFFFF0000, u32), f32),
+                        T.reinterpret(rb[k] & T.cast(0xFFFFE000, u32), f32)
+                        - T.reinterpret(rb[k] & T.cast(0xFFFF0000, u32), f32),
                         bf16,
                     )
                 for k in T.vectorized(4):

@@ -586,6 +586,7 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
     M3, M2 = m * (m + 2), m * m
     W = M3 + 3
     v = _vec(m)
+    NX = max(2 * m, M2)
     RW = 2 * M3 + 1  # padded row of the reduction buffer (odd: conflict-free row writes)
     passes = (2 * M3 + 2 * TB - 1) // (2 * TB)
     f32 = T.float32
@@ -622,17 +623,17 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
             tl = tid % TB
             red = T.alloc_shared((TB, RW), f32)
             seg = T.alloc_shared((M3,), f32)
-            x = T.alloc_local((M2,), f32)
-            dz = T.alloc_local((M2,), f32)
+            x = T.alloc_local((NX,), f32)  # the thread's mixes: 2m (pre/post) or m*m (comb)
+            dz = T.alloc_local((NX,), f32)
             b = T.alloc_local((2 * m,), f32)
             gp = T.alloc_local((m,), f32)
             gq = T.alloc_local((m,), f32)
             pv = T.alloc_local((m,), f32)
-            ab = T.alloc_local((M2,), f32)  # sum of dz per mix index (of this thread's mixes)
-            ax = T.alloc_local((M2,), f32)  # sum of dz * x per mix index
+            ab = T.alloc_local((NX,), f32)  # sum of dz per mix index (of this thread's mixes)
+            ax = T.alloc_local((NX,), f32)  # sum of dz * x per mix index
             s3 = T.alloc_local((3,), f32)
             acc = T.alloc_local((1,), f32)
-            for j in T.unroll(M2):
+            for j in T.unroll(NX):
                 ab[j] = 0.0
                 ax[j] = 0.0
             per = T.ceildiv(num_tokens, P)
@@ -711,11 +712,10 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
 def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     """Builds the second (partial-reduction) kernel of the mix-splitting backward.
 
-    One CTA of ``_SPLIT_REDUCE_WARPS`` groups of ``ceil32(M3 + 3)`` threads (one warp at m = 4); thread
-    ``j < M3 + 3`` of group ``w`` sums column ``j`` of
-    the partial rows ``w, w + G, w + 2G, ...`` in ascending order (all its loads in flight at once,
-    then a short add chain), and thread ``j`` adds the ``G`` group sums in ascending ``w`` and
-    overwrites ``mhc_base_grad[j]`` (``j < M3``) or ``mhc_scale_grad[j - M3]``.
+    One CTA of ``G = _SPLIT_REDUCE_WARPS`` groups of ``ceil32(M3 + 3)`` threads (one warp at m = 4);
+    thread ``j < M3 + 3`` of group ``w`` sums column ``j`` of the partial rows ``w, w + G, w + 2G, ...``
+    in ascending order (all its loads in flight at once, then a short add chain), and thread ``j``
+    adds the ``G`` group sums in ascending ``w`` and overwrites ``mhc_base_grad[j]`` (``j < M3``) or ``mhc_scale_grad[j - M3]``.
 
     Args:
         hc_mult: ``m`` (1..8).
@@ -867,7 +867,7 @@ def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
     (3120 B at m = 4, R = 20). Starts from the forward's token block and halves it while the CTA
     exceeds the budget and keeps more than one warp.
     """
-    k, lanes = _sinkhorn_layout(hc_mult)
+    _, lanes = _sinkhorn_layout(hc_mult)
     per_token = 4 * (2 * repeat - 1) * (hc_mult * hc_mult + hc_mult)
     tb = _sinkhorn_tokens_per_cta(hc_mult)
     while tb * lanes > 32 and tb * per_token > _SINKHORN_SMEM_BUDGET:
@@ -955,8 +955,8 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     ``N`` lanes per token (:func:`_sinkhorn_layout`: 16 at m = 4, one matrix element each) and
     :func:`_sinkhorn_tokens_per_cta` tokens per CTA (8 at m = 4: 64 CTAs at T = 512, 1024 at T = 8192).
     A normalization step is two butterfly levels (shuffle + add), the ``+ eps`` and one IEEE
-    division on every lane's dependent chain. Every lane runs every
-    shuffle (lanes of tokens past ``T`` compute on zeros and store nothing).
+    division on every lane's dependent chain. Every lane runs every shuffle (lanes of tokens past
+    ``T`` compute on zeros and store nothing).
 
     Args:
         hc_mult: ``m`` (1, 2, 4 or 8).

@@ -336,8 +336,9 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
 
     A CTA covers ``4 * _NORMW_BWD_COL_GROUPS`` columns and all ``M3`` rows, split over
     ``_NORMW_BWD_ROW_GROUPS`` thread groups so that every thread issues all its loads
-    (``ceil(M3 / _NORMW_BWD_ROW_GROUPS)`` rows x 3 float4) at once; each thread updates ``fn_grad`` (product rounded before the add, as the reference does) and parks the
-    rounded products ``out_fn_grad * fn`` in shared memory; after one barrier, one thread per column
+    (``ceil(M3 / _NORMW_BWD_ROW_GROUPS)`` rows x 3 float4) at once; each thread updates ``fn_grad``
+    (product rounded before the add, as the reference does) and parks the rounded products
+    ``out_fn_grad * fn`` in shared memory; after one barrier, one thread per column
     sums the ``M3`` products in row order and adds the sum to ``normw_grad``.
 
     Args:
@@ -359,7 +360,7 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
     ncols = 4 * col_groups
 
     @T.prim_func
-    def mhc_fn_normw_merge_backward_split_cuda(
+    def mhc_fn_normw_merge_backward_cuda(
         fn: T.Tensor((M3, K), f32),
         normw: T.Tensor((K,), f32),
         out_fn_grad: T.Tensor((M3, K), f32),
@@ -407,7 +408,7 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
                         acc[0] += prod[r, tid]
                     normw_grad[bx * ncols + tid] = normw_grad[bx * ncols + tid] + acc[0]
 
-    return mhc_fn_normw_merge_backward_split_cuda
+    return mhc_fn_normw_merge_backward_cuda
 
 
 @functools.lru_cache(maxsize=None)
