@@ -3,8 +3,8 @@
 Schedule: a persistent grid of ``P`` CTAs (``P = grad_w_partial.shape[0]``); CTA ``p`` owns the fixed
 token range ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and writes row ``p`` of the weight-gradient
 partials (zeros when its range is empty), so the result is deterministic without atomics. Each
-thread owns ``NC`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf``
-lives in a shared-memory tile that only it touches. Per token:
+thread owns ``nc`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf``
+lives in registers or in a shared-memory tile that only it touches. Per token:
 
 1. load ``go`` (kept in registers) and ``v``; accumulate ``G_h = <go_h, v>`` and write the value
    gradient ``sum_h go_h * g_h`` (ascending ``h``);
@@ -12,11 +12,13 @@ lives in a shared-memory tile that only it touches. Per token:
    reduction that every warp performs identically, so all threads hold bitwise-equal sums);
 3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
 
-Latency hiding (compile-time, by shared-memory budget, see :func:`bwd_stage_xk`): where it fits
-(H <= 7168 at m = 4) each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the
-token, so they travel together with the ``go``/``v`` loads of step 1; otherwise it prefetches the
-next token's ``go``/``v`` by ``cp.async`` during steps 2-3. Every staged element is written and read
-by the same thread, so only ``cp.async.wait_group`` is needed, no barrier.
+Latency hiding (compile-time, by register and shared-memory budget, see :func:`bwd_plan`): each
+thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
+they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
+``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (H <= 4096 at m = 4: the
+weight-gradient tile is in registers; H = 7168: staging only; H >= 7680: prefetch only). Every
+staged element is written and read by the same thread, so only ``cp.async.wait_group`` is needed,
+no barrier.
 """
 
 import functools
@@ -30,39 +32,59 @@ __all__ = ["bwd_layout", "build_engram_gate_bwd", "engram_gate_bwd", "engram_gat
 _VEC = 8
 _MAX_THREADS = 1024  # upper bound on the CTA size (A/B switch)
 _STAGE_XK = True
-_PREFETCH_GO_V = True  # when x/k are not staged: prefetch the next token's go/v instead
+_PREFETCH_GO_V = True  # prefetch the next token's go/v into shared memory where it fits
 _WF_SMEM = True  # keep the thread's wf columns in shared memory where it fits (loaded once)
+_GW_REGS = True  # weight-gradient accumulators in registers where the thread's share is small
+_GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers take
 _SMEM_BYTES = 227 * 1024
 
 
-def bwd_layout(hidden_size: int, hc_mult: int = 4) -> tuple[int, int]:
-    """Thread layout ``(threads, nc)``: each thread owns ``nc`` column vectors of 8 elements.
+def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
+    """The backward's compile-time schedule at ``(H, m)``.
 
-    NOTE tuned for H200 (one persistent CTA per SM): when ``x``/``k`` are staged in shared memory
-    (see :func:`bwd_stage_xk`) one column vector per thread, up to 1024 threads (896 at H = 7168:
-    697 us vs 729 us with 448 threads x 2 vectors at T = 8192); otherwise at most 512 threads, so the
-    phase-2 loads of several vectors stay in the 128-register budget.
+    Keys: ``threads`` and ``nc`` (each thread owns ``nc`` 8-element column vectors), ``gw_regs``
+    (weight-gradient accumulators in registers, else a shared-memory tile), ``stage_xk`` (the token's
+    ``x``/``k`` staged in shared memory by ``cp.async`` at the start of the token, travelling together
+    with the ``go``/``v`` loads), ``pre_gov`` (the next token's ``go``/``v`` prefetched into shared
+    memory while the current token finishes) and ``wf_smem`` (``wf`` loaded once into shared memory).
+
+    Steps: the layout is chosen with the tile in shared memory (x/k staged where tile and staging fit
+    the 227 KiB of an H200 SM; then one column vector per thread up to 1024 threads, else at most 512
+    threads so that the phase-2 loads of several vectors stay in the 128-register budget); the tile
+    moves to registers where the thread's share is at most ``_GW_REGS_MAX`` floats at <= 512 threads
+    (128 registers per thread); the shared memory left goes to wf, then to the go/v prefetch.
+
+    NOTE tuned for H200 (cupti, cold L2; peer = DeepSeek TileKernels in the same run):
+    H = 4096 (512 threads): tile in shared memory, x/k staged, wf in shared memory: 34.1 us (T = 512),
+    380 us (T = 8192); tile in registers with the go/v prefetch added: 31.5 / 388 us (peer 32.2 / 419).
+    H = 7168 (896 threads, 72 registers): the tile stays in shared memory (224 KiB with the x/k staging);
+    in registers it spills (97.7 / 1408 us against 59.4 / 691 us), as does 448 threads x 2 vectors
+    (59.97 / 755 us with the tile in shared memory). Earlier: staging 381 us vs 417 us (prefetch only)
+    and 397 us (plain loads) at T = 8192, H = 4096.
     """
-    nvec = hidden_size // _VEC
+    H, m = hidden_size, hc_mult
+    fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
+    tile, xk_bytes, gov_bytes, wf_bytes = 4 * m * H, 4 * m * H, 2 * (m + 1) * H, 4 * m * H
+    stage_xk = _STAGE_XK and fixed + tile + xk_bytes <= _SMEM_BYTES
+    nvec = H // _VEC
     n32 = nvec // 32
-    cap = 1024 if bwd_stage_xk(hidden_size, hc_mult) else 512
-    for nc in range(1, n32 + 1):
-        if n32 % nc == 0 and nvec // nc <= min(cap, _MAX_THREADS):
-            return nvec // nc, nc
-    raise ValueError(f"engram_gate_bwd: unsupported hidden_size={hidden_size}")
+    cap = min(1024 if stage_xk else 512, _MAX_THREADS)
+    nc = next((c for c in range(1, n32 + 1) if n32 % c == 0 and nvec // c <= cap), None)
+    if nc is None:
+        raise ValueError(f"engram_gate_bwd: unsupported hidden_size={hidden_size}")
+    threads = nvec // nc
+    gw_regs = _GW_REGS and threads <= 512 and nc * m * _VEC <= _GW_REGS_MAX
+    smem = fixed + (0 if gw_regs else tile) + (xk_bytes if stage_xk else 0)
+    wf_smem = _WF_SMEM and stage_xk and smem + wf_bytes <= _SMEM_BYTES
+    smem += wf_bytes if wf_smem else 0
+    pre_gov = _PREFETCH_GO_V and smem + gov_bytes <= _SMEM_BYTES
+    return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem)
 
 
-def bwd_stage_xk(hidden_size: int, hc_mult: int) -> bool:
-    """Whether the backward stages the token's ``x`` and ``k`` in shared memory (else ``go``/``v``).
-
-    Staging ``x``/``k`` (issued with ``cp.async`` at the start of a token, together with the direct
-    loads of ``go``/``v``) puts all of a token's loads in flight at once; it needs ``8 * m * H`` bytes
-    of shared memory with the weight-gradient tile, so it is used only where that fits the 227 KiB
-    of an H200 SM (H <= 7168 at m = 4); larger H prefetch the next token's ``go``/``v`` instead.
-    NOTE tuned for H200: at T = 8192, H = 4096 staging gave 381 us vs 417 us (prefetch) and 397 us
-    (plain loads); at H = 7168 (448 threads) 733 us vs 768 us and 819 us.
-    """
-    return _STAGE_XK and 8 * hc_mult * hidden_size + 2 * hc_mult * 32 * 4 <= _SMEM_BYTES
+def bwd_layout(hidden_size: int, hc_mult: int = 4) -> tuple[int, int]:
+    """Thread layout ``(threads, nc)`` of :func:`bwd_plan`."""
+    plan = bwd_plan(hidden_size, hc_mult)
+    return plan["threads"], plan["nc"]
 
 
 def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
@@ -87,10 +109,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     from tilelang import language as T
 
     H, m, P = hidden_size, hc_mult, num_partials
-    threads, nc = bwd_layout(H, m)
-    stage_xk = bwd_stage_xk(H, m)
-    pre_gov = (not stage_xk) and _PREFETCH_GO_V
-    wf_smem = stage_xk and _WF_SMEM and 12 * m * H + 2 * m * 32 * 4 + 2 * 4 * m * 4 <= _SMEM_BYTES
+    plan = bwd_plan(H, m)
+    threads, nc = plan["threads"], plan["nc"]
+    gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
     nwarps = threads // 32
     nvec = H // _VEC
     scale = float(H**-0.5)
@@ -99,20 +120,22 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     num_tokens = T.dynamic("num_tokens")
 
     @T.macro
-    def prefetch(go, kv, gov_s, t, tid):
-        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t.
-        for i in T.unroll(nc):
-            for h in T.unroll(m):
+    def prefetch(go, kv, gov_s, t, t_end, tid):
+        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t (if t < t_end);
+        # the group is committed either way, so that a fixed wait_group count covers the staging after it.
+        if t < t_end:
+            for i in T.unroll(nc):
+                for h in T.unroll(m):
+                    T.ptx_cp_async(
+                        T.access_ptr(gov_s[h, (i * threads + tid) * _VEC], "w", _VEC),
+                        T.access_ptr(go[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                        _VEC,
+                    )
                 T.ptx_cp_async(
-                    T.access_ptr(gov_s[h, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(go[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                    T.access_ptr(gov_s[m, (i * threads + tid) * _VEC], "w", _VEC),
+                    T.access_ptr(kv[t, m, (i * threads + tid) * _VEC], "r", _VEC),
                     _VEC,
                 )
-            T.ptx_cp_async(
-                T.access_ptr(gov_s[m, (i * threads + tid) * _VEC], "w", _VEC),
-                T.access_ptr(kv[t, m, (i * threads + tid) * _VEC], "r", _VEC),
-                _VEC,
-            )
         T.ptx_commit_group()
 
     @T.macro
@@ -148,7 +171,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
-            gw_s = T.alloc_shared((m, _VEC, nvec), f32)
+            if gw_regs:
+                gwr = T.alloc_local((nc, m, _VEC), f32)
+            else:
+                gw_s = T.alloc_shared((m, _VEC, nvec), f32)
             if stage_xk:
                 xk_s = T.alloc_shared((2, m, H), bf16)  # this token's x and k, own columns only
             if pre_gov:
@@ -177,7 +203,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             for i in T.unroll(nc):
                 for h in T.unroll(m):
                     for k in T.unroll(_VEC):
-                        gw_s[h, k, i * threads + tid] = 0.0
+                        if gw_regs:
+                            gwr[i, h, k] = 0.0
+                        else:
+                            gw_s[h, k, i * threads + tid] = 0.0
             per = T.ceildiv(num_tokens, P)
             t_begin = T.min(per * p, num_tokens)
             t_end = T.min(per * p + per, num_tokens)
@@ -193,8 +222,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                                 )
                     T.ptx_commit_group()
             if pre_gov:
-                if t_begin < t_end:
-                    prefetch(go, kv, gov_s, t_begin, tid)
+                prefetch(go, kv, gov_s, t_begin, t_end, tid)
             for t in T.serial(t_begin, t_end):
                 if pre_gov:
                     T.ptx_wait_group(0)
@@ -211,8 +239,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             for k in T.vectorized(_VEC):
                                 grad_x[t, h, (i * threads + tid) * _VEC + k] = cp[k]
                     if pre_gov:
-                        if t + 1 < t_end:
-                            prefetch(go, kv, gov_s, t + 1, tid)
+                        prefetch(go, kv, gov_s, t + 1, t_end, tid)
                     for i in T.unroll(nc):
                         for h in T.unroll(m + 1):
                             for k in T.vectorized(_VEC):
@@ -253,8 +280,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             grad_kv[t, m, (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
                     # The staging buffer is consumed: fetch the next token while this one finishes.
                     if pre_gov:
-                        if t + 1 < t_end:
-                            prefetch(go, kv, gov_s, t + 1, tid)
+                        prefetch(go, kv, gov_s, t + 1, t_end, tid)
                     if tid < m:
                         sc[3] = scale * sc[1] * sc[2]
                         scs[parity, 0, tid] = T.if_then_else(
@@ -283,7 +309,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     parity = 1 - parity
                     # Phase 2: x, k, wf -> grad_x, grad_k and the weight-gradient tile.
                     if stage_xk:
-                        T.ptx_wait_group(0)
+                        # this token's x/k; the next token's go/v prefetch (committed after it) may stay in flight
+                        T.ptx_wait_group(1 if pre_gov else 0)
                     for i in T.unroll(nc):
                         for h in T.unroll(m):
                             if stage_xk:
@@ -311,12 +338,18 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             for k in T.vectorized(_VEC):
                                 grad_kv[t, h, (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
                             for k in T.unroll(_VEC):
-                                gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
+                                if gw_regs:
+                                    gwr[i, h, k] += beta[h] * xr[k] * kr[k]
+                                else:
+                                    gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
             # Row p of the partials: every element written (zeros for an empty token range).
             for i in T.unroll(nc):
                 for h in T.unroll(m):
                     for k in T.unroll(_VEC):
-                        wr[k] = gw_s[h, k, i * threads + tid]
+                        if gw_regs:
+                            wr[k] = gwr[i, h, k]
+                        else:
+                            wr[k] = gw_s[h, k, i * threads + tid]
                     for k in T.vectorized(_VEC):
                         grad_w[p, h, (i * threads + tid) * _VEC + k] = wr[k]
 

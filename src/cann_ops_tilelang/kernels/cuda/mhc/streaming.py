@@ -76,6 +76,7 @@ _FLAT_THREADS = 256
 # forward) to 128 KiB (expand backward) per SM, above the ~40 KiB an SM needs to saturate HBM3e.
 _FLAT_NV = 2
 _ROW_MAX_THREADS = 256  # upper bound of a (token, column chunk) CTA of the 2-D grid
+_ROW_NVC = 2  # upper bound of the vectors per thread of the 2-D grid (a divisor of the row's count)
 _RED_MAX_THREADS = 256  # upper bound of the one-token CTA of the per-token reductions
 _NORMW_THREADS = 128  # fp32 (M3, K) merge forward: one float4 column group per thread
 # NOTE measured on the H200 (K = 16384 / 28672): 8 row groups x 16 float4 column groups (128 threads,
@@ -465,7 +466,7 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
     # NOTE: at most 2 vectors per thread in the 2-D grid (chunks of threads * nvc vectors) keeps
     # 2 * m 16-byte loads in flight per thread with ~48 registers, i.e. full occupancy.
-    nvc = 2 if nv % 2 == 0 else 1
+    nvc = max(d for d in range(1, min(nv, _ROW_NVC) + 1) if nv % d == 0)
     chunks = nv // nvc
     nvec = H // _VEC
     f32, bf16 = T.float32, T.bfloat16
@@ -666,7 +667,7 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
     # NOTE: 2 vectors per thread where possible: 2 * (1 + m) 16-byte loads in flight per thread
     # (~60 registers with the 20 scalars), full occupancy.
-    nvc = 2 if nv % 2 == 0 else 1
+    nvc = max(d for d in range(1, min(nv, _ROW_NVC) + 1) if nv % d == 0)
     chunks = nv // nvc
     nvec = H // _VEC
     f32, bf16 = T.float32, T.bfloat16
