@@ -36,6 +36,8 @@ _PREFETCH_GO_V = True  # prefetch the next token's go/v into shared memory where
 _WF_SMEM = True  # keep the thread's wf columns in shared memory where it fits (loaded once)
 _GW_REGS = True  # weight-gradient accumulators in registers where the thread's share is small
 _GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers take
+_WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream) step ahead
+_WF_ONES = False  # SWEEP ONLY: wf read as 1.0 (wrong results; bounds the wf latency)
 _SMEM_BYTES = 227 * 1024
 
 
@@ -112,6 +114,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     plan = bwd_plan(H, m)
     threads, nc = plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
+    wf_pipe = _WF_PIPE and not wf_smem and not _WF_ONES
     nwarps = threads // 32
     nvec = H // _VEC
     scale = float(H**-0.5)
@@ -191,6 +194,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             xr = T.alloc_local((_VEC,), f32)
             kr = T.alloc_local((_VEC,), f32)
             wr = T.alloc_local((_VEC,), f32)
+            if wf_pipe:
+                wq = T.alloc_local((2, _VEC), f32)  # wf of the current / next (vector, stream) step
             gl = T.alloc_local((m,), f32)
             acc = T.alloc_local((m,), f32)
             beta = T.alloc_local((m,), f32)
@@ -289,6 +294,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         scs[parity, 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
                         scs[parity, 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
                         scs[parity, 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
+                    if wf_pipe:
+                        # phase 2's first wf vector, issued before the reduction (independent of it)
+                        for k in T.vectorized(_VEC):
+                            wq[0, k] = wf[0, tid * _VEC + k]
                     for h in T.unroll(m):
                         acc[h] = T.warp_reduce_sum(acc[h])
                     if lane == 0:
@@ -326,6 +335,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             if wf_smem:
                                 for k in T.vectorized(_VEC):
                                     wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
+                            elif _WF_ONES:
+                                for k in T.unroll(_VEC):
+                                    wr[k] = 1.0
+                            elif wf_pipe:
+                                if i * m + h + 1 < nc * m:
+                                    for k in T.vectorized(_VEC):
+                                        wq[(i * m + h + 1) % 2, k] = wf[(h + 1) % m, ((i + (h + 1) // m) * threads + tid) * _VEC + k]
+                                for k in T.vectorized(_VEC):
+                                    wr[k] = wq[(i * m + h) % 2, k]
                             else:
                                 for k in T.vectorized(_VEC):
                                     wr[k] = wf[h, (i * threads + tid) * _VEC + k]
