@@ -63,7 +63,9 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     in registers it spills (97.7 / 1408 us against 59.4 / 691 us), as does 448 threads x 2 vectors
     (59.97 / 755 us with the tile in shared memory). wf, read from global memory there, is pipelined one
     step ahead (``_WF_PIPE``: 58.9 -> 57.3 us, 688 -> 680 us). Prefetching go/v instead of staging x/k
-    (448 threads) gives 53.8 us at T = 512 but 736 us at T = 8192 (peer: 48.7 / 660 us). Earlier: staging 381 us vs 417 us (prefetch only)
+    (448 threads) gives 53.8 us at T = 512 but 736 us at T = 8192 (peer: 48.7 / 660 us). Issuing the
+    next token's x/k cp.async (and at H = 4096 its go/v register loads) inside phase 2, slot by slot as
+    they are consumed, was slower everywhere: 34.8 / 412 us at H = 4096, 63.1 / 845 us at H = 7168. Earlier: staging 381 us vs 417 us (prefetch only)
     and 397 us (plain loads) at T = 8192, H = 4096.
     """
     H, m = hidden_size, hc_mult
