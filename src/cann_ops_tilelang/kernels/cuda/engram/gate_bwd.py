@@ -15,10 +15,10 @@ lives in registers or in a shared-memory tile that only it touches. Per token:
 Latency hiding (compile-time, by register and shared-memory budget, see :func:`bwd_plan`): each
 thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
 they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
-``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (H <= 4096 at m = 4: the
-weight-gradient tile is in registers; H = 7168: staging only; H >= 7680: prefetch only). Every
-staged element is written and read by the same thread, so only ``cp.async.wait_group`` is needed,
-no barrier.
+``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4: both at H <= 4096,
+where the weight-gradient tile is in registers, and at 4864 <= H <= 5376; staging only at
+H = 4352-4608 and 5632-7168; prefetch only above). Every staged element is written and read by the
+same thread, so only ``cp.async.wait_group`` is needed, no barrier.
 """
 
 import functools
@@ -27,7 +27,14 @@ import torch
 
 from .._build import jit_compile
 
-__all__ = ["bwd_layout", "build_engram_gate_bwd", "engram_gate_bwd", "engram_gate_bwd_key", "get_engram_gate_bwd_kernel"]
+__all__ = [
+    "bwd_layout",
+    "bwd_plan",
+    "build_engram_gate_bwd",
+    "engram_gate_bwd",
+    "engram_gate_bwd_key",
+    "get_engram_gate_bwd_kernel",
+]
 
 _VEC = 8
 _MAX_THREADS = 1024  # upper bound on the CTA size (A/B switch)
@@ -37,7 +44,6 @@ _WF_SMEM = True  # keep the thread's wf columns in shared memory where it fits (
 _GW_REGS = True  # weight-gradient accumulators in registers where the thread's share is small
 _GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers take
 _WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream) step ahead
-_WF_ONES = False  # SWEEP ONLY: wf read as 1.0 (wrong results; bounds the wf latency)
 _SMEM_BYTES = 227 * 1024
 
 
@@ -65,8 +71,8 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     step ahead (``_WF_PIPE``: 58.9 -> 57.3 us, 688 -> 680 us). Prefetching go/v instead of staging x/k
     (448 threads) gives 53.8 us at T = 512 but 736 us at T = 8192 (peer: 48.7 / 660 us). Issuing the
     next token's x/k cp.async (and at H = 4096 its go/v register loads) inside phase 2, slot by slot as
-    they are consumed, was slower everywhere: 34.8 / 412 us at H = 4096, 63.1 / 845 us at H = 7168. Earlier: staging 381 us vs 417 us (prefetch only)
-    and 397 us (plain loads) at T = 8192, H = 4096.
+    they are consumed, was slower everywhere: 34.8 / 412 us at H = 4096, 63.1 / 845 us at H = 7168.
+    Earlier: staging 381 us vs 417 us (prefetch only) and 397 us (plain loads) at T = 8192, H = 4096.
     """
     H, m = hidden_size, hc_mult
     fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
@@ -118,7 +124,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     plan = bwd_plan(H, m)
     threads, nc = plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
-    wf_pipe = _WF_PIPE and not wf_smem and not _WF_ONES
+    wf_pipe = _WF_PIPE and not wf_smem
     nwarps = threads // 32
     nvec = H // _VEC
     scale = float(H**-0.5)
@@ -339,13 +345,12 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             if wf_smem:
                                 for k in T.vectorized(_VEC):
                                     wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
-                            elif _WF_ONES:
-                                for k in T.unroll(_VEC):
-                                    wr[k] = 1.0
                             elif wf_pipe:
                                 if i * m + h + 1 < nc * m:
                                     for k in T.vectorized(_VEC):
-                                        wq[(i * m + h + 1) % 2, k] = wf[(h + 1) % m, ((i + (h + 1) // m) * threads + tid) * _VEC + k]
+                                        wq[(i * m + h + 1) % 2, k] = wf[
+                                            (h + 1) % m, ((i + (h + 1) // m) * threads + tid) * _VEC + k
+                                        ]
                                 for k in T.vectorized(_VEC):
                                     wr[k] = wq[(i * m + h) % 2, k]
                             else:
