@@ -65,8 +65,14 @@ def _lower_all(hidden_size: int) -> int:
                             failures += 1
                             what += "  OVER BUDGET"
                     elif have_nvcc:
-                        cubin = build.compile_cubin(prim_func, arch="sm_90a")
-                        what = f"sm_90a cubin {len(cubin):>7} B"
+                        built = build.compile_cubin(prim_func, arch="sm_90a")
+                        what = (
+                            f"sm_90a cubin {len(built.cubin):>7} B, shared {built.smem_bytes:>6} / "
+                            f"{built.budget_bytes} B, {built.threads:>4} threads"
+                        )
+                        if not built.fits:
+                            failures += 1
+                            what += "  OVER BUDGET"
                     else:
                         what = "skipped: nvcc not found"
                 except Exception as exc:  # report and go on: the point is to show every kernel

@@ -2,7 +2,9 @@
 
 * Ascend 950: lowered to AscendC on the CPU (no CANN needed); the dynamic UB size the lowered kernel
   requests must fit the budget (248 KiB, 216 KiB with a SimtVF region).
-* CUDA: lowered for sm_90a and compiled to a cubin with nvcc (skipped when nvcc is absent).
+* CUDA: lowered for sm_90a and compiled to a cubin with nvcc (skipped when nvcc is absent); the
+  lowered kernel's dynamic shared memory must fit the 227 KiB of one H200 CTA and its CTA the
+  1024-thread limit.
 * JIT cache keys: the compile-time key of every launcher is the same for two token counts, and the
   token count is a dynamic dimension of every kernel (a new T never compiles a new kernel).
 """
@@ -41,10 +43,13 @@ def test_ascend_lowers_within_ub(hidden, name):
 @pytest.mark.parametrize("hidden,name", cases(cuda_engram))
 def test_cuda_compiles_to_sm90a_cubin(hidden, name):
     prim_func = cuda_engram.lowering_cases(hidden)[name]
-    cubin = cuda_build.compile_cubin(prim_func, arch="sm_90a")
-    assert cubin[:4] == b"\x7fELF"
-    # the ELF header's e_flags carry the SM version (90) of the cubin
-    assert len(cubin) > 1000
+    built = cuda_build.compile_cubin(prim_func, arch="sm_90a")
+    assert built.cubin[:4] == b"\x7fELF" and len(built.cubin) > 1000
+    # launch resources of the lowered kernel within the H200's per-CTA limits
+    assert built.fits, (
+        f"{name} at H={hidden}: shared memory {built.smem_bytes} B (budget {built.budget_bytes} B), "
+        f"{built.threads} threads per CTA"
+    )
 
 
 def test_both_backends_have_the_same_kernels():

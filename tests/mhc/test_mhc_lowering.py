@@ -1,5 +1,5 @@
 """CPU tier: every mHC kernel lowers for both targets (Ascend 950: AscendC within the UB budget; CUDA:
-an sm_90a cubin, when nvcc is present), the per-token kernels once, the hidden-size-dependent ones at
+an sm_90a cubin within the per-CTA shared-memory and thread limits, when nvcc is present), the per-token kernels once, the hidden-size-dependent ones at
 H in {1280, 2560, 4096, 7168}; and the token count is never part of a compile key."""
 
 import shutil
@@ -36,8 +36,9 @@ def test_ascend_lowers_within_ub(hidden, name):
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
 @pytest.mark.parametrize("hidden,name", cases(cuda_mhc))
 def test_cuda_compiles_to_sm90a_cubin(hidden, name):
-    cubin = cuda_build.compile_cubin(cuda_mhc.lowering_cases(hidden)[name], arch="sm_90a")
-    assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+    built = cuda_build.compile_cubin(cuda_mhc.lowering_cases(hidden)[name], arch="sm_90a")
+    assert built.cubin[:4] == b"\x7fELF" and len(built.cubin) > 1000
+    assert built.fits, (name, hidden, built.smem_bytes, built.budget_bytes, built.threads)
 
 
 @pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])

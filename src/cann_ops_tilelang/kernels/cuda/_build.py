@@ -7,11 +7,13 @@ Two code paths:
   cache key at INFO level on the ``cann_ops_tilelang`` logger.
 * :func:`compile_cubin` lowers a prim_func for an explicit architecture and compiles the generated
   CUDA source with nvcc. It needs no GPU, which is how the CPU tests prove every kernel variant
-  builds.
+  builds; its result also carries the launch resources of the lowered kernel (dynamic shared memory
+  and threads per CTA) so that they can be checked against the architecture's limits.
 
 TileLang is imported lazily (inside the functions) so that importing the package never does.
 """
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -19,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["compile_cubin", "jit_compile", "lower_source"]
+__all__ = ["CudaBuild", "compile_cubin", "jit_compile", "lower_source", "smem_budget_bytes"]
 
 logger = logging.getLogger("cann_ops_tilelang")
 
@@ -56,18 +58,78 @@ def jit_compile(op: str, key: tuple, prim_func: Any) -> Any:
     return kernel
 
 
-def lower_source(prim_func: Any, arch: str = "sm_90a") -> str:
-    """Lowers ``prim_func`` for the CUDA architecture ``arch`` and returns the generated CUDA source."""
+# Largest dynamic shared memory one CTA may opt into, per architecture (CUDA programming guide,
+# compute capabilities table): 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86 / sm_89.
+_SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
+_MAX_THREADS_PER_CTA = 1024
+
+
+def smem_budget_bytes(arch: str) -> int:
+    """Shared memory one CTA may use on ``arch`` (e.g. ``"sm_90a"``: 232448 bytes)."""
+    if arch not in _SMEM_PER_CTA:
+        raise ValueError(f"no shared-memory budget known for CUDA architecture {arch!r} (known: {sorted(_SMEM_PER_CTA)})")
+    return _SMEM_PER_CTA[arch]
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaBuild:
+    """Result of :func:`compile_cubin`.
+
+    cubin:      the nvcc output (an ELF file).
+    source:     the generated CUDA source.
+    arch:       the target architecture.
+    smem_bytes: dynamic shared memory of the launch: the ``dyn_shared_memory_buf`` attribute that
+                TileLang stamps on the device kernel after merging every shared buffer (largest over
+                the module's kernels; 0 when the kernel uses none).
+    threads:    threads per CTA (the product of the ``threadIdx`` extents; largest over the kernels).
+    """
+
+    cubin: bytes
+    source: str
+    arch: str
+    smem_bytes: int
+    threads: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return smem_budget_bytes(self.arch)
+
+    @property
+    def fits(self) -> bool:
+        return self.smem_bytes <= self.budget_bytes and 0 < self.threads <= _MAX_THREADS_PER_CTA
+
+
+def _lower(prim_func: Any, arch: str):
     import tilelang
     from tvm.target import Target
 
     target = Target({"kind": "cuda", "arch": arch})
     with tilelang.transform.PassContext(config=_pass_configs()), target:
-        artifact = tilelang.lower(prim_func, target=target)
-    return artifact.kernel_source
+        return tilelang.lower(prim_func, target=target)
 
 
-def compile_cubin(prim_func: Any, arch: str = "sm_90a") -> bytes:
+def _launch_resources(artifact: Any) -> tuple[int, int]:
+    """``(dynamic shared memory bytes, threads per CTA)`` of the lowered kernel(s) of ``artifact``."""
+    smem, threads = 0, 0
+    for _, func in artifact.device_mod.functions.items():
+        attrs = func.attrs or {}
+        if "dyn_shared_memory_buf" in attrs:
+            smem = max(smem, int(attrs["dyn_shared_memory_buf"]))
+        extent = attrs.get("thread_extent", {}) if hasattr(attrs, "get") else {}
+        per_cta = 1
+        for axis in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
+            if axis in extent:
+                per_cta *= int(extent[axis])
+        threads = max(threads, per_cta)
+    return smem, threads
+
+
+def lower_source(prim_func: Any, arch: str = "sm_90a") -> str:
+    """Lowers ``prim_func`` for the CUDA architecture ``arch`` and returns the generated CUDA source."""
+    return _lower(prim_func, arch).kernel_source
+
+
+def compile_cubin(prim_func: Any, arch: str = "sm_90a") -> CudaBuild:
     """Lowers a prim_func for an explicit CUDA architecture and compiles it to a cubin with nvcc.
 
     Needs no GPU: the target architecture is given explicitly.
@@ -77,14 +139,16 @@ def compile_cubin(prim_func: Any, arch: str = "sm_90a") -> bytes:
         arch: CUDA architecture, e.g. ``"sm_90a"`` (H100/H200).
 
     Returns:
-        The cubin bytes.
+        A :class:`CudaBuild`: the cubin bytes, the source and the kernel's launch resources.
 
     Raises:
         RuntimeError: nvcc failed (its output is in the message).
     """
     from tilelang.contrib.nvcc import default_compile_options
 
-    source = lower_source(prim_func, arch)
+    artifact = _lower(prim_func, arch)
+    source = artifact.kernel_source
+    smem, threads = _launch_resources(artifact)
     nvcc = os.environ.get("NVCC") or (
         os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else "nvcc"
     )
@@ -109,4 +173,5 @@ def compile_cubin(prim_func: Any, arch: str = "sm_90a") -> bytes:
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stdout}\n{proc.stderr}")
         with open(out_path, "rb") as f:
-            return f.read()
+            cubin = f.read()
+    return CudaBuild(cubin=cubin, source=source, arch=arch, smem_bytes=smem, threads=threads)
