@@ -60,14 +60,21 @@ def jit_compile(op: str, key: tuple, prim_func: Any) -> Any:
 
 # Largest dynamic shared memory one CTA may opt into, per architecture (CUDA programming guide,
 # compute capabilities table): 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86 / sm_89.
-_SMEM_PER_CTA = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
+_SMEM_PER_CTA = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90": 227 * 1024,
+    "sm_90a": 227 * 1024,
+}
 _MAX_THREADS_PER_CTA = 1024
 
 
 def smem_budget_bytes(arch: str) -> int:
     """Shared memory one CTA may use on ``arch`` (e.g. ``"sm_90a"``: 232448 bytes)."""
     if arch not in _SMEM_PER_CTA:
-        raise ValueError(f"no shared-memory budget known for CUDA architecture {arch!r} (known: {sorted(_SMEM_PER_CTA)})")
+        known = ", ".join(sorted(_SMEM_PER_CTA))
+        raise ValueError(f"no shared-memory budget known for CUDA architecture {arch!r} (known: {known})")
     return _SMEM_PER_CTA[arch]
 
 
