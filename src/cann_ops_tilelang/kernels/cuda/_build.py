@@ -120,9 +120,8 @@ def _launch_resources(artifact: Any) -> tuple[int, int]:
     smem, threads = 0, 0
     for _, func in artifact.device_mod.functions.items():
         attrs = func.attrs or {}
-        if "dyn_shared_memory_buf" in attrs:
-            smem = max(smem, int(attrs["dyn_shared_memory_buf"]))
-        extent = attrs.get("thread_extent", {}) if hasattr(attrs, "get") else {}
+        smem = max(smem, int(attrs.get("dyn_shared_memory_buf", 0)))
+        extent = attrs.get("thread_extent", {})
         per_cta = 1
         for axis in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
             if axis in extent:

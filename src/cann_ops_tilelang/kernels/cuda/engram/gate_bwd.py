@@ -28,7 +28,6 @@ import torch
 from .._build import jit_compile
 
 __all__ = [
-    "bwd_layout",
     "bwd_plan",
     "build_engram_gate_bwd",
     "engram_gate_bwd",
@@ -91,12 +90,6 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     smem += wf_bytes if wf_smem else 0
     pre_gov = _PREFETCH_GO_V and smem + gov_bytes <= _SMEM_BYTES
     return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem)
-
-
-def bwd_layout(hidden_size: int, hc_mult: int = 4) -> tuple[int, int]:
-    """Thread layout ``(threads, nc)`` of :func:`bwd_plan`."""
-    plan = bwd_plan(hidden_size, hc_mult)
-    return plan["threads"], plan["nc"]
 
 
 def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:

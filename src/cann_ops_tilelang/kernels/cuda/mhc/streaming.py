@@ -119,6 +119,12 @@ def _row_layout(hidden_size: int, max_threads: int) -> tuple[int, int, bool]:
     return threads, nv, nv * threads != nvec
 
 
+def _row_chunk(nv: int) -> int:
+    """Vectors per thread of the 2-D ``(tokens, column chunks)`` grid: the largest divisor of the row's
+    ``nv`` vectors per thread that is at most ``_ROW_NVC``."""
+    return max(d for d in range(1, min(nv, _ROW_NVC) + 1) if nv % d == 0)
+
+
 # ----------------------------------------------------------------------------------------------------
 # expand_to_mhc_forward / _backward (B.2.1)
 # ----------------------------------------------------------------------------------------------------
@@ -466,7 +472,7 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
     # NOTE: at most 2 vectors per thread in the 2-D grid (chunks of threads * nvc vectors) keeps
     # 2 * m 16-byte loads in flight per thread with ~48 registers, i.e. full occupancy.
-    nvc = max(d for d in range(1, min(nv, _ROW_NVC) + 1) if nv % d == 0)
+    nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
     f32, bf16 = T.float32, T.bfloat16
@@ -667,7 +673,7 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
     # NOTE: 2 vectors per thread where possible: 2 * (1 + m) 16-byte loads in flight per thread
     # (~60 registers with the 20 scalars), full occupancy.
-    nvc = max(d for d in range(1, min(nv, _ROW_NVC) + 1) if nv % d == 0)
+    nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
     f32, bf16 = T.float32, T.bfloat16
