@@ -92,26 +92,46 @@ def test_gate_fwd(tokens, hidden, masked, device, seed):
 # --- engram_gate_bwd ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("masked", [False, True])
-def test_gate_bwd(tokens, hidden, masked, device, seed):
+def check_gate_bwd(tokens, hidden, masked, device, seed):
     x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
     wf = fused_weight_ref(wh, we)
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
     _, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
     gx, gkv, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
-    r_gx, r_gkv, r_part = gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=1)
+    r_gx, r_gkv, r_part = gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=part.shape[0])
     torch.testing.assert_close(gx, r_gx, rtol=8e-3, atol=7e-3)
     torch.testing.assert_close(gkv, r_gkv, rtol=7e-3, atol=7e-3)
-    gw, r_gw = part.sum(0), r_part[0]
+    gw, r_gw = part.sum(0), r_part.sum(0)
     torch.testing.assert_close(gw * we.float(), r_gw * we.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gw * wh.float(), r_gw * wh.float(), rtol=1e-4, atol=2e-4)
+    if x.device.type == "cuda":
+        # CUDA partition: row p is the sum over worker p's contiguous token range
+        torch.testing.assert_close(part, r_part, rtol=1e-4, atol=1e-4)
     if mask is not None:
         assert_equal(gx[mask], go[mask])
         assert torch.equal(gkv[mask], torch.zeros_like(gkv[mask]))
     if tokens == 0:
         assert torch.equal(part, torch.zeros_like(part))
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_bwd(tokens, hidden, masked, device, seed):
+    check_gate_bwd(tokens, hidden, masked, device, seed)
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "hidden",
+    [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in (4352, 5120)],
+    ids=["tile-in-smem", "cluster-split"],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_bwd_other_schedules(hidden, masked, device, seed):
+    """The CUDA schedules the model sizes above do not reach: the weight-gradient tile in shared memory
+    (H = 4352) and a second size of the two-CTA column split (H = 5120)."""
+    check_gate_bwd(509, hidden, masked, device, seed)
 
 
 def test_gate_bwd_is_deterministic(device, seed):

@@ -111,3 +111,28 @@ def test_two_token_counts_give_one_cache_key(masked):
     assert all(509 not in key and 8001 not in key for key in keys[0])
     # the flags that do change the kernel do change the key
     assert len({keys[0][0], keys[0][1]}) == 2 and len({keys[0][3], keys[0][4]}) == 2
+
+
+def test_gate_bwd_split_schedule():
+    """The CUDA backward splits the columns over a 2-CTA cluster exactly where the full width cannot
+    keep the weight-gradient accumulators in registers, and only where the split is possible (P even,
+    H / 2 a multiple of 256); the split kernel is launched as clusters and exchanges the dL/dg partials
+    through distributed shared memory."""
+    from cann_ops_tilelang.kernels.cuda.engram import gate_bwd
+
+    for hidden in range(512, 8193, 256):
+        plan = gate_bwd.bwd_plan(hidden, 4, 132)
+        whole = gate_bwd._column_plan(hidden, 4)
+        if plan["split"] == 1:
+            assert plan == {**whole, "split": 1}
+            assert whole["gw_regs"] or hidden % 512 != 0, hidden
+        else:
+            assert plan["split"] == 2 and not whole["gw_regs"] and hidden % 512 == 0, hidden
+            assert plan["gw_regs"] and plan["threads"] * 2 == hidden // 8, (hidden, plan)
+    assert gate_bwd.bwd_plan(7168, 4, 132)["split"] == 2
+    assert gate_bwd.bwd_plan(4096, 4, 132)["split"] == 1
+    assert gate_bwd.bwd_plan(7168, 4, 131)["split"] == 1  # an odd worker count cannot pair workers
+    source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(7168, 4, 132, False))
+    assert "cluster_arrive" in source and "st.shared::cluster" in source
+    source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(4096, 4, 132, False))
+    assert "cluster" not in source.split("engram_gate_bwd_cuda_kernel", 1)[1]

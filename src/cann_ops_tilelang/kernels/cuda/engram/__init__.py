@@ -5,8 +5,9 @@ tensor metadata and flags (never the token count, which is a dynamic dimension o
 ``get_<op>_kernel(*key)`` (``functools.lru_cache``) compiles ``build_<op>(*key)`` once and logs it;
 ``<op>(...)`` launches on the current torch stream into caller-allocated outputs.
 
-Supported sizes: ``H % 256 == 0`` and ``512 <= H <= 8192`` (the backward keeps an ``m * H`` fp32 tile in
-shared memory, 128 KiB at m = 4, H = 8192); any token count; ``m = 4`` (other ``m`` build too, untuned).
+Supported sizes: ``H % 256 == 0`` and ``512 <= H <= 8192`` (where the backward cannot hold its weight-gradient
+accumulators in registers, even split over a 2-CTA cluster, it keeps an ``m * H`` fp32 tile in shared memory:
+at most 124 KiB, at m = 4 and H = 7936); any token count; ``m = 4`` (other ``m`` build too, untuned).
 """
 
 from .fused_weight import build_engram_fused_weight, engram_fused_weight, engram_fused_weight_key, get_engram_fused_weight_kernel

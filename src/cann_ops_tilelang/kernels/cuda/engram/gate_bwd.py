@@ -1,24 +1,29 @@
 """CUDA kernel of ``engram_gate_bwd`` (OPS.md B.1.3).
 
-Schedule: a persistent grid of ``P`` CTAs (``P = grad_w_partial.shape[0]``); CTA ``p`` owns the fixed
-token range ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))`` and writes row ``p`` of the weight-gradient
-partials (zeros when its range is empty), so the result is deterministic without atomics. Each
-thread owns ``nc`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf``
-lives in registers or in a shared-memory tile that only it touches. Per token:
+Schedule: a persistent grid of ``P`` CTAs (``P = grad_w_partial.shape[0]``). Worker ``w`` owns the fixed
+token range ``[w*ceil(T/P), min((w+1)*ceil(T/P), T))`` and writes row ``w`` of the weight-gradient
+partials (zeros when its range is empty), so the result is deterministic without atomics. Where the
+whole width fits one CTA's budget (see :func:`bwd_plan`), CTA ``p`` is worker ``p``. Otherwise
+(``split = S > 1``, e.g. H = 7168 at m = 4) the CTAs form clusters of ``S``: cluster ``c`` serves the
+``S`` consecutive workers ``c*S .. c*S + S - 1`` (one contiguous token range, a row flush between
+workers) and CTA rank ``r`` owns the columns ``[r*H/S, (r+1)*H/S)`` of every token. Each thread owns
+``nc`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf`` lives in registers
+or in a shared-memory tile that only it touches. Per token:
 
 1. load ``go`` (kept in registers) and ``v``; accumulate ``G_h = <go_h, v>`` and write the value
    gradient ``sum_h go_h * g_h`` (ascending ``h``);
-2. reduce ``G_h`` over the CTA (warp shuffles, one shared-memory exchange, then a second shuffle
-   reduction that every warp performs identically, so all threads hold bitwise-equal sums);
+2. reduce ``G_h`` over the CTA, or the cluster (warp shuffles; every warp's partial is stored into the
+   shared memory of every CTA of the cluster, then one CTA or cluster barrier, then a second shuffle
+   reduction that every warp performs identically, so all threads of all CTAs hold bitwise-equal sums);
 3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
 
 Latency hiding (compile-time, by register and shared-memory budget, see :func:`bwd_plan`): each
 thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
 they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
-``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4: both at H <= 4096,
-where the weight-gradient tile is in registers, and at 4864 <= H <= 5376; staging only at
-H = 4352-4608 and 5632-7168; prefetch only above). Every staged element is written and read by the
-same thread, so only ``cp.async.wait_group`` is needed, no barrier.
+``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4 and P even: both at
+H <= 4096 and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to
+7168 (H = 4352, 4864, ...), whose weight-gradient tile stays in shared memory). Every staged element is
+written and read by the same thread, so only ``cp.async.wait_group`` is needed, no barrier.
 """
 
 import functools
@@ -44,12 +49,44 @@ _GW_REGS = True  # weight-gradient accumulators in registers where the thread's 
 _GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers take
 _WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream) step ahead
 _SMEM_BYTES = 227 * 1024
+_SPLIT = 2  # cluster size of the column split (where only the split schedule holds grad_wf in registers)
+
+_PRELUDE = r"""
+__device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float value) {
+  unsigned int local = static_cast<unsigned int>(__cvta_generic_to_shared(ptr));
+  unsigned int remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
+}
+"""
 
 
-def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
+def _column_plan(columns: int, hc_mult: int) -> dict:
+    """The schedule of one CTA that owns ``columns`` columns of every stream (see :func:`bwd_plan`)."""
+    H, m = columns, hc_mult
+    fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
+    tile, xk_bytes, gov_bytes, wf_bytes = 4 * m * H, 4 * m * H, 2 * (m + 1) * H, 4 * m * H
+    stage_xk = _STAGE_XK and fixed + tile + xk_bytes <= _SMEM_BYTES
+    nvec = H // _VEC
+    n32 = nvec // 32
+    cap = min(1024 if stage_xk else 512, _MAX_THREADS)
+    nc = next((c for c in range(1, n32 + 1) if n32 % c == 0 and nvec // c <= cap), None)
+    if nc is None:
+        raise ValueError(f"engram_gate_bwd: unsupported hidden_size (columns per CTA {columns})")
+    threads = nvec // nc
+    gw_regs = _GW_REGS and threads <= 512 and nc * m * _VEC <= _GW_REGS_MAX
+    smem = fixed + (0 if gw_regs else tile) + (xk_bytes if stage_xk else 0)
+    wf_smem = _WF_SMEM and stage_xk and smem + wf_bytes <= _SMEM_BYTES
+    smem += wf_bytes if wf_smem else 0
+    pre_gov = _PREFETCH_GO_V and smem + gov_bytes <= _SMEM_BYTES
+    return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem)
+
+
+def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None) -> dict:
     """The backward's compile-time schedule at ``(H, m)``.
 
-    Keys: ``threads`` and ``nc`` (each thread owns ``nc`` 8-element column vectors), ``gw_regs``
+    Keys: ``split`` (CTAs per worker: a cluster of ``split`` CTAs shares each token, CTA ``r`` owning
+    columns ``[r*H/split, (r+1)*H/split)``), ``threads`` and ``nc`` (each thread owns ``nc`` 8-element column vectors), ``gw_regs``
     (weight-gradient accumulators in registers, else a shared-memory tile), ``stage_xk`` (the token's
     ``x``/``k`` staged in shared memory by ``cp.async`` at the start of the token, travelling together
     with the ``go``/``v`` loads), ``pre_gov`` (the next token's ``go``/``v`` prefetched into shared
@@ -72,24 +109,27 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     next token's x/k cp.async (and at H = 4096 its go/v register loads) inside phase 2, slot by slot as
     they are consumed, was slower everywhere: 34.8 / 412 us at H = 4096, 63.1 / 845 us at H = 7168.
     Earlier: staging 381 us vs 417 us (prefetch only) and 397 us (plain loads) at T = 8192, H = 4096.
+    Split over a 2-CTA cluster (448 threads, tile in registers, staging, wf and prefetch): H = 7168
+    57.5 -> 55.8 us (T = 512), 680 -> 662 us (T = 8192; peer 48.8 / 661 us in the same runs). Not adopted:
+    the split at H = 4096 (256 threads per CTA: 36.5 / 429 us against 31.5 / 387 us unsplit), and at
+    H = 7168 the next token's x/k staged one token ahead into a second buffer (56.5 / 699 us).
     """
     H, m = hidden_size, hc_mult
-    fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
-    tile, xk_bytes, gov_bytes, wf_bytes = 4 * m * H, 4 * m * H, 2 * (m + 1) * H, 4 * m * H
-    stage_xk = _STAGE_XK and fixed + tile + xk_bytes <= _SMEM_BYTES
-    nvec = H // _VEC
-    n32 = nvec // 32
-    cap = min(1024 if stage_xk else 512, _MAX_THREADS)
-    nc = next((c for c in range(1, n32 + 1) if n32 % c == 0 and nvec // c <= cap), None)
-    if nc is None:
-        raise ValueError(f"engram_gate_bwd: unsupported hidden_size={hidden_size}")
-    threads = nvec // nc
-    gw_regs = _GW_REGS and threads <= 512 and nc * m * _VEC <= _GW_REGS_MAX
-    smem = fixed + (0 if gw_regs else tile) + (xk_bytes if stage_xk else 0)
-    wf_smem = _WF_SMEM and stage_xk and smem + wf_bytes <= _SMEM_BYTES
-    smem += wf_bytes if wf_smem else 0
-    pre_gov = _PREFETCH_GO_V and smem + gov_bytes <= _SMEM_BYTES
-    return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem)
+    if num_partials is None:
+        from ....config import grad_w_partials
+
+        num_partials = grad_w_partials("cuda")
+    plan = _column_plan(H, m)
+    split = 1
+    S = _SPLIT
+    if S > 1 and not plan["gw_regs"] and num_partials % S == 0 and H % (256 * S) == 0:
+        # S CTAs of a cluster per token, H / S columns each: the narrower schedule keeps grad_wf in
+        # registers and has room for the x/k staging, wf and the go/v prefetch.
+        part = _column_plan(H // S, m)
+        if part["gw_regs"] and S * (part["threads"] // 32) <= 32:
+            plan, split = part, S
+    plan["split"] = split
+    return plan
 
 
 def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
@@ -114,79 +154,241 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     from tilelang import language as T
 
     H, m, P = hidden_size, hc_mult, num_partials
-    plan = bwd_plan(H, m)
-    threads, nc = plan["threads"], plan["nc"]
+    plan = bwd_plan(H, m, P)
+    S, threads, nc = plan["split"], plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
     wf_pipe = _WF_PIPE and not wf_smem
     nwarps = threads // 32
-    nvec = H // _VEC
+    HC = H // S  # columns per CTA
+    nvec = HC // _VEC
     scale = float(H**-0.5)
     hidden_f = float(H)
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
     @T.macro
-    def prefetch(go, kv, gov_s, t, t_end, tid):
-        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t (if t < t_end);
+    def prefetch(go, kv, gov_s, t, t_stop, tid, c0):
+        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t (if t < t_stop);
         # the group is committed either way, so that a fixed wait_group count covers the staging after it.
-        if t < t_end:
+        if t < t_stop:
             for i in T.unroll(nc):
                 for h in T.unroll(m):
                     T.ptx_cp_async(
                         T.access_ptr(gov_s[h, (i * threads + tid) * _VEC], "w", _VEC),
-                        T.access_ptr(go[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                        T.access_ptr(go[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
                         _VEC,
                     )
                 T.ptx_cp_async(
                     T.access_ptr(gov_s[m, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(kv[t, m, (i * threads + tid) * _VEC], "r", _VEC),
+                    T.access_ptr(kv[t, m, c0 + (i * threads + tid) * _VEC], "r", _VEC),
                     _VEC,
                 )
         T.ptx_commit_group()
 
     @T.macro
-    def load_gov(go, kv, gor, vr, t, tid):
+    def load_gov(go, kv, gor, vr, t, tid, c0):
         # Direct (register) loads of the thread's go rows and v columns of token t.
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 for k in T.vectorized(_VEC):
-                    gor[i, h, k] = go[t, h, (i * threads + tid) * _VEC + k]
+                    gor[i, h, k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
             for k in T.vectorized(_VEC):
-                vr[i, k] = kv[t, m, (i * threads + tid) * _VEC + k]
+                vr[i, k] = kv[t, m, c0 + (i * threads + tid) * _VEC + k]
 
     @T.macro
-    def stage(x, kv, xk_s, t, tid):
+    def stage(x, kv, xk_s, t, tid, c0):
         # Thread-private cp.async of the thread's own x and k columns (all m streams) of token t.
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 T.ptx_cp_async(
                     T.access_ptr(xk_s[0, h, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(x[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                    T.access_ptr(x[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
                     _VEC,
                 )
                 T.ptx_cp_async(
                     T.access_ptr(xk_s[1, h, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(kv[t, h, (i * threads + tid) * _VEC], "r", _VEC),
+                    T.access_ptr(kv[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
                     _VEC,
                 )
         T.ptx_commit_group()
 
     @T.macro
+    def flush(grad_w, gwr, gw_s, wr, row, tid, c0, reset):
+        # Row ``row`` of the partials, this CTA's columns; ``reset`` zeroes the accumulators after.
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                for k in T.unroll(_VEC):
+                    if gw_regs:
+                        wr[k] = gwr[i, h, k]
+                    else:
+                        wr[k] = gw_s[h, k, i * threads + tid]
+                for k in T.vectorized(_VEC):
+                    grad_w[row, h, c0 + (i * threads + tid) * _VEC + k] = wr[k]
+                if reset:
+                    for k in T.unroll(_VEC):
+                        if gw_regs:
+                            gwr[i, h, k] = 0.0
+                        else:
+                            gw_s[h, k, i * threads + tid] = 0.0
+
+    @T.macro
+    def tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
+               gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
+               ax, ak, sc, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
+        # Tokens [t_lo, t_hi) of one worker; prefetches run up to t_stop (the end of the CTA's range).
+        for t in T.serial(t_lo, t_hi):
+            if pre_gov:
+                T.ptx_wait_group(0)
+            if has_mask and mask[t]:
+                # Image token: grad_x = go (bit copy), grad_kv = 0, no weight-gradient contribution.
+                for i in T.unroll(nc):
+                    for h in T.unroll(m):
+                        if pre_gov:
+                            for k in T.vectorized(_VEC):
+                                cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                        else:
+                            for k in T.vectorized(_VEC):
+                                cp[k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
+                        for k in T.vectorized(_VEC):
+                            grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
+                if pre_gov:
+                    prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+                for i in T.unroll(nc):
+                    for h in T.unroll(m + 1):
+                        for k in T.vectorized(_VEC):
+                            grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+            else:
+                if stage_xk:
+                    stage(x, kv, xk_s, t, tid, c0)
+                # Per-stream scalars, off the critical path: thread h < m loads those of stream h
+                # here (used only after phase 1, so the loads do not stall it) and publishes them
+                # before the reduction barrier; everyone reads them after it (double-buffered).
+                if tid < m:
+                    sc[0] = dot[t, tid]
+                    sc[1] = rstd_x[t, tid]
+                    sc[2] = rstd_k[t, tid]
+                for h in T.unroll(m):
+                    gl[h] = gate[t, h]
+                    acc[h] = 0.0
+                # Phase 1: go (kept in registers) and v -> partial dL/dg per stream, value gradient.
+                for i in T.unroll(nc):
+                    if pre_gov:
+                        for h in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                gor[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                        for k in T.vectorized(_VEC):
+                            vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
+                    else:
+                        load_gov(go, kv, gor, vr, t, tid, c0)
+                    for k in T.unroll(_VEC):
+                        vf[k] = T.cast(vr[i, k], f32)
+                    for h in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            acc[h] += T.cast(gor[i, h, k], f32) * vf[k]
+                    for k in T.unroll(_VEC):
+                        gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
+                        for h in T.unroll(1, m):
+                            gv[k] += T.cast(gor[i, h, k], f32) * gl[h]
+                    for k in T.vectorized(_VEC):
+                        grad_kv[t, m, c0 + (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+                # The staging buffer is consumed: fetch the next token while this one finishes.
+                if pre_gov:
+                    prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+                if tid < m:
+                    sc[3] = scale * sc[1] * sc[2]
+                    scs[parity[0], 0, tid] = T.if_then_else(
+                        T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
+                    )
+                    scs[parity[0], 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
+                    scs[parity[0], 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
+                    scs[parity[0], 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
+                if wf_pipe:
+                    # phase 2's first wf vector, issued before the reduction (independent of it)
+                    for k in T.vectorized(_VEC):
+                        wq[0, k] = wf[0, c0 + tid * _VEC + k]
+                for h in T.unroll(m):
+                    acc[h] = T.warp_reduce_sum(acc[h])
+                if S == 1:
+                    if lane == 0:
+                        for h in T.unroll(m):
+                            red[parity[0], h, wid] = acc[h]
+                    T.sync_threads()
+                else:
+                    # Every CTA of the cluster gets every warp's partial (slot rank * nwarps + wid), so
+                    # all of them sum the same values in the same order: bitwise-equal dL/dg.
+                    if lane == 0:
+                        for h in T.unroll(m):
+                            for r in T.unroll(S):
+                                T.call_extern("void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h])
+                    T.cluster_arrive()
+                    T.cluster_wait()
+                for h in T.unroll(m):
+                    acc[h] = T.warp_reduce_sum(T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32)))
+                # Per-stream scalars (same arithmetic as computing them here).
+                for h in T.unroll(m):
+                    beta[h] = T.if_then_else(
+                        scs[parity[0], 1, h] != 0.0,
+                        acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity[0], 0, h],
+                        T.cast(0.0, f32),
+                    )
+                    ax[h] = scs[parity[0], 2, h]
+                    ak[h] = scs[parity[0], 3, h]
+                parity[0] = 1 - parity[0]
+                # Phase 2: x, k, wf -> grad_x, grad_k and the weight-gradient tile.
+                if stage_xk:
+                    # this token's x/k; the next token's go/v prefetch (committed after it) may stay in flight
+                    T.ptx_wait_group(1 if pre_gov else 0)
+                for i in T.unroll(nc):
+                    for h in T.unroll(m):
+                        if stage_xk:
+                            for k in T.vectorized(_VEC):
+                                xr[k] = xk_s[0, h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                kr[k] = xk_s[1, h, (i * threads + tid) * _VEC + k]
+                        else:
+                            for k in T.vectorized(_VEC):
+                                xr[k] = x[t, h, c0 + (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                kr[k] = kv[t, h, c0 + (i * threads + tid) * _VEC + k]
+                        if wf_smem:
+                            for k in T.vectorized(_VEC):
+                                wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
+                        elif wf_pipe:
+                            if i * m + h + 1 < nc * m:
+                                for k in T.vectorized(_VEC):
+                                    wq[(i * m + h + 1) % 2, k] = wf[
+                                        (h + 1) % m, c0 + ((i + (h + 1) // m) * threads + tid) * _VEC + k
+                                    ]
+                            for k in T.vectorized(_VEC):
+                                wr[k] = wq[(i * m + h) % 2, k]
+                        else:
+                            for k in T.vectorized(_VEC):
+                                wr[k] = wf[h, c0 + (i * threads + tid) * _VEC + k]
+                        for k in T.vectorized(_VEC):
+                            cp[k] = gor[i, h, k]
+                        for k in T.vectorized(_VEC):
+                            grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+                                T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
+                            )
+                        for k in T.vectorized(_VEC):
+                            grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
+                        for k in T.unroll(_VEC):
+                            if gw_regs:
+                                gwr[i, h, k] += beta[h] * xr[k] * kr[k]
+                            else:
+                                gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
+
+    @T.macro
     def body(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, grad_w):
-        with T.Kernel(P, threads=threads) as p:
+        with T.Kernel(P, threads=threads, cluster_dims=S if S > 1 else None, prelude=_PRELUDE if S > 1 else None) as p:
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
-            if gw_regs:
-                gwr = T.alloc_local((nc, m, _VEC), f32)
-            else:
-                gw_s = T.alloc_shared((m, _VEC, nvec), f32)
-            if stage_xk:
-                xk_s = T.alloc_shared((2, m, H), bf16)  # this token's x and k, own columns only
-            if pre_gov:
-                gov_s = T.alloc_shared((m + 1, H), bf16)  # next token's go rows and v, own columns only
-            if wf_smem:
-                wf_s = T.alloc_shared((m, H), f32)  # wf, own columns only (loaded once)
+            gwr = T.alloc_local((nc, m, _VEC), f32) if gw_regs else None
+            gw_s = None if gw_regs else T.alloc_shared((m, _VEC, nvec), f32)
+            xk_s = T.alloc_shared((2, m, HC), bf16) if stage_xk else None  # this token's x and k, own columns only
+            gov_s = T.alloc_shared((m + 1, HC), bf16) if pre_gov else None  # next token's go rows and v, own columns
+            wf_s = T.alloc_shared((m, HC), f32) if wf_smem else None  # wf, own columns only (loaded once)
             red = T.alloc_shared((2, m, 32), f32)
             scs = T.alloc_shared((2, 4, m), f32)  # per-stream scalars, written by thread h < m
             gor = T.alloc_local((nc, m, _VEC), bf16)
@@ -197,17 +399,16 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             xr = T.alloc_local((_VEC,), f32)
             kr = T.alloc_local((_VEC,), f32)
             wr = T.alloc_local((_VEC,), f32)
-            if wf_pipe:
-                wq = T.alloc_local((2, _VEC), f32)  # wf of the current / next (vector, stream) step
+            wq = T.alloc_local((2, _VEC), f32) if wf_pipe else None  # wf of the current / next (vector, stream) step
             gl = T.alloc_local((m,), f32)
             acc = T.alloc_local((m,), f32)
             beta = T.alloc_local((m,), f32)
             ax = T.alloc_local((m,), f32)
             ak = T.alloc_local((m,), f32)
             sc = T.alloc_local((4,), f32)
-            parity = T.alloc_var(T.int32)
+            parity = T.alloc_local((1,), T.int32)  # reduction buffer of this token
 
-            parity = 0
+            parity[0] = 0
             for i in T.unroll(nc):
                 for h in T.unroll(m):
                     for k in T.unroll(_VEC):
@@ -215,163 +416,39 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             gwr[i, h, k] = 0.0
                         else:
                             gw_s[h, k, i * threads + tid] = 0.0
+            # Cluster c = p // S serves the S consecutive workers c*S .. c*S + S - 1 (their token ranges
+            # are contiguous); CTA rank r = p % S owns columns [r*HC, (r+1)*HC).
+            rank = p % S if S > 1 else 0
+            c0 = rank * HC if S > 1 else 0
+            w0 = p - rank if S > 1 else p
             per = T.ceildiv(num_tokens, P)
-            t_begin = T.min(per * p, num_tokens)
-            t_end = T.min(per * p + per, num_tokens)
+            t_begin = T.min(per * w0, num_tokens)
+            t_stop = T.min(per * w0 + per * S, num_tokens)
+            if S > 1:
+                # the partner CTA is running (its shared memory may be written) once this returns
+                T.cluster_arrive()
+                T.cluster_wait()
             if wf_smem:
-                if t_begin < t_end:
+                if t_begin < t_stop:
                     for i in T.unroll(nc):
                         for h in T.unroll(m):
                             for j in T.unroll(2):
                                 T.ptx_cp_async(
                                     T.access_ptr(wf_s[h, (i * threads + tid) * _VEC + j * 4], "w", 4),
-                                    T.access_ptr(wf[h, (i * threads + tid) * _VEC + j * 4], "r", 4),
+                                    T.access_ptr(wf[h, c0 + (i * threads + tid) * _VEC + j * 4], "r", 4),
                                     4,
                                 )
                     T.ptx_commit_group()
             if pre_gov:
-                prefetch(go, kv, gov_s, t_begin, t_end, tid)
-            for t in T.serial(t_begin, t_end):
-                if pre_gov:
-                    T.ptx_wait_group(0)
-                if has_mask and mask[t]:
-                    # Image token: grad_x = go (bit copy), grad_kv = 0, no weight-gradient contribution.
-                    for i in T.unroll(nc):
-                        for h in T.unroll(m):
-                            if pre_gov:
-                                for k in T.vectorized(_VEC):
-                                    cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
-                            else:
-                                for k in T.vectorized(_VEC):
-                                    cp[k] = go[t, h, (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                grad_x[t, h, (i * threads + tid) * _VEC + k] = cp[k]
-                    if pre_gov:
-                        prefetch(go, kv, gov_s, t + 1, t_end, tid)
-                    for i in T.unroll(nc):
-                        for h in T.unroll(m + 1):
-                            for k in T.vectorized(_VEC):
-                                grad_kv[t, h, (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
-                else:
-                    if stage_xk:
-                        stage(x, kv, xk_s, t, tid)
-                    # Per-stream scalars, off the critical path: thread h < m loads those of stream h
-                    # here (used only after phase 1, so the loads do not stall it) and publishes them
-                    # before the reduction barrier; everyone reads them after it (double-buffered).
-                    if tid < m:
-                        sc[0] = dot[t, tid]
-                        sc[1] = rstd_x[t, tid]
-                        sc[2] = rstd_k[t, tid]
-                    for h in T.unroll(m):
-                        gl[h] = gate[t, h]
-                        acc[h] = 0.0
-                    # Phase 1: go (kept in registers) and v -> partial dL/dg per stream, value gradient.
-                    for i in T.unroll(nc):
-                        if pre_gov:
-                            for h in T.unroll(m):
-                                for k in T.vectorized(_VEC):
-                                    gor[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
-                        else:
-                            load_gov(go, kv, gor, vr, t, tid)
-                        for k in T.unroll(_VEC):
-                            vf[k] = T.cast(vr[i, k], f32)
-                        for h in T.unroll(m):
-                            for k in T.unroll(_VEC):
-                                acc[h] += T.cast(gor[i, h, k], f32) * vf[k]
-                        for k in T.unroll(_VEC):
-                            gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
-                            for h in T.unroll(1, m):
-                                gv[k] += T.cast(gor[i, h, k], f32) * gl[h]
-                        for k in T.vectorized(_VEC):
-                            grad_kv[t, m, (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
-                    # The staging buffer is consumed: fetch the next token while this one finishes.
-                    if pre_gov:
-                        prefetch(go, kv, gov_s, t + 1, t_end, tid)
-                    if tid < m:
-                        sc[3] = scale * sc[1] * sc[2]
-                        scs[parity, 0, tid] = T.if_then_else(
-                            T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
-                        )
-                        scs[parity, 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
-                        scs[parity, 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
-                        scs[parity, 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
-                    if wf_pipe:
-                        # phase 2's first wf vector, issued before the reduction (independent of it)
-                        for k in T.vectorized(_VEC):
-                            wq[0, k] = wf[0, tid * _VEC + k]
-                    for h in T.unroll(m):
-                        acc[h] = T.warp_reduce_sum(acc[h])
-                    if lane == 0:
-                        for h in T.unroll(m):
-                            red[parity, h, wid] = acc[h]
-                    T.sync_threads()
-                    for h in T.unroll(m):
-                        acc[h] = T.warp_reduce_sum(T.if_then_else(lane < nwarps, red[parity, h, lane], T.cast(0.0, f32)))
-                    # Per-stream scalars (same arithmetic as computing them here).
-                    for h in T.unroll(m):
-                        beta[h] = T.if_then_else(
-                            scs[parity, 1, h] != 0.0,
-                            acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity, 0, h],
-                            T.cast(0.0, f32),
-                        )
-                        ax[h] = scs[parity, 2, h]
-                        ak[h] = scs[parity, 3, h]
-                    parity = 1 - parity
-                    # Phase 2: x, k, wf -> grad_x, grad_k and the weight-gradient tile.
-                    if stage_xk:
-                        # this token's x/k; the next token's go/v prefetch (committed after it) may stay in flight
-                        T.ptx_wait_group(1 if pre_gov else 0)
-                    for i in T.unroll(nc):
-                        for h in T.unroll(m):
-                            if stage_xk:
-                                for k in T.vectorized(_VEC):
-                                    xr[k] = xk_s[0, h, (i * threads + tid) * _VEC + k]
-                                for k in T.vectorized(_VEC):
-                                    kr[k] = xk_s[1, h, (i * threads + tid) * _VEC + k]
-                            else:
-                                for k in T.vectorized(_VEC):
-                                    xr[k] = x[t, h, (i * threads + tid) * _VEC + k]
-                                for k in T.vectorized(_VEC):
-                                    kr[k] = kv[t, h, (i * threads + tid) * _VEC + k]
-                            if wf_smem:
-                                for k in T.vectorized(_VEC):
-                                    wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
-                            elif wf_pipe:
-                                if i * m + h + 1 < nc * m:
-                                    for k in T.vectorized(_VEC):
-                                        wq[(i * m + h + 1) % 2, k] = wf[
-                                            (h + 1) % m, ((i + (h + 1) // m) * threads + tid) * _VEC + k
-                                        ]
-                                for k in T.vectorized(_VEC):
-                                    wr[k] = wq[(i * m + h) % 2, k]
-                            else:
-                                for k in T.vectorized(_VEC):
-                                    wr[k] = wf[h, (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                cp[k] = gor[i, h, k]
-                            for k in T.vectorized(_VEC):
-                                grad_x[t, h, (i * threads + tid) * _VEC + k] = T.cast(
-                                    T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
-                                )
-                            for k in T.vectorized(_VEC):
-                                grad_kv[t, h, (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
-                            for k in T.unroll(_VEC):
-                                if gw_regs:
-                                    gwr[i, h, k] += beta[h] * xr[k] * kr[k]
-                                else:
-                                    gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
-            # Row p of the partials: every element written (zeros for an empty token range).
-            for i in T.unroll(nc):
-                for h in T.unroll(m):
-                    for k in T.unroll(_VEC):
-                        if gw_regs:
-                            wr[k] = gwr[i, h, k]
-                        else:
-                            wr[k] = gw_s[h, k, i * threads + tid]
-                    for k in T.vectorized(_VEC):
-                        grad_w[p, h, (i * threads + tid) * _VEC + k] = wr[k]
+                prefetch(go, kv, gov_s, t_begin, t_stop, tid, c0)
+            for j in range(S):
+                # Worker w0 + j: its tokens, then its row of the partials (zeros for an empty range).
+                t_lo = T.min(per * (w0 + j), num_tokens)
+                t_hi = T.min(per * (w0 + j) + per, num_tokens)
+                tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
+                       gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
+                       ax, ak, sc, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop, t_stop, tid, lane, wid, rank, c0)
+                flush(grad_w, gwr, gw_s, wr, w0 + j, tid, c0, j + 1 < S)
 
     xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)
 
