@@ -113,6 +113,9 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     57.5 -> 55.8 us (T = 512), 680 -> 662 us (T = 8192; peer 48.8 / 661 us in the same runs). Not adopted:
     the split at H = 4096 (256 threads per CTA: 36.5 / 429 us against 31.5 / 387 us unsplit), and at
     H = 7168 the next token's x/k staged one token ahead into a second buffer (56.5 / 699 us).
+    The next token's per-stream scalars (gate, dot, rstd) loaded one token ahead: H = 4096 31.5 -> 29.7 us
+    (T = 512), 388 -> 381 us (T = 8192); not in the split schedule (H = 7168: 55.8 -> 56.0 us, 669 -> 691
+    us). Loading the first token's go/v before wf (phase 1 not waiting for wf) was slower at both H.
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
@@ -158,6 +161,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     S, threads, nc = plan["split"], plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
     wf_pipe = _WF_PIPE and not wf_smem
+    # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
+    # the split schedule, where the extra registers cost more than the latency they hide.
+    scalars_ahead = S == 1
     nwarps = threads // 32
     HC = H // S  # columns per CTA
     nvec = HC // _VEC
@@ -234,11 +240,25 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     @T.macro
     def tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
                gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
-               ax, ak, sc, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
+               ax, ak, sc, gln, scn, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
         # Tokens [t_lo, t_hi) of one worker; prefetches run up to t_stop (the end of the CTA's range).
         for t in T.serial(t_lo, t_hi):
             if pre_gov:
                 T.ptx_wait_group(0)
+            if scalars_ahead:
+                # this token's scalars were loaded during the previous one; load the next token's now
+                for h in T.unroll(m):
+                    gl[h] = gln[h]
+                if tid < m:
+                    for q in T.unroll(3):
+                        sc[q] = scn[q]
+                if t + 1 < t_stop:
+                    for h in T.unroll(m):
+                        gln[h] = gate[t + 1, h]
+                    if tid < m:
+                        scn[0] = dot[t + 1, tid]
+                        scn[1] = rstd_x[t + 1, tid]
+                        scn[2] = rstd_k[t + 1, tid]
             if has_mask and mask[t]:
                 # Image token: grad_x = go (bit copy), grad_kv = 0, no weight-gradient contribution.
                 for i in T.unroll(nc):
@@ -260,15 +280,17 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             else:
                 if stage_xk:
                     stage(x, kv, xk_s, t, tid, c0)
-                # Per-stream scalars, off the critical path: thread h < m loads those of stream h
-                # here (used only after phase 1, so the loads do not stall it) and publishes them
-                # before the reduction barrier; everyone reads them after it (double-buffered).
-                if tid < m:
-                    sc[0] = dot[t, tid]
-                    sc[1] = rstd_x[t, tid]
-                    sc[2] = rstd_k[t, tid]
+                # Per-stream scalars (here, unless loaded one token ahead): thread h < m loads those of
+                # stream h (used only after phase 1) and publishes them before the reduction barrier;
+                # everyone reads them after it (double-buffered).
+                if not scalars_ahead:
+                    if tid < m:
+                        sc[0] = dot[t, tid]
+                        sc[1] = rstd_x[t, tid]
+                        sc[2] = rstd_k[t, tid]
+                    for h in T.unroll(m):
+                        gl[h] = gate[t, h]
                 for h in T.unroll(m):
-                    gl[h] = gate[t, h]
                     acc[h] = 0.0
                 # Phase 1: go (kept in registers) and v -> partial dL/dg per stream, value gradient.
                 for i in T.unroll(nc):
@@ -406,6 +428,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             ax = T.alloc_local((m,), f32)
             ak = T.alloc_local((m,), f32)
             sc = T.alloc_local((4,), f32)
+            gln = T.alloc_local((m,), f32) if scalars_ahead else None  # the next token's gate scores
+            scn = T.alloc_local((3,), f32) if scalars_ahead else None  # its dot, rstd_x, rstd_k (threads h < m)
             parity = T.alloc_local((1,), T.int32)  # reduction buffer of this token
 
             parity[0] = 0
@@ -441,13 +465,22 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     T.ptx_commit_group()
             if pre_gov:
                 prefetch(go, kv, gov_s, t_begin, t_stop, tid, c0)
+            if scalars_ahead:
+                if t_begin < t_stop:
+                    for h in T.unroll(m):
+                        gln[h] = gate[t_begin, h]
+                    if tid < m:
+                        scn[0] = dot[t_begin, tid]
+                        scn[1] = rstd_x[t_begin, tid]
+                        scn[2] = rstd_k[t_begin, tid]
             for j in range(S):
                 # Worker w0 + j: its tokens, then its row of the partials (zeros for an empty range).
                 t_lo = T.min(per * (w0 + j), num_tokens)
                 t_hi = T.min(per * (w0 + j) + per, num_tokens)
                 tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
                        gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
-                       ax, ak, sc, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop, t_stop, tid, lane, wid, rank, c0)
+                       ax, ak, sc, gln, scn, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop, t_stop,
+                       tid, lane, wid, rank, c0)
                 flush(grad_w, gwr, gw_s, wr, w0 + j, tid, c0, j + 1 < S)
 
     xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)

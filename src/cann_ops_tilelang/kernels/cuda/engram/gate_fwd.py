@@ -32,7 +32,9 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, bool]:
     in flight per CTA at H = 7168 and lets two CTAs share an SM. Measured at H = 4096 against 2 warps
     per stream (8 vectors per thread, 4 CTAs per SM at 64 registers): T = 512 18.1 vs 18.3 us (no
     statistics) and 18.4 vs 17.4 us (statistics saved), T = 8192 209 vs 223 us and 211 vs 208 us; and
-    against staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs 230 us.
+    against staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs 230 us; and
+    against an L2 prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs 224 us (and
+    30.6 vs 32.9 us, 386 vs 407 us at H = 7168).
     """
     n32 = hidden_size // (32 * _VEC)
     max_wps = max(1, min(4, 32 // hc_mult))
