@@ -17,6 +17,8 @@ __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_
 # NOTE tuned for H200: 64 columns x up to 256 rows (<= 64 KB of shared memory per CTA); at m = 4,
 # H = 7168, P = 132 this gives 448 CTAs of 33 KB (3-4 per SM) and puts the whole 15 MB of partials in
 # flight in a single round.
+# cp.async in 2 / 4 / 8 row batches, each summed while the later ones load, was slower (H = 7168:
+# 7.67 / 7.98 / 8.32 us against 7.43 us).
 _COLS = 64
 _MAX_ROWS = 256
 _THREADS = 256
