@@ -85,9 +85,10 @@ def _column_plan(columns: int, hc_mult: int) -> dict:
 def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None) -> dict:
     """The backward's compile-time schedule at ``(H, m)``.
 
-    Keys: ``split`` (CTAs per worker: a cluster of ``split`` CTAs shares each token, CTA ``r`` owning
-    columns ``[r*H/split, (r+1)*H/split)``), ``threads`` and ``nc`` (each thread owns ``nc`` 8-element column vectors), ``gw_regs``
-    (weight-gradient accumulators in registers, else a shared-memory tile), ``stage_xk`` (the token's
+    Keys: ``split`` (a cluster of ``split`` CTAs shares each token, CTA ``r`` owning the columns
+    ``[r*H/split, (r+1)*H/split)``), ``threads`` and ``nc`` (each thread owns ``nc`` 8-element column
+    vectors of its CTA's columns), ``gw_regs`` (weight-gradient accumulators in registers, else a
+    shared-memory tile), ``stage_xk`` (the token's
     ``x``/``k`` staged in shared memory by ``cp.async`` at the start of the token, travelling together
     with the ``go``/``v`` loads), ``pre_gov`` (the next token's ``go``/``v`` prefetched into shared
     memory while the current token finishes) and ``wf_smem`` (``wf`` loaded once into shared memory).
@@ -96,7 +97,9 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     the 227 KiB of an H200 SM; then one column vector per thread up to 1024 threads, else at most 512
     threads so that the phase-2 loads of several vectors stay in the 128-register budget); the tile
     moves to registers where the thread's share is at most ``_GW_REGS_MAX`` floats at <= 512 threads
-    (128 registers per thread); the shared memory left goes to wf, then to the go/v prefetch.
+    (128 registers per thread); the shared memory left goes to wf, then to the go/v prefetch. Where the
+    tile stays in shared memory at full width, ``P`` is even and ``H / 2`` a multiple of 256, the same
+    steps at ``H / 2`` columns per CTA are taken instead if they put the tile in registers (``split`` 2).
 
     NOTE tuned for H200 (cupti, cold L2; peer = DeepSeek TileKernels in the same run):
     H = 4096 (512 threads): tile in shared memory, x/k staged, wf in shared memory: 34.1 us (T = 512),
@@ -145,7 +148,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     """Builds the backward prim_func.
 
     Args:
-        hidden_size: ``H`` (multiple of 256; shared memory holds ``m * H`` fp32, so ``H <= 8192`` at m = 4).
+        hidden_size: ``H`` (multiple of 256, at most 8192 at m = 4; see :func:`bwd_plan`).
         hc_mult: ``m``.
         num_partials: ``P``, the number of workers / rows of ``grad_w_partial``.
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
@@ -162,7 +165,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
     wf_pipe = _WF_PIPE and not wf_smem
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
-    # the split schedule, where the extra registers cost more than the latency they hide.
+    # the split schedule, where it measured slower (see the NOTE of bwd_plan).
     scalars_ahead = S == 1
     nwarps = threads // 32
     HC = H // S  # columns per CTA
@@ -341,11 +344,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     if lane == 0:
                         for h in T.unroll(m):
                             for r in T.unroll(S):
-                                T.call_extern("void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h])
+                                T.call_extern(
+                                    "void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h]
+                                )
                     T.cluster_arrive()
                     T.cluster_wait()
                 for h in T.unroll(m):
-                    acc[h] = T.warp_reduce_sum(T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32)))
+                    acc[h] = T.warp_reduce_sum(
+                        T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32))
+                    )
                 # Per-stream scalars (same arithmetic as computing them here).
                 for h in T.unroll(m):
                     beta[h] = T.if_then_else(
