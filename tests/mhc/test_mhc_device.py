@@ -51,8 +51,10 @@ def check(name, ours, oa, want, ra, tokens):
         for i in range(2, len(oa)):
             assert calc_diff(oa[i], ra[i]) < 1e-8
     elif name == "mhc_gemm_with_sqrsum_forward":
-        assert calc_diff(ours[0].sum(0), want[0].sum(0)) < 1e-8
-        assert calc_diff(ours[1].sum(0), want[1].sum(0)) < 1e-8
+        for got, ref in zip(ours, want):  # out_mul_part, sqrsum_part: every split's partial, and their sum
+            assert got.shape == ref.shape
+            assert calc_diff(got, ref) < 1e-8
+            assert calc_diff(got.sum(0), ref.sum(0)) < 1e-8
     elif name == "mhc_gemm_with_sqrsum_backward":
         bf16_close(oa[4], ra[4])
         torch.testing.assert_close(ours, want, rtol=1e-3, atol=3e-2)
