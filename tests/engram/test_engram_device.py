@@ -124,13 +124,14 @@ def test_gate_bwd(tokens, hidden, masked, device, seed):
 @requires_cuda
 @pytest.mark.parametrize(
     "hidden",
-    [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in (4352, 5120)],
-    ids=["tile-in-smem", "cluster-split"],
+    [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in (4352, 5120, 7424)],
+    ids=["tile-in-smem", "cluster-split", "one-warp"],
 )
 @pytest.mark.parametrize("masked", [False, True])
 def test_gate_bwd_other_schedules(hidden, masked, device, seed):
     """The CUDA schedules the model sizes above do not reach: the weight-gradient tile in shared memory
-    (H = 4352) and a second size of the two-CTA column split (H = 5120)."""
+    (H = 4352), a second size of the two-CTA column split (H = 5120) and the untuned one-warp schedule
+    of H / 256 prime (H = 7424: 29 column vectors per thread)."""
     check_gate_bwd(509, hidden, masked, device, seed)
 
 
