@@ -59,6 +59,12 @@ _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
 # fn preparation included); 64-column steps with 4-6 stages and 256-column steps were 1-10 % slower.
 # Running 2 or 4 consecutive splits through one CTA's pipeline (fewer prologues, one grid wave less)
 # made no difference: main kernel 78.4-78.7 / 129.5-129.8 us at T = 8192 (13.7-13.8 us at T = 512, H = 7168).
+# 128-token tiles (one warpgroup, 128-column steps, 2 stages): main kernel 78.3 / 127.2 us against
+# 78.4 / 129.1 us at T = 8192 but 11.3 / 17.9 us against 8.8 / 13.6 us at T = 512; with two warpgroups
+# (256 threads) 105-119 / 176-195 us. Splitting fn inside this kernel instead of the preparation kernel
+# (f32 fn tiles through the pipeline, converted in shared memory: bitwise equal, three placements of the
+# conversion) saved the preparation at T = 512 (9.8 / 15.2 us against 10.6 / 16.1 us in all) but cost
+# more than it at T = 8192 (89.0 / 144.0 us against 79.9 / 131.3 us): every token tile converts again.
 _FWD_STAGES = {64: 6, 128: 3}
 _FWD_THREADS = 128
 _BWD_THREADS = 128  # 4 warps; a warp row covers the CTA's 64 columns (2 per lane, 4-byte accesses)

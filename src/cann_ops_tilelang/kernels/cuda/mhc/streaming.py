@@ -11,11 +11,13 @@ TileLang codegen emits it), so ``nvcc`` may hoist the loads of later vectors abo
 Schedules:
 
 * element-wise ops without per-token scalars (expand) run a flat grid over the ``T * H / 8`` vectors
-  of the token-major tensors (``_FLAT_NV`` vectors per thread, strided by the CTA size so that every
+  of the token-major tensors (2 vectors per thread, strided by the CTA size so that every
   warp access is coalesced);
 * element-wise ops with per-token scalars (apply-mix forward, post forward) run a 2-D grid
   ``(tokens, column chunks)``; a thread loads its token's scalars once (uniform loads, broadcast);
-* per-token reductions (apply-mix backward, post backward) run one CTA per token: each thread keeps
+* per-token reductions (apply-mix backward, post backward) run one CTA per token (up to 512 threads
+  for the apply-mix backward; the post backward with 128 threads where ``H % 1024 == 0``, see
+  ``_post_backward_layout``): each thread keeps
   fp32 partial sums of its columns, the CTA reduces them with warp shuffles and one shared-memory
   step in a fixed order (deterministic, no atomics);
 * the (M3, K) fp32 merge backward splits the rows over thread groups, parks the rounded products in
@@ -70,14 +72,24 @@ __all__ = [
 ]
 
 _VEC = 8  # bf16 elements per 16-byte access
-_FLAT_THREADS = 256
-# NOTE tuned for H200 (not yet measured): 2 vectors per thread put 2 x (1 + m) 16-byte accesses of a
-# thread in flight; at 256 threads and 8 resident CTAs per SM that is 32 KiB of loads (expand
-# forward) to 128 KiB (expand backward) per SM, above the ~40 KiB an SM needs to saturate HBM3e.
-_FLAT_NV = 2
+# Flat grid (expand): (threads per CTA, vectors per thread) of the forward and of the backward.
+# NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): expand forward at 128 x 2 against
+# 256 x 2: 5.90 / 9.38 us vs 5.93 / 9.47 us at T = 512 and 85.4 / 148.2 us vs 87.0 / 149.4 us at
+# T = 8192 (H = 4096 / 7168); 256 x 1 and 512 x 1 were faster at T = 8192 (84.0 / 145.9 us) but put
+# T = 512, H = 7168 in two waves (10.2 us). The backward (4 loads per vector) stays at 256 x 2: 128 x 4,
+# 256 x 1 and 512 x 1 were level or slower (12.9 / 12.0 / 11.9 us vs 12.0 us at T = 512, H = 7168).
+_FLAT_FWD = (128, 2)
+_FLAT_BWD = (256, 2)
 _ROW_MAX_THREADS = 256  # upper bound of a (token, column chunk) CTA of the 2-D grid
 _ROW_NVC = 2  # upper bound of the vectors per thread of the 2-D grid (a divisor of the row's count)
 _RED_MAX_THREADS = 256  # upper bound of the one-token CTA of the per-token reductions
+# NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): the apply-mix backward with CTAs of up
+# to 512 threads (1-2 vectors per thread) at 2 CTAs per SM, against up to 256 threads at the register
+# budget of 3 CTAs (which spilled at H = 5120 / 7168): T = 512 15.80 / 18.84 / 25.33 us vs 15.85 /
+# 21.32 / 27.42 us, T = 8192 202.5 / 252.1 / 352.8 us vs 203.1 / 277.0 / 363.7 us (H = 4096 / 5120 /
+# 7168; the peer 16.06 / 19.05 / 25.80 and 205.0 / 255.2 / 357.7 us). The <= 256-thread layout at
+# 2 CTAs per SM (no spill either) came second (25.90 / 353.0 us at H = 7168).
+_APPLY_MIX_BWD_MAX_THREADS = 512
 _NORMW_THREADS = 128  # fp32 (M3, K) merge forward: one float4 column group per thread
 # NOTE measured on the H200 (K = 16384 / 28672): 8 row groups x 16 float4 column groups (128 threads,
 # 64 columns per CTA) put the whole merge backward in flight at once: 3.9 / 5.2 us, against 7.2 / 7.8 us
@@ -151,7 +163,7 @@ def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     nvec = H // _VEC
-    threads, nvt = _FLAT_THREADS, _FLAT_NV
+    threads, nvt = _FLAT_FWD
     bf16 = T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
@@ -213,7 +225,7 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     nvec = H // _VEC
-    threads, nvt = _FLAT_THREADS, _FLAT_NV
+    threads, nvt = _FLAT_BWD
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
@@ -554,7 +566,7 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    threads, nv, guarded = _row_layout(H, _RED_MAX_THREADS)
+    threads, nv, guarded = _row_layout(H, _APPLY_MIX_BWD_MAX_THREADS)
     nwarps = threads // 32
     nvec = H // _VEC
     f32, bf16 = T.float32, T.bfloat16
@@ -569,10 +581,9 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
         mix_grad: T.Tensor((num_tokens, m), f32),
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
-            # NOTE: <= 256 threads and <= 4 vectors per thread (9 x 16-byte loads each) keep the
-            # register use near 64 so that 4+ token CTAs share an SM; one CTA's reduction overlaps
-            # the others' loads.
-            T.annotate_min_blocks_per_sm(_min_blocks(threads, 80))
+            # NOTE: two token CTAs per SM (one's reduction overlaps the other's loads), each with
+            # enough registers for a whole vector's 9 loads in flight without spilling.
+            T.annotate_min_blocks_per_sm(2)
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
@@ -671,8 +682,12 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
-    # NOTE: 2 vectors per thread where possible: 2 * (1 + m) 16-byte loads in flight per thread
-    # (~60 registers with the 20 scalars), full occupancy.
+    # NOTE: 2 vectors per thread where possible: 2 * (1 + m) 16-byte loads in flight per thread with
+    # the 20 scalars in 64 registers (no spill), so that 4 CTAs of 256 threads share an SM and the 512
+    # CTAs of T = 512, H = 4096 run in one wave. Measured on the H200 against the 71-register build
+    # (3 CTAs per SM): 11.44 vs 11.93 us at T = 512, H = 4096, level elsewhere (18.6 / 144.8 / 256.1 us
+    # vs 18.7 / 144.1 / 255.4 us at T = 512 H = 7168, T = 8192 H = 4096 / 7168). 128-thread CTAs and
+    # one vector per thread were level at T = 512 and 1-4 % slower at T = 8192.
     nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
@@ -689,7 +704,7 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     ):
         # Tokens on grid x (up to 2**31 - 1 CTAs); grid y is limited to 65535.
         with T.Kernel(num_tokens, chunks, threads=threads) as (t, cb):
-            T.annotate_min_blocks_per_sm(_min_blocks(threads, 80))
+            T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
             tid = T.get_thread_binding()
             pr = T.alloc_local((m,), f32)
             cr = T.alloc_local((m, m), f32)
@@ -755,6 +770,20 @@ def mhc_post_backward_key(x: torch.Tensor, residual: torch.Tensor) -> tuple:
     return (hidden_size, hc_mult)
 
 
+def _post_backward_layout(hidden_size: int) -> tuple[int, int, bool]:
+    """Layout ``(threads, nv, guarded)`` of the post backward's one-token CTA: 128 threads where ``H / 8``
+    is a multiple of 128 (``H % 1024 == 0``), else :func:`_row_layout` up to ``_RED_MAX_THREADS``.
+
+    NOTE measured on the H200: at ~128 registers per thread (20 partials and 20 scalars), 4 CTAs of
+    128 threads share an SM against 2 of 256, so the 512 tokens of T = 512 run in one wave: 18.25 vs
+    18.65 us (H = 4096) and 29.35 vs 29.54 us (H = 7168) at T = 512; 223.9 vs 223.6 us and 390.9 vs
+    386.3 us at T = 8192 (the peer: 18.2 / 28.9 / 225.0 / 393.6 us in the same run).
+    """
+    if (hidden_size // _VEC) % 128 == 0:
+        return 128, hidden_size // _VEC // 128, False
+    return _row_layout(hidden_size, _RED_MAX_THREADS)
+
+
 def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     """Builds the mHC post backward (one CTA per token).
 
@@ -776,7 +805,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    threads, nv, guarded = _row_layout(H, _RED_MAX_THREADS)
+    threads, nv, guarded = _post_backward_layout(H)
     nwarps = threads // 32
     nred = m + m * m  # d_post (m) then d_comb (m*m, row-major [i, o])
     nvec = H // _VEC
@@ -796,9 +825,9 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
         d_comb: T.Tensor((num_tokens, m, m), f32),
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
-            # NOTE: <= 256 threads, vectors processed one at a time (9 x 16-byte loads each, the next
-            # vector's loads hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per
-            # thread: ~96 registers, 2-3 token CTAs per SM overlap reductions with loads.
+            # NOTE: vectors processed one at a time (9 x 16-byte loads each, the next vector's loads
+            # hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per thread: ~128
+            # registers, 4 token CTAs of 128 threads (2 of 160-256) per SM overlap reductions with loads.
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 128))
             tid = T.get_thread_binding()
             lane = tid % 32
