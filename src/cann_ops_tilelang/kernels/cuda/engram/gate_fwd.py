@@ -1,13 +1,14 @@
 """CUDA kernel of ``engram_gate_fwd`` (OPS.md B.1.2).
 
 Schedule: one CTA per token; the CTA holds ``m`` groups of ``32 * wps`` threads, group ``h`` serving
-stream ``h``. Each thread owns ``NV`` 8-element column vectors of its stream. Pass 1 loads the
-thread's ``x`` vectors into registers (kept for pass 2) and its ``k`` vectors, and accumulates
-``Sx``, ``Sk`` and ``raw``; a warp shuffle reduction plus a shared-memory step across the group's
-warps gives the per-stream sums (every thread of the group reads them in the same order, so they are
-bitwise equal). Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x``
-and ``kv`` are read from HBM exactly once. The token count is a dynamic dimension.
-"""
+stream ``h``. Each thread owns ``nv`` 8-element column vectors per summation group it serves (see
+:func:`fwd_layout`). Pass 1 loads the thread's ``x`` vectors into registers (kept for pass 2) and its
+``k`` vectors, and accumulates ``Sx``, ``Sk`` and ``raw`` per summation group; a warp shuffle reduction
+per group plus a shared-memory step that adds the groups in ascending order gives the per-stream sums
+(every thread of the stream reads them in the same order, so they are bitwise equal, and they do not
+depend on how many warps serve the groups: the output with and without statistics is bitwise equal).
+Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x`` and ``kv`` are
+read from HBM exactly once. The token count is a dynamic dimension."""
 
 import functools
 
@@ -21,29 +22,40 @@ _VEC = 8  # bf16 elements per 16-byte access
 _MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see build_engram_gate_fwd)
 
 
-def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, bool]:
-    """Thread layout ``(wps, nv, guarded)`` of the forward kernel.
+def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tuple[int, int, int, bool, int]:
+    """Thread layout ``(wps, gps, nv, guarded, min_blocks)`` of the forward kernel.
 
-    ``wps`` warps serve one stream, each thread owns ``nv`` column vectors of 8 elements, ``guarded``
-    says whether the last vector slot can fall outside ``H``.
+    A stream's three sums are formed in ``gps`` summation groups of 32 lanes (group ``w``, lane ``l``
+    owns the column vectors ``i * 32 * gps + 32 * w + l``, ``i < nv``), each reduced by a warp butterfly,
+    then added in ascending ``w``. ``wps`` warps serve one stream, each warp taking ``gps / wps``
+    consecutive groups, so the sums (and every output bit) do not depend on ``wps``. ``guarded`` says
+    whether the last vector slot can fall outside ``H``; ``min_blocks`` is the number of resident CTAs
+    per SM the register budget is sized for.
 
-    NOTE tuned for H200: at most 8 vectors per thread (16 B x 8 of ``x`` kept in 32 registers, plus
-    ``k`` in flight) and up to 4 warps per stream (512 threads for m = 4), which keeps ~115 KB of loads
-    in flight per CTA at H = 7168 and lets two CTAs share an SM. Measured at H = 4096 against 2 warps
-    per stream (8 vectors per thread, 4 CTAs per SM at 64 registers): T = 512 18.1 vs 18.3 us (no
-    statistics) and 18.4 vs 17.4 us (statistics saved), T = 8192 209 vs 223 us and 211 vs 208 us; and
-    against staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs 230 us; and
-    against an L2 prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs 224 us (and
-    30.6 vs 32.9 us, 386 vs 407 us at H = 7168).
+    NOTE tuned for H200: at most 8 vectors per group lane (16 B x 8 of ``x`` kept in 32 registers, plus
+    ``k`` in flight) and up to 4 groups of one warp each per stream (512 threads for m = 4), which keeps
+    ~115 KB of loads in flight per CTA at H = 7168 and lets two CTAs share an SM. Measured at H = 4096
+    against 2 warps per stream (8 vectors per thread, 4 CTAs per SM at 64 registers): T = 512 18.1 vs
+    18.3 us (no statistics) and 18.4 vs 17.4 us (statistics saved), T = 8192 209 vs 223 us and 211 vs
+    208 us; and against staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs
+    230 us; and against an L2 prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs
+    224 us (and 30.6 vs 32.9 us, 386 vs 407 us at H = 7168).
+
+    With the statistics saved and ``H <= 4096``, one warp serves all groups of a stream (up to 16
+    vectors per thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of T = 512 run in
+    one wave). NOTE measured on the H200 at H = 4096 (3 interleaved rounds, sweep timings): statistics
+    saved, T = 512 17.2 vs 18.2 us and T = 8192 206.4 vs 211.0 us (the peer 17.4 / 230.8 us); without
+    the statistics one warp per stream was slower (18.4 vs 18.1 us, 217.1 vs 209.8 us), so that variant
+    keeps one warp per group; 5 CTAs per SM (102 registers) was slower in both.
     """
     n32 = hidden_size // (32 * _VEC)
-    max_wps = max(1, min(4, 32 // hc_mult))
-    for wps in (4, 2, 1):
-        if wps <= max_wps and n32 % wps == 0 and n32 // wps <= 8:
-            return wps, n32 // wps, False
-    wps = max_wps
-    nv = -(-n32 // wps)
-    return wps, nv, n32 % wps != 0
+    max_gps = max(1, min(4, 32 // hc_mult))
+    gps = next((g for g in (4, 2, 1) if g <= max_gps and n32 % g == 0 and n32 // g <= 8), max_gps)
+    nv = -(-n32 // gps)
+    guarded = nv * gps != n32
+    if save_stats and n32 <= 16 and not guarded:
+        return 1, gps, nv, False, 4
+    return gps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
 
 
 def engram_gate_fwd_key(
@@ -72,11 +84,11 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    wps, nv, guarded = fwd_layout(H, m)
+    wps, gps, nv, guarded, min_blocks = fwd_layout(H, m, save_stats)
+    q = gps // wps  # summation groups per warp
     tps = 32 * wps  # threads per stream
+    gw = 32 * gps  # column vectors per step i (all groups of a stream)
     threads = m * tps
-    min_blocks = max(1, min(_MIN_BLOCKS, 1024 // threads))
-    nwarps = m * wps
     nvec = H // _VEC
     scale = float(H**-0.5)  # host double, used as an fp32 immediate
     inv_hidden = float(H)
@@ -87,57 +99,64 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
     def body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k):
         with T.Kernel(num_tokens, threads=threads) as t:
             # NOTE tuned for H200: two CTAs (tokens) per SM overlap one token's reduction and barrier
-            # with the other's loads; this caps registers at 64 per thread. Measured at T = 8192:
-            # 211 us vs 267 us (H = 4096) and 355 us vs 426 us (H = 7168) against one CTA per SM.
+            # with the other's loads; this caps registers at 64 per thread (the one-warp-per-stream
+            # layout: four CTAs of 128 threads at 128 registers). Measured at T = 8192: 211 us vs 267 us
+            # (H = 4096) and 355 us vs 426 us (H = 7168) against one CTA per SM.
             T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             h = tid // tps
             lt = tid % tps
             lane = tid % 32
-            wid = tid // 32
-            xr = T.alloc_local((nv, _VEC), bf16)
+            g0 = (lt // 32) * q  # this warp's first summation group
+            xr = T.alloc_local((nv, q, _VEC), bf16)
             kf = T.alloc_local((_VEC,), f32)
             wr = T.alloc_local((_VEC,), f32)
             vr = T.alloc_local((_VEC,), f32)
-            part = T.alloc_local((3,), f32)
+            part = T.alloc_local((q, 3), f32)
             st = T.alloc_local((4,), f32)  # raw, rstd_x, rstd_k, gate
-            red = T.alloc_shared((3, nwarps), f32)
+            red = T.alloc_shared((3, m * gps), f32)
             live = T.alloc_var(T.bool)
 
             live = True
             if has_mask:
                 live = not mask[t]
-            for j in T.unroll(3):
-                part[j] = 0.0
-            # Pass 1: x into registers (kept), k streamed, three fp32 sums per thread.
+            for u in T.unroll(q):
+                for j in T.unroll(3):
+                    part[u, j] = 0.0
+            # Pass 1: x into registers (kept), k streamed, three fp32 sums per summation group.
+            # Slot (i, u) holds column vector i * gw + (g0 + u) * 32 + lane.
             for i in T.unroll(nv):
-                if (not guarded) or (i * tps + lt < nvec):
-                    for k in T.vectorized(_VEC):
-                        xr[i, k] = x[t, h, (i * tps + lt) * _VEC + k]
+                for u in T.unroll(q):
+                    if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                        for k in T.vectorized(_VEC):
+                            xr[i, u, k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
             if live:
                 for i in T.unroll(nv):
-                    if (not guarded) or (i * tps + lt < nvec):
-                        for k in T.vectorized(_VEC):
-                            kf[k] = kv[t, h, (i * tps + lt) * _VEC + k]
-                        for k in T.vectorized(_VEC):
-                            wr[k] = wf[h, (i * tps + lt) * _VEC + k]
-                        for k in T.unroll(_VEC):
-                            part[0] += T.cast(xr[i, k], f32) * T.cast(xr[i, k], f32)
-                            part[1] += kf[k] * kf[k]
-                            part[2] += T.cast(xr[i, k], f32) * wr[k] * kf[k]
-            for j in T.unroll(3):
-                part[j] = T.warp_reduce_sum(part[j])
-            if lane == 0:
+                    for u in T.unroll(q):
+                        if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                            for k in T.vectorized(_VEC):
+                                kf[k] = kv[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                wr[k] = wf[h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.unroll(_VEC):
+                                part[u, 0] += T.cast(xr[i, u, k], f32) * T.cast(xr[i, u, k], f32)
+                                part[u, 1] += kf[k] * kf[k]
+                                part[u, 2] += T.cast(xr[i, u, k], f32) * wr[k] * kf[k]
+            for u in T.unroll(q):
                 for j in T.unroll(3):
-                    red[j, wid] = part[j]
+                    part[u, j] = T.warp_reduce_sum(part[u, j])
+            if lane == 0:
+                for u in T.unroll(q):
+                    for j in T.unroll(3):
+                        red[j, h * gps + g0 + u] = part[u, j]
             T.sync_threads()
             for j in T.unroll(3):
-                part[j] = red[j, h * wps]
-                for w in T.unroll(1, wps):
-                    part[j] += red[j, h * wps + w]
-            st[0] = part[2]
-            st[1] = T.rsqrt(part[0] / inv_hidden + eps)
-            st[2] = T.rsqrt(part[1] / inv_hidden + eps)
+                part[0, j] = red[j, h * gps]
+                for w in T.unroll(1, gps):
+                    part[0, j] += red[j, h * gps + w]
+            st[0] = part[0, 2]
+            st[1] = T.rsqrt(part[0, 0] / inv_hidden + eps)
+            st[2] = T.rsqrt(part[0, 1] / inv_hidden + eps)
             st[3] = st[0] * st[1] * st[2] * scale
             st[3] = T.sigmoid(T.copysign(T.sqrt(T.max(T.abs(st[3]), clamp)), st[3]))
             if save_stats:
@@ -155,17 +174,20 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
             # Pass 2: stream v, write bf16(x + g * v) from the registers.
             if live:
                 for i in T.unroll(nv):
-                    if (not guarded) or (i * tps + lt < nvec):
-                        for k in T.vectorized(_VEC):
-                            vr[k] = kv[t, m, (i * tps + lt) * _VEC + k]
-                        for k in T.vectorized(_VEC):
-                            out[t, h, (i * tps + lt) * _VEC + k] = T.cast(T.cast(xr[i, k], f32) + st[3] * vr[k], bf16)
+                    for u in T.unroll(q):
+                        if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                            for k in T.vectorized(_VEC):
+                                vr[k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
+                                    T.cast(xr[i, u, k], f32) + st[3] * vr[k], bf16)
             else:
                 if not inplace:
                     for i in T.unroll(nv):
-                        if (not guarded) or (i * tps + lt < nvec):
-                            for k in T.vectorized(_VEC):
-                                out[t, h, (i * tps + lt) * _VEC + k] = xr[i, k]
+                        for u in T.unroll(q):
+                            if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                                for k in T.vectorized(_VEC):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = xr[i, u, k]
 
     # Each parameter needs its own annotation object (a shared one would alias the buffers).
     xs, kvs, ws, ms, ss = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m)
