@@ -113,6 +113,27 @@ def test_two_token_counts_give_one_cache_key(masked):
     assert len({keys[0][0], keys[0][1]}) == 2 and len({keys[0][3], keys[0][4]}) == 2
 
 
+def test_gate_fwd_layouts_share_the_summation_groups():
+    """The CUDA forward forms its sums in the same summation groups with and without statistics (so
+    the two outputs can be bitwise equal, OPS.md B.1.2), whatever number of warps serves them; the
+    groups cover the row exactly once; one warp per stream only where statistics are saved, H <= 4096
+    and no vector slot is guarded; at most 16 vectors per thread and 2048 threads per SM."""
+    from cann_ops_tilelang.kernels.cuda.engram import gate_fwd
+
+    for hidden in range(256, 8193, 256):
+        plain = gate_fwd.fwd_layout(hidden, 4, False)
+        saved = gate_fwd.fwd_layout(hidden, 4, True)
+        assert plain[1:4] == saved[1:4], (hidden, plain, saved)
+        for wps, gps, nv, guarded, min_blocks in (plain, saved):
+            n32 = hidden // 256
+            assert gps % wps == 0 and nv * gps >= n32 and (nv * gps == n32) != guarded, (hidden, wps, gps, nv)
+            assert 4 * 32 * wps * min_blocks <= 2048 and nv * (gps // wps) <= 16, (hidden, wps, nv, min_blocks)
+        assert plain[0] == plain[1]  # without statistics: one warp per summation group
+        assert (saved[0] == 1) == (hidden <= 4096 and not saved[3]), (hidden, saved)
+    assert gate_fwd.fwd_layout(4096, 4, True) == (1, 4, 4, False, 4)
+    assert gate_fwd.fwd_layout(4096, 4, False) == (4, 4, 4, False, 2)
+
+
 def test_gate_bwd_split_schedule():
     """The CUDA backward splits the columns over a 2-CTA cluster exactly where the full width cannot
     keep the weight-gradient accumulators in registers, and only where the split is possible (P even,

@@ -41,9 +41,9 @@ def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tupl
     230 us; and against an L2 prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs
     224 us (and 30.6 vs 32.9 us, 386 vs 407 us at H = 7168).
 
-    With the statistics saved and ``H <= 4096``, one warp serves all groups of a stream (up to 16
-    vectors per thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of T = 512 run in
-    one wave). NOTE measured on the H200 at H = 4096 (3 interleaved rounds, sweep timings): statistics
+    With the statistics saved, ``H <= 4096`` and no guarded slot, one warp serves all groups of a
+    stream (up to 16 vectors per thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of
+    T = 512 run in one wave). NOTE measured on the H200 at H = 4096 (3 interleaved rounds, sweep timings): statistics
     saved, T = 512 17.2 vs 18.2 us and T = 8192 206.4 vs 211.0 us (the peer 17.4 / 230.8 us); without
     the statistics one warp per stream was slower (18.4 vs 18.1 us, 217.1 vs 209.8 us), so that variant
     keeps one warp per group; 5 CTAs per SM (102 registers) was slower in both.
