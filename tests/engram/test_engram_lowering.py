@@ -116,8 +116,8 @@ def test_two_token_counts_give_one_cache_key(masked):
 def test_gate_fwd_layouts_share_the_summation_groups():
     """The CUDA forward forms its sums in the same summation groups with and without statistics (so
     the two outputs can be bitwise equal, OPS.md B.1.2), whatever number of warps serves them; the
-    groups cover the row exactly once; one warp per stream only where statistics are saved, H <= 4096
-    and no vector slot is guarded; at most 16 vectors per thread and 2048 threads per SM."""
+    groups cover the row exactly once; the variant with statistics takes one warp per stream exactly
+    where H <= 4096 and no vector slot is guarded; at most 16 vectors per thread and 2048 threads per SM."""
     from cann_ops_tilelang.kernels.cuda.engram import gate_fwd
 
     for hidden in range(256, 8193, 256):

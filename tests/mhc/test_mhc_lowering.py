@@ -89,3 +89,25 @@ def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
     assert bk in (64, 128)
     assert all(c * 64 % bk == 0 for c in counts)
     assert (bk == 128) == all(c % 2 == 0 for c in counts)
+
+
+def test_cuda_streaming_row_layouts_cover_the_row():
+    """The one-token CTA layouts of the CUDA streaming kernels (2-D grid up to 256 threads, apply-mix
+    backward up to 512, post backward 128 where H % 1024 == 0) are whole warps within the CTA limit
+    and cover the row's H / 8 vectors exactly once, guarding the last slots exactly when they overrun
+    (every H % 64 == 0 up to 16384)."""
+    from cann_ops_tilelang.kernels.cuda.mhc import streaming
+
+    for hidden in range(64, 16385, 64):
+        nvec = hidden // 8
+        layouts = {
+            "row": streaming._row_layout(hidden, streaming._ROW_MAX_THREADS),
+            "apply_mix_bwd": streaming._row_layout(hidden, streaming._APPLY_MIX_BWD_MAX_THREADS),
+            "post_bwd": streaming._post_backward_layout(hidden),
+        }
+        for name, (threads, nv, guarded) in layouts.items():
+            assert threads % 32 == 0 and 32 <= threads <= 1024, (hidden, name, threads)
+            assert threads * nv >= nvec and (threads * nv > nvec) == guarded, (hidden, name, threads, nv)
+            assert threads * (nv - 1) < nvec, (hidden, name, threads, nv)  # no slot wholly past the row
+        assert layouts["post_bwd"][0] == 128 or hidden % 1024 != 0, hidden
+        assert layouts["apply_mix_bwd"][0] <= 512, hidden

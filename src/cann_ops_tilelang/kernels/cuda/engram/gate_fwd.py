@@ -54,7 +54,7 @@ def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tupl
     nv = -(-n32 // gps)
     guarded = nv * gps != n32
     if save_stats and n32 <= 16 and not guarded:
-        return 1, gps, nv, False, 4
+        return 1, gps, nv, False, max(1, min(4, 512 // (32 * hc_mult)))  # <= 128 registers per thread
     return gps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
 
 

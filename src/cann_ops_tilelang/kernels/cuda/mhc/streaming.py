@@ -82,7 +82,7 @@ _FLAT_FWD = (128, 2)
 _FLAT_BWD = (256, 2)
 _ROW_MAX_THREADS = 256  # upper bound of a (token, column chunk) CTA of the 2-D grid
 _ROW_NVC = 2  # upper bound of the vectors per thread of the 2-D grid (a divisor of the row's count)
-_RED_MAX_THREADS = 256  # upper bound of the one-token CTA of the per-token reductions
+_RED_MAX_THREADS = 256  # upper bound of the post backward's one-token CTA where H % 1024 != 0
 # NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): the apply-mix backward with CTAs of up
 # to 512 threads (1-2 vectors per thread) at 2 CTAs per SM, against up to 256 threads at the register
 # budget of 3 CTAs (which spilled at H = 5120 / 7168): T = 512 15.80 / 18.84 / 25.33 us vs 15.85 /
@@ -115,9 +115,10 @@ def _row_layout(hidden_size: int, max_threads: int) -> tuple[int, int, bool]:
     (then ``nv = H / 8 / threads`` vectors per thread, no guard); if ``H / 8`` has no such divisor
     (``H % 256 != 0``), ``threads = min(max_threads, align32(H / 8))`` and the last slots are guarded.
 
-    NOTE tuned for H200: the model sizes give (threads, nv) = (160, 1) at H = 1280, (160, 2) at 2560,
-    (256, 2) at 4096, (160, 4) at 5120 and (224, 4) at 7168, i.e. 5-7 warps per CTA and up to
-    4 vectors per thread, so several CTAs share an SM and overlap one CTA's reduction with another's loads.
+    NOTE tuned for H200: up to 256 threads (the 2-D grid of the apply-mix and post forward, and the post
+    backward where ``H % 1024 != 0``), the model sizes give (threads, nv) = (160, 1) at H = 1280, (160, 2)
+    at 2560, (256, 2) at 4096, (160, 4) at 5120 and (224, 4) at 7168, i.e. 5-7 warps per CTA and up to
+    4 vectors per thread, so several CTAs share an SM. The apply-mix backward takes up to 512 threads.
     """
     nvec = hidden_size // _VEC
     best = 0
@@ -582,7 +583,7 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
             # NOTE: two token CTAs per SM (one's reduction overlaps the other's loads), each with
-            # enough registers for a whole vector's 9 loads in flight without spilling.
+            # enough registers for a whole vector's 9 loads in flight (no spill at H = 1024 .. 7168).
             T.annotate_min_blocks_per_sm(2)
             tid = T.get_thread_binding()
             lane = tid % 32
@@ -827,7 +828,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
         with T.Kernel(num_tokens, threads=threads) as t:
             # NOTE: vectors processed one at a time (9 x 16-byte loads each, the next vector's loads
             # hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per thread: ~128
-            # registers, 4 token CTAs of 128 threads (2 of 160-256) per SM overlap reductions with loads.
+            # registers, 4 token CTAs of 128 threads (2-3 of 160-256) per SM overlap reductions with loads.
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 128))
             tid = T.get_thread_binding()
             lane = tid % 32
