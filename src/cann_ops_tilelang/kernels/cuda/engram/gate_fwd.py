@@ -19,7 +19,7 @@ from .._build import jit_compile
 __all__ = ["build_engram_gate_fwd", "engram_gate_fwd", "engram_gate_fwd_key", "get_engram_gate_fwd_kernel"]
 
 _VEC = 8  # bf16 elements per 16-byte access
-_MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see build_engram_gate_fwd)
+_MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see fwd_layout)
 
 
 def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tuple[int, int, int, bool, int]:
@@ -43,10 +43,10 @@ def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tupl
 
     With the statistics saved, ``H <= 4096`` and no guarded slot, one warp serves all groups of a
     stream (up to 16 vectors per thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of
-    T = 512 run in one wave). NOTE measured on the H200 at H = 4096 (3 interleaved rounds, sweep timings): statistics
-    saved, T = 512 17.2 vs 18.2 us and T = 8192 206.4 vs 211.0 us (the peer 17.4 / 230.8 us); without
-    the statistics one warp per stream was slower (18.4 vs 18.1 us, 217.1 vs 209.8 us), so that variant
-    keeps one warp per group; 5 CTAs per SM (102 registers) was slower in both.
+    T = 512 run in one wave). NOTE measured on the H200 at H = 4096 (3 interleaved rounds, sweep
+    timings): statistics saved, T = 512 17.2 vs 18.2 us and T = 8192 206.4 vs 211.0 us (the peer 17.4 /
+    230.8 us); without the statistics one warp per stream was slower (18.4 vs 18.1 us, 217.1 vs 209.8 us),
+    so that variant keeps one warp per group; 5 CTAs per SM (102 registers) was slower in both.
     """
     n32 = hidden_size // (32 * _VEC)
     max_gps = max(1, min(4, 32 // hc_mult))
