@@ -119,6 +119,12 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     The next token's per-stream scalars (gate, dot, rstd) loaded one token ahead: H = 4096 31.5 -> 29.7 us
     (T = 512), 388 -> 381 us (T = 8192); not in the split schedule (H = 7168: 55.8 -> 56.0 us, 669 -> 691
     us). Loading the first token's go/v before wf (phase 1 not waiting for wf) was slower at both H.
+    Not adopted either: each CTA of the split reducing dL/dg over the full width itself (reading the other
+    half's go/v as well, no cluster exchange; bitwise the same sums): H = 7168 51.2 us at T = 512 (peer
+    48.7) but 690 us at T = 8192 (cluster 667, peer 664); H = 8192 854 vs 756 us at T = 8192; only
+    H = 5120 gained at every T (38.7 / 472 vs 42.7 / 500 us). Chosen at run time for at most 16 tokens
+    per worker (one kernel, both paths): H = 7168 53.0 / 95.1 / 178.2 us at T = 512 / 1024 / 2048 against
+    55.8 / 96.1 / 176.1 us, the second path costing registers (small spills with the mask).
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
