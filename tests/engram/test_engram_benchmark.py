@@ -11,10 +11,11 @@ import importlib.util
 import pytest
 import torch
 from _plugins.device import requires_cuda
-from engram_gate_ref import fused_weight_ref, gate_bwd_ref, gate_fwd_ref, grad_w_reduce_ref, make_inputs
+from engram_gate_ref import fused_weight_ref, gate_bwd_ref, gate_fwd_ref, gate_model, grad_w_reduce_ref, make_inputs
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import config
+from cann_ops_tilelang.modeling import engram_gate
 
 pytestmark = [pytest.mark.benchmark, requires_cuda]
 
@@ -137,3 +138,61 @@ def test_bench_grad_w_reduce(bench, device, hidden):
         "eager": lambda: grad_w_reduce_ref(part, wh, we, gwh, gwe),
         "inductor": lambda: ref_c(part, wh, we, gwh, gwe),
     }, nbytes(part, wh, we, gwh, gwe))
+
+
+@pytest.mark.parametrize("tokens,hidden", CASES)
+def test_bench_gate_train_step(bench, device, tokens, hidden):
+    """Forward + backward of the differentiable gate (``modeling.engram_gate``: fused weight, forward with
+    statistics, backward, weight-gradient reduction into fresh fp32 buffers, then cast to the weights' dtype)
+    under ``torch.compile(fullgraph=True)`` ("ours") and in eager mode ("ours_eager"), against the sum of
+    its four kernels timed alone ("kernels"; PERFORMANCE.md: within 10 %), the peer's autograd function,
+    and the plain PyTorch model in eager mode and compiled by inductor. Gradients via ``autograd.grad``
+    (nothing accumulates across repetitions)."""
+    x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
+    go = torch.randn_like(x, dtype=torch.float32).bfloat16()
+    kv_flat = kv.view(tokens, -1)
+    leaves = [t.clone().requires_grad_() for t in (x, kv_flat, wh, we)]
+
+    def train_step(forward):
+        def run():
+            out = forward(*leaves)
+            return torch.autograd.grad(out, leaves, go)
+
+        return run
+
+    def ours(x, kv, wh, we):
+        return engram_gate(x, kv, wh, we, CLAMP, EPS)
+
+    def model(x, kv, wh, we):
+        return gate_model(x, kv.view(tokens, 5, hidden), wh, we, EPS, CLAMP)
+
+    ours_c = compiled(ours)
+    model_c = torch.compile(model, fullgraph=True, dynamic=False)
+    impls = {"ours": train_step(ours_c), "ours_eager": train_step(ours)}
+    if HAVE_PEER:
+        from tile_kernels.modeling.engram import engram_gate as peer_gate
+
+        impls["peer"] = train_step(lambda x, kv, wh, we: peer_gate(x, kv, wh, we, CLAMP, EPS, None))
+    impls["eager"] = train_step(model)
+    impls["inductor"] = train_step(model_c)
+
+    # the four kernels alone, on the tensors the step hands them
+    wf = ops.engram_fused_weight(wh, we)
+    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)
+    _, _, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP)
+    gwh, gwe = torch.zeros(4, hidden, device=device), torch.zeros(4, hidden, device=device)
+    kernels = [
+        lambda: ops.engram_fused_weight(wh, we),
+        lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True),
+        lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
+        lambda: ops.engram_grad_w_reduce(part, wh, we, gwh, gwe),
+    ]
+    fwd_io = nbytes(wh, we) + 2 * nbytes(wf) + nbytes(x, kv) + x.numel() * 2 + 4 * 4 * tokens * 4
+    bwd_io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + 2 * nbytes(part) + 2 * nbytes(wh, we) + 4 * nbytes(gwh)
+    io = fwd_io + bwd_io
+    for fn in impls.values():
+        fn()  # compile outside the timed region
+    times = record_all(bench, f"gate_train_step-T{tokens}-H{hidden}", impls, io)
+    kernel_us = sum(bench.time_us(fn) for fn in kernels)
+    bench.record(f"gate_train_step-T{tokens}-H{hidden}", impl="kernels", time_us=kernel_us, bytes=io,
+                 overhead_pct=(times["ours"] / kernel_us - 1) * 100)

@@ -157,3 +157,21 @@ def test_gate_bwd_split_schedule():
     assert "cluster_arrive" in source and "st.shared::cluster" in source
     source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(4096, 4, 132, False))
     assert "cluster" not in source.split("engram_gate_bwd_cuda_kernel", 1)[1]
+
+
+@pytest.mark.parametrize("partials", [1, 2, 66, 113, 128, 129, 132, 133, 257, 400, 1000])
+def test_cuda_grad_w_reduce_chunks_sum_every_row_once_in_order(partials):
+    """The TMA chunks of the CUDA weight-gradient reduction (boxes of ``rows`` rows, the last one starting at
+    ``P - rows`` and skipping what the one before summed) visit rows 0 .. P-1 exactly once, ascending, with
+    every box inside the tensor, at most 128 rows per box and the buffers in flight within shared memory."""
+    from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as gwr
+
+    chunks, rows, nbuf = gwr.chunk_plan(partials)
+    assert 1 <= rows <= 128 and 1 <= nbuf <= min(chunks, 3)
+    assert nbuf * rows * 128 * 4 <= 227 * 1024
+    order = []
+    for c in range(chunks):
+        start = min(c * rows, partials - rows)
+        assert 0 <= start and start + rows <= partials
+        order += [start + i for i in range(rows) if start + i >= c * rows]
+    assert order == list(range(partials))

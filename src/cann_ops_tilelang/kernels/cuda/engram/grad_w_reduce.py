@@ -1,9 +1,10 @@
 """CUDA kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
 
-Each CTA owns 64 columns of one stream. It stages the ``P`` partial rows of its columns in shared
-memory (up to 256 rows per round, all loads of a round in flight at once), then one thread per column
-sums them sequentially in ascending ``p`` (fixed order, deterministic), and finally updates the two
-fp32 gradient buffers in place: ``gwh += gw * f32(we)``, ``gwe += gw * f32(wh)``.
+Each CTA owns 128 columns of one stream. The ``P`` partial rows of its columns arrive in shared memory by
+TMA, in chunks of at most 128 rows (one tensor-map box and one mbarrier per chunk, up to three chunks in
+flight); one thread per column sums each chunk as soon as it lands, sequentially in ascending ``p`` (fixed
+order, deterministic), and finally updates the two fp32 gradient buffers in place:
+``gwh += gw * f32(we)``, ``gwe += gw * f32(wh)``.
 """
 
 import functools
@@ -14,14 +15,22 @@ from .._build import jit_compile
 
 __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_reduce_key", "get_engram_grad_w_reduce_kernel"]
 
-# NOTE tuned for H200: 64 columns x up to 256 rows (<= 64 KB of shared memory per CTA); at m = 4,
-# H = 7168, P = 132 this gives 448 CTAs of 33 KB (3-4 per SM) and puts the whole 15 MB of partials in
-# flight in a single round.
-# cp.async in 2 / 4 / 8 row batches, each summed while the later ones load, was slower (H = 7168:
-# 7.67 / 7.98 / 8.32 us against 7.43 us).
-_COLS = 64
-_MAX_ROWS = 256
-_THREADS = 256
+# NOTE tuned for H200 (P = 132, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA and two
+# TMA chunks of 66 rows: 6.93 / 4.85 us at H = 7168 / 4096 (peer 6.96 / 5.21 us). One chunk: 7.13 / 5.07
+# us; 64 columns: 7.11 / 4.94 (two chunks), 7.24 / 5.12 us (one). The earlier all-threads load of 64
+# columns x 132 rows into shared memory (16-byte loads, 256 threads): 7.40 / 5.47 us; with cp.async in
+# 2 / 4 / 8 row batches, each summed while the later ones load, it was slower still (7.67 / 7.98 / 8.32 us).
+_COLS = 128
+_CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
+_MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
+
+
+def chunk_plan(num_partials: int) -> tuple[int, int, int]:
+    """``(chunks, rows, buffers)``: the ``P`` rows in ``chunks`` boxes of ``rows`` rows (the last box starts
+    at ``P - rows`` and skips the rows the one before it summed), ``buffers`` of them in flight."""
+    chunks = -(-num_partials // _CHUNK_ROWS)
+    rows = -(-num_partials // chunks)
+    return chunks, rows, min(chunks, _MAX_BUFFERS)
 
 
 def engram_grad_w_reduce_key(grad_w_partial: torch.Tensor) -> tuple:
@@ -34,9 +43,9 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     """Builds the reduction prim_func.
 
     Args:
-        hidden_size: ``H`` (multiple of 64).
+        hidden_size: ``H`` (multiple of 128).
         hc_mult: ``m``.
-        num_partials: ``P >= 1`` (any value; no padding assumed).
+        num_partials: ``P >= 1`` (any value; see :func:`chunk_plan`).
 
     Returns:
         ``T.prim_func(grad_w_partial (P, m, H) f32, wh (m, H) bf16, we (m, H) bf16, gwh (m, H) f32,
@@ -45,11 +54,10 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     from tilelang import language as T
 
     H, m, P = hidden_size, hc_mult, num_partials
+    if H % _COLS != 0 or P < 1:
+        raise ValueError(f"engram_grad_w_reduce: needs H % {_COLS} == 0 and P >= 1, got H={H}, P={P}")
     f32, bf16 = T.float32, T.bfloat16
-    quads = _COLS // 4  # float4 loads per row
-    _ROWS = min(P, _MAX_ROWS)  # rows staged per round
-    rounds = -(-P // _ROWS)
-    loads_per_thread = -(-(_ROWS * quads) // _THREADS)
+    chunks, rows, nbuf = chunk_plan(P)
 
     @T.prim_func
     def engram_grad_w_reduce_cuda(
@@ -59,39 +67,36 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
         grad_weight_hidden: T.Tensor((m, H), f32),
         grad_weight_embed: T.Tensor((m, H), f32),
     ):
-        with T.Kernel(H // _COLS, m, threads=_THREADS) as (bx, h):
+        with T.Kernel(H // _COLS, m, threads=_COLS) as (bx, h):
             tid = T.get_thread_binding()
-            buf = T.alloc_shared((_ROWS, _COLS), f32)
+            buf = T.alloc_shared((nbuf, rows, _COLS), f32)
+            bar = T.alloc_barrier([_COLS] * nbuf)  # chunk c lands in buffer c % nbuf, phase c // nbuf
             acc = T.alloc_local((1,), f32)
-            old = T.alloc_local((4,), f32)  # gwh, gwe, f32(we), f32(wh): loaded early, off the critical path
+            old = T.alloc_local((4,), f32)  # gwh, gwe, f32(we), f32(wh): loaded while the partials land
+            for c in T.unroll(nbuf):
+                T.tma_copy(grad_w_partial[T.min(c * rows, P - rows) : T.min(c * rows, P - rows) + rows, h, bx * _COLS : bx * _COLS + _COLS],
+                           buf[c, :, :], barrier=bar[c])
+                T.barrier_arrive(bar[c])
             acc[0] = 0.0
-            if tid < _COLS:
-                old[0] = grad_weight_hidden[h, bx * _COLS + tid]
-                old[1] = grad_weight_embed[h, bx * _COLS + tid]
-                old[2] = T.cast(weight_embed[h, bx * _COLS + tid], f32)
-                old[3] = T.cast(weight_hidden[h, bx * _COLS + tid], f32)
-            for r in T.serial(rounds):
-                for j in T.unroll(loads_per_thread):
-                    if r * _ROWS + (j * _THREADS + tid) // quads < P:
-                        for k in T.vectorized(4):
-                            buf[(j * _THREADS + tid) // quads, ((j * _THREADS + tid) % quads) * 4 + k] = grad_w_partial[
-                                r * _ROWS + (j * _THREADS + tid) // quads, h, bx * _COLS + ((j * _THREADS + tid) % quads) * 4 + k
-                            ]
-                T.sync_threads()
-                if tid < _COLS:
-                    # Fully unrolled so the shared-memory loads run ahead of the dependent adds.
-                    if rounds == 1:
-                        for i in T.unroll(P):
-                            acc[0] += buf[i, tid]
-                    else:
-                        for i in T.unroll(_ROWS):
-                            if r * _ROWS + i < P:
-                                acc[0] += buf[i, tid]
-                if rounds > 1:
-                    T.sync_threads()
-            if tid < _COLS:
-                grad_weight_hidden[h, bx * _COLS + tid] = old[0] + acc[0] * old[2]
-                grad_weight_embed[h, bx * _COLS + tid] = old[1] + acc[0] * old[3]
+            old[0] = grad_weight_hidden[h, bx * _COLS + tid]
+            old[1] = grad_weight_embed[h, bx * _COLS + tid]
+            old[2] = T.cast(weight_embed[h, bx * _COLS + tid], f32)
+            old[3] = T.cast(weight_hidden[h, bx * _COLS + tid], f32)
+            for c in T.serial(chunks):
+                T.mbarrier_wait_parity(bar[c % nbuf], (c // nbuf) % 2)
+                # the last chunk starts at P - rows: its first rows were summed with the chunk before
+                for i in T.unroll(rows):
+                    if T.min(c * rows, P - rows) + i >= c * rows:
+                        acc[0] += buf[c % nbuf, i, tid]
+                if c + nbuf < chunks:
+                    T.sync_threads()  # every thread is done with this buffer
+                    T.tma_copy(
+                        grad_w_partial[T.min((c + nbuf) * rows, P - rows) : T.min((c + nbuf) * rows, P - rows) + rows, h,
+                                       bx * _COLS : bx * _COLS + _COLS],
+                        buf[c % nbuf, :, :], barrier=bar[c % nbuf])
+                    T.barrier_arrive(bar[c % nbuf])
+            grad_weight_hidden[h, bx * _COLS + tid] = old[0] + acc[0] * old[2]
+            grad_weight_embed[h, bx * _COLS + tid] = old[1] + acc[0] * old[3]
 
     return engram_grad_w_reduce_cuda
 
