@@ -78,6 +78,11 @@ _VEC = 8  # bf16 elements per 16-byte access
 # T = 8192 (H = 4096 / 7168); 256 x 1 and 512 x 1 were faster at T = 8192 (84.0 / 145.9 us) but put
 # T = 512, H = 7168 in two waves (10.2 us). The backward (4 loads per vector) stays at 256 x 2: 128 x 4,
 # 256 x 1 and 512 x 1 were level or slower (12.9 / 12.0 / 11.9 us vs 12.0 us at T = 512, H = 7168).
+# Forward with 4 or 8 vectors per thread (the peer's 32 x 128 tiles move 4 per thread), against 128 x 2:
+# 128 x 4 / 64 x 4 / 256 x 4 / 64 x 8 at T = 512 6.05 / 5.81 / 6.19 / 5.91 vs 5.80 us (H = 4096) and
+# 9.70 / 9.77 / 10.15 / 9.91 vs 9.39 us (H = 7168), 1-2 % slower at T = 8192; the peer 6.15 / 10.08 us
+# in those interleaved rounds (the benchmark file has it at 5.64 / 9.23 us, timed once after eager and
+# inductor).
 _FLAT_FWD = (128, 2)
 _FLAT_BWD = (256, 2)
 _ROW_MAX_THREADS = 256  # upper bound of a (token, column chunk) CTA of the 2-D grid
