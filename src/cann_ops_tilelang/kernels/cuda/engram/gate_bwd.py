@@ -125,6 +125,10 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     H = 5120 gained at every T (38.7 / 472 vs 42.7 / 500 us). Chosen at run time for at most 16 tokens
     per worker (one kernel, both paths): H = 7168 53.0 / 95.1 / 178.2 us at T = 512 / 1024 / 2048 against
     55.8 / 96.1 / 176.1 us, the second path costing registers (small spills with the mask).
+    ncu at T = 512, H = 7168 shows the cluster barrier's release fence (membar) as the largest stall
+    reason (the peer has none); exchanging the partials by st.async onto an mbarrier of the partner
+    instead (no fence, bitwise the same) was slower all the same: 56.2 / 709 us against 55.8 / 666 us at
+    T = 512 / 8192 (H = 5120: 42.7 / 513 vs 42.7 / 500 us).
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
