@@ -149,7 +149,7 @@ def test_gate_bwd_is_deterministic(device, seed):
 
 
 @pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("partials", [1, 113, 132, 133, 400])
+@pytest.mark.parametrize("partials", [1, 113, 132, 133, 400, 1001])
 def test_grad_w_reduce(hidden, partials, device, seed):
     gen = torch.Generator().manual_seed(seed)
     part = torch.randn(partials, 4, hidden, generator=gen).to(device)
@@ -162,6 +162,21 @@ def test_grad_w_reduce(hidden, partials, device, seed):
     ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
     torch.testing.assert_close(gwh, r_gwh, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gwe, r_gwe, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("partials", [1, 133, 1001])
+def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
+    """With unit weights and zero buffers the update is exact, so the result is the fp32 sum itself: bitwise
+    the reference's ascending-p sum (OPS.md B.1.4), across chunk boundaries and reused buffers."""
+    gen = torch.Generator().manual_seed(seed)
+    part = torch.randn(partials, 4, 512, generator=gen).to(device)
+    ones = torch.ones(4, 512, dtype=torch.bfloat16, device=device)
+    gwh, gwe = torch.zeros(4, 512, device=device), torch.zeros(4, 512, device=device)
+    want = torch.zeros(4, 512, device=device)
+    grad_w_reduce_ref(part, ones, ones, want, torch.zeros_like(want))
+    ops.engram_grad_w_reduce(part, ones, ones, gwh, gwe)
+    assert_equal(gwh, want)
+    assert_equal(gwe, want)
 
 
 # --- opcheck on the device ----------------------------------------------------------------------------

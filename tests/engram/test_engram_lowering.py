@@ -175,3 +175,14 @@ def test_cuda_grad_w_reduce_chunks_sum_every_row_once_in_order(partials):
         assert 0 <= start and start + rows <= partials
         order += [start + i for i in range(rows) if start + i >= c * rows]
     assert order == list(range(partials))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("partials", [1, 133, 400, 1001])
+def test_cuda_grad_w_reduce_chunk_paths_compile(partials):
+    """The reduction's paths the default P does not take compile within the per-CTA limits: one row (a 1-D
+    bulk copy), a last chunk that skips rows, a refilled buffer, a buffer filled three times."""
+    from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as gwr
+
+    built = cuda_build.compile_cubin(gwr.build_engram_grad_w_reduce(512, 4, partials), arch="sm_90a")
+    assert built.cubin[:4] == b"\x7fELF" and built.fits, (built.smem_bytes, built.budget_bytes)

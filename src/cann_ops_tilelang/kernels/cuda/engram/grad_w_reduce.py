@@ -1,9 +1,10 @@
 """CUDA kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
 
 Each CTA owns 128 columns of one stream. The ``P`` partial rows of its columns arrive in shared memory by
-TMA, in chunks of at most 128 rows (one tensor-map box and one mbarrier per chunk, up to three chunks in
-flight); one thread per column sums each chunk as soon as it lands, sequentially in ascending ``p`` (fixed
-order, deterministic), and finally updates the two fp32 gradient buffers in place:
+TMA, in chunks of at most 128 rows (one TMA load per chunk; up to three buffers in flight, chunk ``c`` in
+buffer ``c % 3`` with its mbarrier at phase ``c // 3``); one thread per column sums each chunk as soon as
+it lands, sequentially in ascending ``p`` (fixed order, deterministic), and finally updates the two fp32
+gradient buffers in place:
 ``gwh += gw * f32(we)``, ``gwe += gw * f32(wh)``.
 """
 
@@ -19,7 +20,8 @@ __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_
 # TMA chunks of 66 rows: 6.93 / 4.85 us at H = 7168 / 4096 (peer 6.96 / 5.21 us). One chunk: 7.13 / 5.07
 # us; 64 columns: 7.11 / 4.94 (two chunks), 7.24 / 5.12 us (one). The earlier all-threads load of 64
 # columns x 132 rows into shared memory (16-byte loads, 256 threads): 7.40 / 5.47 us; with cp.async in
-# 2 / 4 / 8 row batches, each summed while the later ones load, it was slower still (7.67 / 7.98 / 8.32 us).
+# 2 / 4 / 8 row batches, each summed while the later ones load, it was slower still (H = 7168, an earlier
+# run: 7.67 / 7.98 / 8.32 us against 7.43 us).
 _COLS = 128
 _CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
 _MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
