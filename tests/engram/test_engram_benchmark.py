@@ -145,9 +145,9 @@ def test_bench_gate_train_step(bench, device, tokens, hidden):
     """Forward + backward of the differentiable gate (``modeling.engram_gate``: fused weight, forward with
     statistics, backward, weight-gradient reduction into fresh fp32 buffers, then cast to the weights' dtype)
     under ``torch.compile(fullgraph=True)`` ("ours") and in eager mode ("ours_eager"), against the sum of
-    its four kernels timed alone ("kernels"; PERFORMANCE.md: within 10 %; device times, cupti), the peer's autograd function,
-    and the plain PyTorch model in eager mode and compiled by inductor. Gradients via ``autograd.grad``
-    (nothing accumulates across repetitions)."""
+    its four kernels timed alone ("kernels"; PERFORMANCE.md: within 10 %; device times, cupti), the peer's
+    autograd function, and the plain PyTorch model in eager mode and compiled by inductor. Gradients via
+    ``autograd.grad`` (nothing accumulates across repetitions)."""
     x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
     go = torch.randn_like(x, dtype=torch.float32).bfloat16()
     kv_flat = kv.view(tokens, -1)

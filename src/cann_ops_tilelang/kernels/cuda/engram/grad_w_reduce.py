@@ -61,6 +61,16 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     f32, bf16 = T.float32, T.bfloat16
     chunks, rows, nbuf = chunk_plan(P)
 
+    @T.macro
+    def load(grad_w_partial, buf, bar, c, b, h, bx):
+        # chunk c (rows from min(c * rows, P - rows)) into buffer b, completing its mbarrier's phase
+        T.tma_copy(
+            grad_w_partial[T.min(c * rows, P - rows) : T.min(c * rows, P - rows) + rows, h, bx * _COLS : bx * _COLS + _COLS],
+            buf[b, :, :],
+            barrier=bar[b],
+        )
+        T.barrier_arrive(bar[b])
+
     @T.prim_func
     def engram_grad_w_reduce_cuda(
         grad_w_partial: T.Tensor((P, m, H), f32),
@@ -76,9 +86,7 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
             acc = T.alloc_local((1,), f32)
             old = T.alloc_local((4,), f32)  # gwh, gwe, f32(we), f32(wh): loaded while the partials land
             for c in T.unroll(nbuf):
-                T.tma_copy(grad_w_partial[T.min(c * rows, P - rows) : T.min(c * rows, P - rows) + rows, h, bx * _COLS : bx * _COLS + _COLS],
-                           buf[c, :, :], barrier=bar[c])
-                T.barrier_arrive(bar[c])
+                load(grad_w_partial, buf, bar, c, c, h, bx)
             acc[0] = 0.0
             old[0] = grad_weight_hidden[h, bx * _COLS + tid]
             old[1] = grad_weight_embed[h, bx * _COLS + tid]
@@ -92,11 +100,7 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
                         acc[0] += buf[c % nbuf, i, tid]
                 if c + nbuf < chunks:
                     T.sync_threads()  # every thread is done with this buffer
-                    T.tma_copy(
-                        grad_w_partial[T.min((c + nbuf) * rows, P - rows) : T.min((c + nbuf) * rows, P - rows) + rows, h,
-                                       bx * _COLS : bx * _COLS + _COLS],
-                        buf[c % nbuf, :, :], barrier=bar[c % nbuf])
-                    T.barrier_arrive(bar[c % nbuf])
+                    load(grad_w_partial, buf, bar, c + nbuf, c % nbuf, h, bx)
             grad_weight_hidden[h, bx * _COLS + tid] = old[0] + acc[0] * old[2]
             grad_weight_embed[h, bx * _COLS + tid] = old[1] + acc[0] * old[3]
 
