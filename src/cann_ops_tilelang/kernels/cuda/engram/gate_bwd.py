@@ -129,6 +129,15 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     reason (the peer has none); exchanging the partials by st.async onto an mbarrier of the partner
     instead (no fence, bitwise the same) was slower all the same: 56.2 / 709 us against 55.8 / 666 us at
     T = 512 / 8192 (H = 5120: 42.7 / 513 vs 42.7 / 500 us).
+    Not adopted: a stream-major schedule (one CTA per worker at full width, ``tps`` threads per stream,
+    each thread owning ``H / tps`` columns of one stream with its weight-gradient share in registers, so
+    that dL/dg is one value per thread reduced over the stream's warps; go / v of the next token
+    prefetched and x / k staged in shared memory, 185 KiB at H = 7168): 56.5 / 704 us at T = 512 / 8192
+    with 512 threads and 61.3 / 777 us with 256 threads (H = 7168; current 55.6 / 664, peer 48.6 / 662),
+    33.3 / 388 us at H = 4096 (current 29.6 / 382); staging the next token's x / k stripe by stripe in
+    phase 2 instead: 59.3 / 780 us. ncu at T = 512, H = 7168 (same DRAM bytes as the peer, 96 MB read,
+    55-58 MB written): the peer keeps L2 79 % busy for 48.8 us, the stream-major kernel 79 % for 57.3 us
+    and the current kernel 71 % for 60.5 us (ncu clocks), i.e. ours put 11-17 % more work on L2.
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
