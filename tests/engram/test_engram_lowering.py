@@ -9,6 +9,7 @@
   token count is a dynamic dimension of every kernel (a new T never compiles a new kernel).
 """
 
+import re
 import shutil
 
 import pytest
@@ -53,7 +54,11 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
 
 
 def test_both_backends_have_the_same_kernels():
-    assert sorted(ascend_engram.lowering_cases(4096)) == sorted(cuda_engram.lowering_cases(4096))
+    # the CUDA forward has no statistics-free variant (it always writes them): compare without that flag
+    def families(module):
+        return sorted({re.sub(r"_(no)?save", "", name) for name in module.lowering_cases(4096)})
+
+    assert families(ascend_engram) == families(cuda_engram)
     for module in (ascend_engram, cuda_engram):
         for name in ("engram_fused_weight", "engram_gate_fwd", "engram_gate_bwd", "engram_grad_w_reduce"):
             assert callable(getattr(module, name)), (module.__name__, name)
@@ -113,25 +118,21 @@ def test_two_token_counts_give_one_cache_key(masked):
     assert len({keys[0][0], keys[0][1]}) == 2 and len({keys[0][3], keys[0][4]}) == 2
 
 
-def test_gate_fwd_layouts_share_the_summation_groups():
-    """The CUDA forward forms its sums in the same summation groups with and without statistics (so
-    the two outputs can be bitwise equal, OPS.md B.1.2), whatever number of warps serves them; the
-    groups cover the row exactly once; the variant with statistics takes one warp per stream exactly
-    where H <= 4096 and no vector slot is guarded; at most 16 vectors per thread and 2048 threads per SM."""
+def test_gate_fwd_layout():
+    """The CUDA forward's summation groups cover the row exactly once; one warp serves a stream exactly
+    where H <= 4096 and no vector slot is guarded (else one warp per group); at most 16 vectors per
+    thread and 2048 threads per SM."""
     from cann_ops_tilelang.kernels.cuda.engram import gate_fwd
 
     for hidden in range(256, 8193, 256):
-        plain = gate_fwd.fwd_layout(hidden, 4, False)
-        saved = gate_fwd.fwd_layout(hidden, 4, True)
-        assert plain[1:4] == saved[1:4], (hidden, plain, saved)
-        for wps, gps, nv, guarded, min_blocks in (plain, saved):
-            n32 = hidden // 256
-            assert gps % wps == 0 and nv * gps >= n32 and (nv * gps == n32) != guarded, (hidden, wps, gps, nv)
-            assert 4 * 32 * wps * min_blocks <= 2048 and nv * (gps // wps) <= 16, (hidden, wps, nv, min_blocks)
-        assert plain[0] == plain[1]  # without statistics: one warp per summation group
-        assert (saved[0] == 1) == (hidden <= 4096 and not saved[3]), (hidden, saved)
-    assert gate_fwd.fwd_layout(4096, 4, True) == (1, 4, 4, False, 4)
-    assert gate_fwd.fwd_layout(4096, 4, False) == (4, 4, 4, False, 2)
+        wps, gps, nv, guarded, min_blocks = gate_fwd.fwd_layout(hidden, 4)
+        n32 = hidden // 256
+        assert gps % wps == 0 and nv * gps >= n32 and (nv * gps == n32) != guarded, (hidden, wps, gps, nv)
+        assert 4 * 32 * wps * min_blocks <= 2048 and nv * (gps // wps) <= 16, (hidden, wps, nv, min_blocks)
+        assert (wps == 1) == (hidden <= 4096 and not guarded), (hidden, wps, guarded)
+        assert wps in (1, gps), (hidden, wps, gps)
+    assert gate_fwd.fwd_layout(4096, 4) == (1, 4, 4, False, 4)
+    assert gate_fwd.fwd_layout(7168, 4) == (4, 4, 7, False, 2)
 
 
 def test_gate_bwd_split_schedule():

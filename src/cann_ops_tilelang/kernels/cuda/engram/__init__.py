@@ -44,10 +44,10 @@ __all__ = [
 def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     """Every kernel variant at ``hidden_size``, as un-compiled prim_funcs (for the CPU build tests).
 
-    Case names are shared with the Ascend backend: ``fused_weight``,
-    ``gate_fwd_{save,nosave}_{mask,nomask}``, ``gate_fwd_nosave_mask_inplace`` (in place never saves,
-    OPS.md B.1.2), ``gate_bwd_{mask,nomask}`` and ``grad_w_reduce``; the last two at the CUDA partial
-    count ``P`` of ``config.GRAD_W_PARTIALS``.
+    Case names: ``fused_weight``, ``gate_fwd_{mask,nomask}``, ``gate_fwd_mask_inplace``,
+    ``gate_bwd_{mask,nomask}`` and ``grad_w_reduce``, the Ascend backend's names without its
+    ``save``/``nosave`` part (the CUDA forward always writes the statistics, see
+    :func:`engram_gate_fwd`); the last two at the CUDA partial count ``P`` of ``config.GRAD_W_PARTIALS``.
 
     Returns:
         ``{case name: T.prim_func}``.
@@ -57,11 +57,9 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     num_partials = grad_w_partials("cuda")
     H, m = hidden_size, hc_mult
     cases = {"fused_weight": build_engram_fused_weight(m * H)}
-    for save in (True, False):
-        for mask in (False, True):
-            name = f"gate_fwd_{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
-            cases[name] = build_engram_gate_fwd(H, m, save, mask, False)
-    cases["gate_fwd_nosave_mask_inplace"] = build_engram_gate_fwd(H, m, False, True, True)
+    for mask in (False, True):
+        cases[f"gate_fwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_fwd(H, m, mask, False)
+    cases["gate_fwd_mask_inplace"] = build_engram_gate_fwd(H, m, True, True)
     for mask in (False, True):
         cases[f"gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(H, m, num_partials, mask)
     cases["grad_w_reduce"] = build_engram_grad_w_reduce(H, m, num_partials)

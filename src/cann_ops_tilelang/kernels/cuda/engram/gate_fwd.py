@@ -8,7 +8,9 @@ per group plus a shared-memory step that adds the groups in ascending order give
 (every thread of the stream reads them in the same order, so they are bitwise equal, and they do not
 depend on how many warps serve the groups: the output with and without statistics is bitwise equal).
 Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x`` and ``kv`` are
-read from HBM exactly once. The token count is a dynamic dimension."""
+read from HBM exactly once. The kernel always writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
+without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see the
+NOTE of :func:`engram_gate_fwd`). The token count is a dynamic dimension."""
 
 import functools
 
@@ -22,7 +24,7 @@ _VEC = 8  # bf16 elements per 16-byte access
 _MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see fwd_layout)
 
 
-def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tuple[int, int, int, bool, int]:
+def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int]:
     """Thread layout ``(wps, gps, nv, guarded, min_blocks)`` of the forward kernel.
 
     A stream's three sums are formed in ``gps`` summation groups of 32 lanes (group ``w``, lane ``l``
@@ -41,19 +43,19 @@ def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tupl
     230 us; and against an L2 prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs
     224 us (and 30.6 vs 32.9 us, 386 vs 407 us at H = 7168).
 
-    With the statistics saved, ``H <= 4096`` and no guarded slot, one warp serves all groups of a
-    stream (up to 16 vectors per thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of
-    T = 512 run in one wave). NOTE measured on the H200 at H = 4096 (3 interleaved rounds, sweep
-    timings): statistics saved, T = 512 17.2 vs 18.2 us and T = 8192 206.4 vs 211.0 us (the peer 17.4 /
-    230.8 us); without the statistics one warp per stream was slower (18.4 vs 18.1 us, 217.1 vs 209.8 us),
-    so that variant keeps one warp per group; 5 CTAs per SM (102 registers) was slower in both.
+    At ``H <= 4096`` without a guarded slot, one warp serves all groups of a stream (up to 16 vectors per
+    thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of T = 512 run in one wave); its
+    lanes hold the group sums after the butterflies, so there is no shared-memory step and no barrier.
+    NOTE measured on the H200 at H = 4096 (3-4 interleaved rounds): T = 512 16.6 us, T = 8192 203.8 us
+    (with the shared-memory step and barrier 17.2 / 205.9 us; one warp per group 18.2 / 211.0 us; the
+    peer 17.4 / 229 us); 5 CTAs per SM (102 registers) was slower.
     """
     n32 = hidden_size // (32 * _VEC)
     max_gps = max(1, min(4, 32 // hc_mult))
     gps = next((g for g in (4, 2, 1) if g <= max_gps and n32 % g == 0 and n32 // g <= 8), max_gps)
     nv = -(-n32 // gps)
     guarded = nv * gps != n32
-    if save_stats and n32 <= 16 and not guarded:
+    if n32 <= 16 and not guarded:
         return 1, gps, nv, False, max(1, min(4, 512 // (32 * hc_mult)))  # <= 128 registers per thread
     return gps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
 
@@ -61,31 +63,32 @@ def fwd_layout(hidden_size: int, hc_mult: int, save_stats: bool = False) -> tupl
 def engram_gate_fwd_key(
     hidden_states: torch.Tensor, out: torch.Tensor, dot: torch.Tensor | None, image_token_mask: torch.Tensor | None
 ) -> tuple:
-    """Compile-time key ``(H, m, save_stats, has_mask, inplace)`` (never the token count)."""
+    """Compile-time key ``(H, m, has_mask, inplace)`` (never the token count; ``dot`` given or not is the
+    same kernel, see :func:`engram_gate_fwd`)."""
     _, hc_mult, hidden_size = hidden_states.shape
     inplace = out.data_ptr() == hidden_states.data_ptr()
-    return (int(hidden_size), int(hc_mult), dot is not None, image_token_mask is not None, bool(inplace))
+    return (int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace))
 
 
-def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool):
+def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplace: bool):
     """Builds the forward prim_func.
 
     Args:
         hidden_size: ``H`` (multiple of 256).
         hc_mult: ``m``.
-        save_stats: Write ``dot, gate_score, rstd_x, rstd_k`` (each ``(T, m)`` f32).
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
         inplace: Write the output into ``hidden_states`` (no ``out`` parameter).
 
     Returns:
-        ``T.prim_func(x, kv, wf, [mask], eps: f32, clamp: f32, [out], [dot, gate, rstd_x, rstd_k])`` with
+        ``T.prim_func(x, kv, wf, [mask], eps: f32, clamp: f32, [out], dot, gate, rstd_x, rstd_k)`` with
         ``x (T, m, H) bf16``, ``kv (T, m+1, H) bf16``, ``wf (m, H) f32``; ``T`` is dynamic.
     """
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    wps, gps, nv, guarded, min_blocks = fwd_layout(H, m, save_stats)
+    wps, gps, nv, guarded, min_blocks = fwd_layout(H, m)
     q = gps // wps  # summation groups per warp
+    warp_local = wps == 1  # one warp per stream: no shared-memory step, no barrier
     tps = 32 * wps  # threads per stream
     gw = 32 * gps  # column vectors per step i (all groups of a stream)
     threads = m * tps
@@ -145,32 +148,37 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
             for u in T.unroll(q):
                 for j in T.unroll(3):
                     part[u, j] = T.warp_reduce_sum(part[u, j])
-            if lane == 0:
-                for u in T.unroll(q):
-                    for j in T.unroll(3):
-                        red[j, h * gps + g0 + u] = part[u, j]
-            T.sync_threads()
-            for j in T.unroll(3):
-                part[0, j] = red[j, h * gps]
-                for w in T.unroll(1, gps):
-                    part[0, j] += red[j, h * gps + w]
+            if warp_local:
+                # one warp per stream: every lane holds the group sums; add them in ascending order
+                for j in T.unroll(3):
+                    for u in T.unroll(1, q):
+                        part[0, j] += part[u, j]
+            else:
+                if lane == 0:
+                    for u in T.unroll(q):
+                        for j in T.unroll(3):
+                            red[j, h * gps + g0 + u] = part[u, j]
+                T.sync_threads()
+                for j in T.unroll(3):
+                    part[0, j] = red[j, h * gps]
+                    for w in T.unroll(1, gps):
+                        part[0, j] += red[j, h * gps + w]
             st[0] = part[0, 2]
             st[1] = T.rsqrt(part[0, 0] / inv_hidden + eps)
             st[2] = T.rsqrt(part[0, 1] / inv_hidden + eps)
             st[3] = st[0] * st[1] * st[2] * scale
             st[3] = T.sigmoid(T.copysign(T.sqrt(T.max(T.abs(st[3]), clamp)), st[3]))
-            if save_stats:
-                if lt == 0:
-                    if live:
-                        dot[t, h] = st[0]
-                        rstd_x[t, h] = st[1]
-                        rstd_k[t, h] = st[2]
-                        gate[t, h] = st[3]
-                    else:
-                        dot[t, h] = 0.0
-                        rstd_x[t, h] = 0.0
-                        rstd_k[t, h] = 0.0
-                        gate[t, h] = 0.0
+            if lt == 0:
+                if live:
+                    dot[t, h] = st[0]
+                    rstd_x[t, h] = st[1]
+                    rstd_k[t, h] = st[2]
+                    gate[t, h] = st[3]
+                else:
+                    dot[t, h] = 0.0
+                    rstd_x[t, h] = 0.0
+                    rstd_k[t, h] = 0.0
+                    gate[t, h] = 0.0
             # Pass 2: stream v, write bf16(x + g * v) from the registers.
             if live:
                 for i in T.unroll(nv):
@@ -193,53 +201,29 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
     xs, kvs, ws, ms, ss = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m)
 
     # One signature per variant; the body (and so the arithmetic) is shared.
-    if has_mask and save_stats and not inplace:
+    if has_mask and not inplace:
 
         @T.prim_func
         def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k)
 
-    elif has_mask and save_stats and inplace:
+    elif has_mask:
 
         @T.prim_func
         def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, mask, eps, clamp, x, dot, gate, rstd_x, rstd_k)
 
-    elif has_mask and not inplace:
-
-        @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, out: T.Tensor(xs, bf16)):
-            body(x, kv, wf, mask, eps, clamp, out, None, None, None, None)
-
-    elif has_mask:
-
-        @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32):
-            body(x, kv, wf, mask, eps, clamp, x, None, None, None, None)
-
-    elif save_stats and not inplace:
+    elif not inplace:
 
         @T.prim_func
         def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, None, eps, clamp, out, dot, gate, rstd_x, rstd_k)
 
-    elif save_stats:
+    else:
 
         @T.prim_func
         def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, None, eps, clamp, x, dot, gate, rstd_x, rstd_k)
-
-    elif not inplace:
-
-        @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, out: T.Tensor(xs, bf16)):
-            body(x, kv, wf, None, eps, clamp, out, None, None, None, None)
-
-    else:
-
-        @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32):
-            body(x, kv, wf, None, eps, clamp, x, None, None, None, None)
 
     return engram_gate_fwd_cuda
 
@@ -273,17 +257,30 @@ def engram_gate_fwd(
         eps: RMSNorm epsilon (runtime fp32 scalar).
         clamp_value: signed-sqrt clamp (runtime fp32 scalar); ``z = +0`` gives ``+sqrt(clamp)``.
         out: ``(T, m, H)`` bf16; may be ``hidden_states`` itself (in place).
-        dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 each, or all None (statistics not saved).
+        dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 each, or all None (statistics not saved: the kernel
+            writes them into a scratch buffer of ``4 T m`` floats instead).
+
+    NOTE measured on the H200 (3-4 interleaved rounds, cupti, cold L2): the kernel without the four
+    statistics stores, otherwise identical, was slower than the one with them (ptxas schedules pass 2
+    differently): 17.9 vs 16.6 us at T = 512 and 210.0 vs 206.0 us at T = 8192 (H = 4096), 30.7 vs 28.7
+    us and 386.5 vs 355.7 us (H = 7168); the peer without statistics 17.4 / 226.6 / 30.9 / 401.9 us.
+    A ``__syncwarp`` between the reduction and pass 2 did not change the store-free kernel. So without
+    ``save_for_backward`` the same kernel runs with its statistics pointed at scratch memory (64 bytes
+    per token against 36 * H written or read), and the output is bitwise the same either way.
     """
     key = engram_gate_fwd_key(hidden_states, out, dot, image_token_mask)
     kernel = get_engram_gate_fwd_kernel(*key)
-    _, _, save_stats, has_mask, inplace = key
+    _, _, has_mask, inplace = key
+    if dot is None:
+        num_tokens, hc_mult = hidden_states.shape[0], hidden_states.shape[1]
+        dot, gate_score, rstd_x, rstd_k = torch.empty(
+            (4, num_tokens, hc_mult), dtype=torch.float32, device=hidden_states.device
+        ).unbind(0)
     args = [hidden_states, kv, weight_fused]
     if has_mask:
         args.append(image_token_mask)
     args += [float(eps), float(clamp_value)]
     if not inplace:
         args.append(out)
-    if save_stats:
-        args += [dot, gate_score, rstd_x, rstd_k]
+    args += [dot, gate_score, rstd_x, rstd_k]
     kernel(*args)
