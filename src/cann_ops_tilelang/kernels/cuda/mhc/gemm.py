@@ -68,6 +68,11 @@ _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
 # TileLang's own warp-specialized TMA pipeline (T.Pipelined + T.copy, a producer warpgroup, 240-register
 # consumers, hence one CTA per SM): bitwise equal, main kernel 92.1-101.2 / 137.7-152.3 us with 3-6
 # stages at T = 8192 and 9.0-9.3 / 14.1-14.4 us at T = 512 against 78.4 / 127.9 and 8.7 / 13.7 us.
+# Re-measured (main kernel, T = 8192 / 512, H = 4096 | 7168): 128-column steps with 2 stages (56 KiB, up
+# to 4 CTAs per SM) 77.6 / 9.7 | 127.8 / 15.7 us against 78.7 / 8.9 | 129.6 / 13.7 us (3 stages), 4 stages
+# 78.3 / 9.0 | 129.7 / 13.5 us, 64-column steps with 3-5 stages 79.4-82.7 / 9.3-10.6 | 132.5-137.6 /
+# 14.3-17.6 us; the fn preparation takes 2.3 / 2.8 us (H = 4096 / 7168). None reaches 85 % of the copy
+# ceiling at H = 4096 with the preparation included; the 2-stage gain at T = 8192 costs more at T = 512.
 _FWD_STAGES = {64: 6, 128: 3}
 _FWD_THREADS = 128
 _BWD_THREADS = 128  # 4 warps; a warp row covers the CTA's 64 columns (2 per lane, 4-byte accesses)
