@@ -114,6 +114,11 @@ def test_two_token_counts_give_one_cache_key(masked):
         ))
     assert keys[0] == keys[1]
     assert all(509 not in key and 8001 not in key for key in keys[0])
+    # the CUDA forward is one kernel with or without saved statistics
+    t = _gate_tensors(509, masked=masked)
+    assert cuda_engram.engram_gate_fwd_key(t["x"], t["out"], t["dot"], t["mask"]) == cuda_engram.engram_gate_fwd_key(
+        t["x"], t["out"], None, t["mask"]
+    )
     # the flags that do change the kernel do change the key
     assert len({keys[0][0], keys[0][1]}) == 2 and len({keys[0][3], keys[0][4]}) == 2
 

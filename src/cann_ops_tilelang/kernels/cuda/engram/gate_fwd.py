@@ -4,9 +4,9 @@ Schedule: one CTA per token; the CTA holds ``m`` groups of ``32 * wps`` threads,
 stream ``h``. Each thread owns ``nv`` 8-element column vectors per summation group it serves (see
 :func:`fwd_layout`). Pass 1 loads the thread's ``x`` vectors into registers (kept for pass 2) and its
 ``k`` vectors, and accumulates ``Sx``, ``Sk`` and ``raw`` per summation group; a warp shuffle reduction
-per group plus a shared-memory step that adds the groups in ascending order gives the per-stream sums
-(every thread of the stream reads them in the same order, so they are bitwise equal, and they do not
-depend on how many warps serve the groups: the output with and without statistics is bitwise equal).
+per group plus a step that adds the groups in ascending order gives the per-stream sums (through shared
+memory and a barrier where several warps serve a stream, in registers where one warp does; every thread
+of the stream adds the same values in the same order, so they are bitwise equal).
 Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x`` and ``kv`` are
 read from HBM exactly once. The kernel always writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
 without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see the
@@ -36,12 +36,13 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int
 
     NOTE tuned for H200: at most 8 vectors per group lane (16 B x 8 of ``x`` kept in 32 registers, plus
     ``k`` in flight) and up to 4 groups of one warp each per stream (512 threads for m = 4), which keeps
-    ~115 KB of loads in flight per CTA at H = 7168 and lets two CTAs share an SM. Measured at H = 4096
-    against 2 warps per stream (8 vectors per thread, 4 CTAs per SM at 64 registers): T = 512 18.1 vs
-    18.3 us (no statistics) and 18.4 vs 17.4 us (statistics saved), T = 8192 209 vs 223 us and 211 vs
-    208 us; and against staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs
-    230 us; and against an L2 prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs
-    224 us (and 30.6 vs 32.9 us, 386 vs 407 us at H = 7168).
+    ~115 KB of loads in flight per CTA at H = 7168 and lets two CTAs share an SM (this layout serves
+    H > 4096 and guarded rows). Measured earlier at H = 4096 with this layout, against 2 warps per stream
+    (8 vectors per thread, 4 CTAs per SM at 64 registers): T = 512 18.1 vs 18.3 us (the kernel without
+    statistics stores) and 18.4 vs 17.4 us (with them), T = 8192 209 vs 223 us and 211 vs 208 us; against
+    staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs 230 us; against an L2
+    prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs 224 us (and 30.6 vs 32.9 us,
+    386 vs 407 us at H = 7168).
 
     At ``H <= 4096`` without a guarded slot, one warp serves all groups of a stream (up to 16 vectors per
     thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of T = 512 run in one wave); its
@@ -101,10 +102,11 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     @T.macro
     def body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k):
         with T.Kernel(num_tokens, threads=threads) as t:
-            # NOTE tuned for H200: two CTAs (tokens) per SM overlap one token's reduction and barrier
-            # with the other's loads; this caps registers at 64 per thread (the one-warp-per-stream
-            # layout: four CTAs of 128 threads at 128 registers). Measured at T = 8192: 211 us vs 267 us
-            # (H = 4096) and 355 us vs 426 us (H = 7168) against one CTA per SM.
+            # NOTE tuned for H200: with several warps per stream, two CTAs (tokens) per SM overlap one
+            # token's reduction and barrier with the other's loads; this caps registers at 64 per thread
+            # (the one-warp-per-stream layout: four CTAs of 128 threads at 128 registers). Measured at
+            # T = 8192 (earlier kernels): 211 us vs 267 us (H = 4096, before it took one warp per stream)
+            # and 355 us vs 426 us (H = 7168) against one CTA per SM.
             T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             h = tid // tps
@@ -117,7 +119,7 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
             vr = T.alloc_local((_VEC,), f32)
             part = T.alloc_local((q, 3), f32)
             st = T.alloc_local((4,), f32)  # raw, rstd_x, rstd_k, gate
-            red = T.alloc_shared((3, m * gps), f32)
+            red = None if warp_local else T.alloc_shared((3, m * gps), f32)
             live = T.alloc_var(T.bool)
 
             live = True
@@ -260,22 +262,24 @@ def engram_gate_fwd(
         dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 each, or all None (statistics not saved: the kernel
             writes them into a scratch buffer of ``4 T m`` floats instead).
 
-    NOTE measured on the H200 (3-4 interleaved rounds, cupti, cold L2): the kernel without the four
+    NOTE measured on the H200 (3-4 interleaved rounds, cupti, cold L2; one sweep, so the figures differ
+    slightly from those of :func:`fwd_layout`, another run): the kernel without the four
     statistics stores, otherwise identical, was slower than the one with them (ptxas schedules pass 2
     differently): 17.9 vs 16.6 us at T = 512 and 210.0 vs 206.0 us at T = 8192 (H = 4096), 30.7 vs 28.7
     us and 386.5 vs 355.7 us (H = 7168); the peer without statistics 17.4 / 226.6 / 30.9 / 401.9 us.
     A ``__syncwarp`` between the reduction and pass 2 did not change the store-free kernel. So without
     ``save_for_backward`` the same kernel runs with its statistics pointed at scratch memory (64 bytes
-    per token against 36 * H written or read), and the output is bitwise the same either way.
+    per token against 26 * H read or written; rows padded to 16 tokens so that each of the four starts
+    64-byte aligned), and the output is bitwise the same either way.
     """
     key = engram_gate_fwd_key(hidden_states, out, dot, image_token_mask)
     kernel = get_engram_gate_fwd_kernel(*key)
     _, _, has_mask, inplace = key
     if dot is None:
         num_tokens, hc_mult = hidden_states.shape[0], hidden_states.shape[1]
-        dot, gate_score, rstd_x, rstd_k = torch.empty(
-            (4, num_tokens, hc_mult), dtype=torch.float32, device=hidden_states.device
-        ).unbind(0)
+        rows = -(-num_tokens // 16) * 16
+        scratch = torch.empty((4, rows, hc_mult), dtype=torch.float32, device=hidden_states.device)
+        dot, gate_score, rstd_x, rstd_k = scratch[:, :num_tokens].unbind(0)
     args = [hidden_states, kv, weight_fused]
     if has_mask:
         args.append(image_token_mask)
