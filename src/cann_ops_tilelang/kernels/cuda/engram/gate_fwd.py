@@ -61,11 +61,9 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int
     return gps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
 
 
-def engram_gate_fwd_key(
-    hidden_states: torch.Tensor, out: torch.Tensor, dot: torch.Tensor | None, image_token_mask: torch.Tensor | None
-) -> tuple:
-    """Compile-time key ``(H, m, has_mask, inplace)`` (never the token count; ``dot`` given or not is the
-    same kernel, see :func:`engram_gate_fwd`)."""
+def engram_gate_fwd_key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
+    """Compile-time key ``(H, m, has_mask, inplace)`` (never the token count; saving the statistics or not
+    is the same kernel, see :func:`engram_gate_fwd`)."""
     _, hc_mult, hidden_size = hidden_states.shape
     inplace = out.data_ptr() == hidden_states.data_ptr()
     return (int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace))
@@ -272,7 +270,7 @@ def engram_gate_fwd(
     per token against 26 * H read or written; rows padded to 16 tokens so that each of the four starts
     64-byte aligned), and the output is bitwise the same either way.
     """
-    key = engram_gate_fwd_key(hidden_states, out, dot, image_token_mask)
+    key = engram_gate_fwd_key(hidden_states, out, image_token_mask)
     kernel = get_engram_gate_fwd_kernel(*key)
     _, _, has_mask, inplace = key
     if dot is None:
