@@ -73,6 +73,19 @@ _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
 # 78.3 / 9.0 | 129.7 / 13.5 us, 64-column steps with 3-5 stages 79.4-82.7 / 9.3-10.6 | 132.5-137.6 /
 # 14.3-17.6 us; the fn preparation takes 2.3 / 2.8 us (H = 4096 / 7168). None reaches 85 % of the copy
 # ceiling at H = 4096 with the preparation included; the 2-stage gain at T = 8192 costs more at T = 512.
+# Where the time goes (T = 8192, K = 16384, S = 16, same grid and 3-stage pipeline, cupti): loading the
+# x tiles alone (plus the sum of squares) 70.1 us; with the weight tiles 73.0; with the partial writes
+# 73.7; with both 78.2; the main kernel 78.7 (the WGMMA costs ~0.5 us); the preparation 2.5. Longer row
+# segments (16-32 tokens x 256-512 columns per step) read x only 1-2 % faster. ncu: L2 77 % busy (the
+# weight tiles are read once per token tile, 200 MB), DRAM 67 %, 8 warps per SM.
+# Two schedules without the preparation kernel, both bitwise equal to this one and both slower:
+# (a) the split's hi / lo weights resident in shared memory (converted by each CTA during its first
+# token tile; 96 KiB at K / S = 1024), each CTA running ceil(tiles / (SMs / S)) token tiles of one split
+# through one pipeline (no per-tile weight reads): one CTA per SM, so only 2-3 x tiles in flight per SM:
+# 91.4 / 86.5 us with 3 / 4 stages at T = 8192 (K = 16384), 14.3-14.8 us at T = 512 (current 80.2 / 10.6
+# in the same run, preparation included); (b) the weight tile of each step loaded as f32 into registers
+# one step ahead and TF32-split into the stage by the CTA itself: 92.2 / 101.4 / 107.7 us with 2 / 3 / 4
+# stages at T = 8192 (current 79.4), 11.7-12.4 us at T = 512 (current 10.7).
 _FWD_STAGES = {64: 6, 128: 3}
 _FWD_THREADS = 128
 _BWD_THREADS = 128  # 4 warps; a warp row covers the CTA's 64 columns (2 per lane, 4-byte accesses)
