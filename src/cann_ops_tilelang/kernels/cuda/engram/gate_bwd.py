@@ -138,6 +138,13 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     phase 2 instead: 59.3 / 780 us. ncu at T = 512, H = 7168 (same DRAM bytes as the peer, 96 MB read,
     55-58 MB written): the peer keeps L2 79 % busy for 48.8 us, the stream-major kernel 79 % for 57.3 us
     and the current kernel 71 % for 60.5 us (ncu clocks), i.e. ours put 11-17 % more work on L2.
+    The extra store bytes were the weight-gradient flush: each lane's 8 fp32 columns went out as two
+    16-byte stores that each half-filled 32 sectors (3.01 M store sectors for 158,592 warp stores; the
+    peer 2.65 M). Storing each warp's two contiguous 512-byte halves instead (lanes exchange by shuffle,
+    bitwise the same partials): H = 7168 55.6 -> 53.8 us (T = 512), 662.5 -> 661.5 us (T = 8192);
+    H = 4096 29.7 -> 29.1 / 382.5 -> 382.4 us (peer 48.7 / 659 and 32.1 / 417 in the same runs).
+    Not adopted: issuing the token's x/k staging before waiting for its prefetched go/v (H = 7168
+    54.2 / 672.5 us against 53.8 / 661.4; H = 4096 28.7 / 380.9 against 28.9 / 382.7).
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
@@ -241,8 +248,11 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         T.ptx_commit_group()
 
     @T.macro
-    def flush(grad_w, gwr, gw_s, wr, row, tid, c0, reset):
+    def flush(grad_w, gwr, gw_s, wr, wo, row, tid, lane, wid, c0, reset):
         # Row ``row`` of the partials, this CTA's columns; ``reset`` zeroes the accumulators after.
+        # Lane l holds the 8 columns [8l, 8l+8) of its warp's 256; stored as they are, each 16-byte
+        # store would half-fill 32 sectors. Instead the warp stores the two contiguous 512-byte halves:
+        # lane l writes columns 4l .. 4l+3 (+128 for the second half), from lane l / 2 (+16).
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 for k in T.unroll(_VEC):
@@ -250,8 +260,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         wr[k] = gwr[i, h, k]
                     else:
                         wr[k] = gw_s[h, k, i * threads + tid]
-                for k in T.vectorized(_VEC):
-                    grad_w[row, h, c0 + (i * threads + tid) * _VEC + k] = wr[k]
+                for half in T.unroll(2):
+                    # both shuffles unconditionally (every lane takes part), then the lane's pick
+                    for e in T.unroll(4):
+                        wo[e] = T.shfl_sync(wr[e], half * 16 + lane // 2)
+                        wo[4 + e] = T.shfl_sync(wr[4 + e], half * 16 + lane // 2)
+                    for e in T.unroll(4):
+                        wo[e] = T.if_then_else(lane % 2 == 0, wo[e], wo[4 + e])
+                    for e in T.vectorized(4):
+                        grad_w[row, h, c0 + (i * threads + wid * 32) * _VEC + half * 128 + lane * 4 + e] = wo[e]
                 if reset:
                     for k in T.unroll(_VEC):
                         if gw_regs:
@@ -507,7 +524,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                        gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
                        ax, ak, sc, gln, scn, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop, t_stop,
                        tid, lane, wid, rank, c0)
-                flush(grad_w, gwr, gw_s, wr, w0 + j, tid, c0, j + 1 < S)
+                flush(grad_w, gwr, gw_s, wr, xr, w0 + j, tid, lane, wid, c0, j + 1 < S)
 
     xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)
 
