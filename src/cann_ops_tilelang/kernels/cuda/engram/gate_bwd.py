@@ -189,6 +189,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     plan = bwd_plan(H, m, P)
     S, threads, nc = plan["split"], plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
+    if threads % 32 != 0:
+        # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
+        raise ValueError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
     wf_pipe = _WF_PIPE and not wf_smem
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
     # the split schedule, where it measured slower (see the NOTE of bwd_plan).
@@ -524,7 +527,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                        gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
                        ax, ak, sc, gln, scn, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop, t_stop,
                        tid, lane, wid, rank, c0)
-                flush(grad_w, gwr, gw_s, wr, xr, w0 + j, tid, lane, wid, c0, j + 1 < S)
+                flush(grad_w, gwr, gw_s, wr, xr, w0 + j, tid, lane, wid, c0, j + 1 < S)  # xr: free scratch here
 
     xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)
 
