@@ -12,6 +12,11 @@ Tests marked ``benchmark`` are deselected unless the ``-m`` expression names ``b
         bench.record(f"fwd-t{tokens}", impl="ours", time_us=t, bytes=x.nbytes * 3)
         bench.record(f"fwd-t{tokens}", impl="eager", time_us=bench.time_us(lambda: ref(x)), bytes=x.nbytes * 3)
 
+Implementations compared with each other go through ``bench.side_by_side(case, {"ours": f, "peer": g, ...},
+bytes=...)``: each is timed in ``ROUNDS`` rounds in rotated order and the mean of the rounds recorded, so that
+none of them is systematically measured first after an idle device (slower clocks) or after the same
+neighbour.
+
 ``bench.time_us(fn)`` is device time in microseconds: CUDA ``tilelang.profiler.bench.do_bench(fn, warmup=0,
 rep=30, backend="cupti")`` (falling back to CUDA events when CUPTI yields nothing), NPU ``backend="msprof"``
 (falling back to events); without a device, host wall clock. The timer used is stored in every record
@@ -42,6 +47,7 @@ from _plugins.paths import test_name_in_file, tests_root
 
 CHIP_ENV = "OPS_TILELANG_BENCH_CHIP"
 ABS_FLOOR_US = 0.8
+ROUNDS = 3  # rounds of Bench.side_by_side
 _RESULTS = pytest.StashKey[list[dict[str, Any]]]()  # each: {"file": test file, **record}
 
 # Checked in order; a token matches when not surrounded by letters/digits ("H20" is not "H200").
@@ -124,6 +130,13 @@ def _time_wall(fn: Callable[[], Any], rep_ms: float = 30.0) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _synchronize(kind: str | None) -> None:
+    if kind is not None:
+        import torch
+
+        (torch.cuda if kind == "cuda" else torch.npu).synchronize()
+
+
 def device_time_us(fn: Callable[[], Any], kind: str | None) -> tuple[float, str]:
     """(microseconds, timer name) for one call of ``fn``."""
     global _CUPTI_BROKEN
@@ -168,6 +181,36 @@ class Bench:
         """Mean device time of ``fn()`` in microseconds (see the module docstring for the timers)."""
         us, self.last_timer = device_time_us(fn, self.kind)
         return us
+
+    def side_by_side(self, case: str, impls: dict[str, Callable[[], Any] | None], rounds: int = ROUNDS,
+                     **fields: Any) -> dict[str, float]:
+        """Times several implementations of one case against each other and records each one.
+
+        Every implementation is called once untimed (JIT, compilation, allocator), then ``rounds`` rounds
+        time each of them with :meth:`time_us`, the order rotated by one place per round so that no
+        implementation is always the first after an idle device or always follows the same neighbour.
+        Records ``time_us`` = the mean of the rounds (each round a mean over its repetitions) and
+        ``rounds_us`` (the rounds, in order) plus ``fields`` (``bytes`` etc.); ``None`` entries are skipped.
+
+        Returns:
+            ``{impl: time_us}``.
+        """
+        live = [(impl, fn) for impl, fn in impls.items() if fn is not None]
+        for _, fn in live:
+            fn()
+        _synchronize(self.kind)
+        per: dict[str, list[float]] = {impl: [] for impl, _ in live}
+        timers: dict[str, str | None] = {}
+        for r in range(max(1, rounds)):
+            k = r % len(live) if live else 0
+            for impl, fn in live[k:] + live[:k]:
+                per[impl].append(self.time_us(fn))
+                timers[impl] = self.last_timer
+        out = {}
+        for impl, _ in live:
+            out[impl] = sum(per[impl]) / len(per[impl])
+            self.record(case, impl=impl, time_us=out[impl], rounds_us=per[impl], timer=timers[impl], **fields)
+        return out
 
     def record(self, case: str, **fields: Any) -> dict[str, Any]:
         """Append one result. ``case`` plus ``impl`` identify it in the baseline (keep them unique per file).

@@ -2,7 +2,8 @@
 the peer (DeepSeek tile_kernels 2.1.0, when importable), the eager PyTorch reference and the
 inductor-compiled reference, with the device-to-device copy ceiling measured in the same run.
 
-Bytes are counted as OPS.md §E.3 says; ``gbs = bytes / time_us / 1e3``. Results are compared with the
+Implementations of one case are timed against each other by ``bench.side_by_side`` (rotated rounds, the
+mean recorded). Bytes are counted as OPS.md §E.3 says; ``gbs = bytes / time_us / 1e3``. Results are compared with the
 committed baseline of the chip (tests/engram/benchmark/<chip>/test_engram_benchmark.jsonl).
 """
 
@@ -28,17 +29,6 @@ def nbytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def record_all(bench, case, impls, nbytes_):
-    """Times each implementation and records it; returns {impl: µs}."""
-    times = {}
-    for impl, fn in impls.items():
-        if fn is None:
-            continue
-        times[impl] = bench.time_us(fn)
-        bench.record(case, impl=impl, time_us=times[impl], bytes=nbytes_)
-    return times
-
-
 def compiled(fn):
     torch._dynamo.reset()
     return torch.compile(fn, fullgraph=True, dynamic=False)
@@ -61,12 +51,12 @@ def test_bench_fused_weight(bench, device, hidden):
 
         peer = lambda: tile_kernels.engram.fused_weight(wh, we)  # noqa: E731
     ref_c = compiled(fused_weight_ref)
-    record_all(bench, f"fused_weight-H{hidden}", {
+    bench.side_by_side(f"fused_weight-H{hidden}", {
         "ours": lambda: ops.engram_fused_weight(wh, we),
         "peer": peer,
         "eager": lambda: fused_weight_ref(wh, we),
         "inductor": lambda: ref_c(wh, we),
-    }, nbytes(wh, we) + 4 * wh.numel())
+    }, bytes=nbytes(wh, we) + 4 * wh.numel())
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -81,12 +71,12 @@ def test_bench_gate_fwd(bench, device, tokens, hidden, save):
         peer = lambda: tile_kernels.engram.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save)  # noqa: E731
     ref_c = compiled(gate_fwd_ref)
     io = nbytes(x, kv, wf) + x.numel() * 2 + (4 * 4 * tokens * 4 if save else 0)
-    record_all(bench, f"gate_fwd-T{tokens}-H{hidden}-save{int(save)}", {
+    bench.side_by_side(f"gate_fwd-T{tokens}-H{hidden}-save{int(save)}", {
         "ours": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save),
         "peer": peer,
         "eager": lambda: gate_fwd_ref(x, kv, wf, EPS, CLAMP, save),
         "inductor": lambda: ref_c(x, kv, wf, EPS, CLAMP, save),
-    }, io)
+    }, bytes=io)
 
 
 @pytest.mark.parametrize("tokens,hidden", CASES)
@@ -103,13 +93,13 @@ def test_bench_gate_bwd(bench, device, tokens, hidden):
     partials = config.grad_w_partials("cuda")
     ref_c = compiled(gate_bwd_ref)
     io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + partials * 4 * hidden * 4
-    record_all(bench, f"gate_bwd-T{tokens}-H{hidden}", {
+    bench.side_by_side(f"gate_bwd-T{tokens}-H{hidden}", {
         "ours": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
         "peer": peer,
         # what a user would write: one weight-gradient sum over all tokens
         "eager": lambda: gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
         "inductor": lambda: ref_c(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
-    }, io)
+    }, bytes=io)
 
 
 @pytest.mark.parametrize("hidden", [4096, 7168])
@@ -132,12 +122,12 @@ def test_bench_grad_w_reduce(bench, device, hidden):
         gwe.add_(gw * wh.float())
 
     ref_c = compiled(ref)
-    record_all(bench, f"grad_w_reduce-P{partials}-H{hidden}", {
+    bench.side_by_side(f"grad_w_reduce-P{partials}-H{hidden}", {
         "ours": lambda: ops.engram_grad_w_reduce(part, wh, we, gwh, gwe),
         "peer": peer,
         "eager": lambda: grad_w_reduce_ref(part, wh, we, gwh, gwe),
         "inductor": lambda: ref_c(part, wh, we, gwh, gwe),
-    }, nbytes(part, wh, we, gwh, gwe))
+    }, bytes=nbytes(part, wh, we, gwh, gwe))
 
 
 @pytest.mark.parametrize("tokens,hidden", CASES)
@@ -190,9 +180,7 @@ def test_bench_gate_train_step(bench, device, tokens, hidden):
     fwd_io = nbytes(wh, we) + 2 * nbytes(wf) + nbytes(x, kv) + x.numel() * 2 + 4 * 4 * tokens * 4
     bwd_io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + 2 * nbytes(part) + 2 * nbytes(wh, we) + 4 * nbytes(gwh)
     io = fwd_io + bwd_io
-    for fn in impls.values():
-        fn()  # compile outside the timed region
-    times = record_all(bench, f"gate_train_step-T{tokens}-H{hidden}", impls, io)
+    times = bench.side_by_side(f"gate_train_step-T{tokens}-H{hidden}", impls, bytes=io)
     kernel_us = sum(bench.time_us(fn) for fn in kernels)
     bench.record(f"gate_train_step-T{tokens}-H{hidden}", impl="kernels", time_us=kernel_us, bytes=io,
                  overhead_pct=(times["ours"] / kernel_us - 1) * 100)

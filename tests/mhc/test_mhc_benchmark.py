@@ -3,7 +3,8 @@ ours, the peer (DeepSeek tile_kernels 2.1.0, when importable), the eager PyTorch
 inductor-compiled reference, with the device copy ceiling measured in the same run. The pre-norm GEMM
 has no peer: it is compared with PyTorch's TF32 matmul plus a sum of squares (``torch_tf32``).
 
-Bytes: every tensor the op reads or writes once, buffers it accumulates into twice (OPS.md §E.3);
+Implementations of one case are timed against each other by ``bench.side_by_side`` (rotated rounds, the
+mean recorded). Bytes: every tensor the op reads or writes once, buffers it accumulates into twice (OPS.md §E.3);
 ``gbs = bytes / time_us / 1e3``. Results are compared with tests/mhc/benchmark/<chip>/.
 """
 
@@ -74,8 +75,7 @@ def bench_op(bench, device, name, tokens, hidden, case, **make):
             impls["peer"] = peer
         except Exception as exc:  # the peer's wrappers assert their own layouts; record that, don't fail
             bench.record(case, impl="peer", error=f"{type(exc).__name__}: {exc}"[:300])
-    for impl, fn in impls.items():
-        bench.record(case, impl=impl, time_us=bench.time_us(fn), bytes=nbytes)
+    bench.side_by_side(case, impls, bytes=nbytes)
 
 
 def test_copy_ceiling(bench, device):

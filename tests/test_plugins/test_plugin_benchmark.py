@@ -109,6 +109,32 @@ def test_time_us_without_device_uses_wall_clock(inner, monkeypatch):
     assert (run["case"], run["timer"], run["test"]) == ("sleep", "wall", "test_t")
 
 
+def test_side_by_side_rotates_and_averages(inner, monkeypatch):
+    monkeypatch.setenv(benchmark.CHIP_ENV, "testchip")
+    inner.makepyfile(test_s="""
+        import pytest
+        from _plugins import benchmark
+
+        @pytest.mark.benchmark
+        def test_s(bench, monkeypatch):
+            order = []
+            fake = iter([10.0, 20.0, 30.0,  22.0, 32.0, 12.0,  34.0, 14.0, 24.0])
+            monkeypatch.setattr(bench, "time_us", lambda fn: (fn(), next(fake))[1])
+            impls = {name: (lambda name=name: order.append(name)) for name in "abc"}
+            out = bench.side_by_side("c", {"a": impls["a"], "none": None, "b": impls["b"], "c": impls["c"]},
+                                     bytes=1000)
+            # one untimed call each, then rounds a b c | b c a | c a b
+            assert order == list("abc") + list("abc") + list("bca") + list("cab")
+            assert out == {"a": 12.0, "b": 22.0, "c": 32.0}
+            recs = {r["impl"]: r for r in bench.records}
+            assert set(recs) == {"a", "b", "c"}
+            assert recs["a"]["rounds_us"] == [10.0, 12.0, 14.0] and recs["a"]["time_us"] == 12.0
+            assert recs["c"]["rounds_us"] == [30.0, 32.0, 34.0] and recs["c"]["bytes"] == 1000
+            assert recs["b"]["gbs"] == 1000 / (22.0 * 1e3)
+    """)
+    inner.runpytest(*INNER_ARGS, "--run-benchmarks", "--bench-out", str(inner.path / "o")).assert_outcomes(passed=1)
+
+
 @pytest.mark.parametrize(("name", "kind", "chip"), [
     ("NVIDIA H200", "cuda", "h200"), ("NVIDIA H20", "cuda", "h20"), ("NVIDIA H100 80GB HBM3", "cuda", "h100"),
     ("NVIDIA A100-SXM4-80GB", "cuda", "a100"), ("NVIDIA L40S", "cuda", "l40s"), ("NVIDIA GeForce RTX 4090", "cuda", "nvidia_geforce_rtx_4090"),
