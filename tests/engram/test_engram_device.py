@@ -128,11 +128,13 @@ def test_gate_bwd(tokens, hidden, masked, device, seed):
     ids=["tile-in-smem", "cluster-split", "one-warp"],
 )
 @pytest.mark.parametrize("masked", [False, True])
-def test_gate_bwd_other_schedules(hidden, masked, device, seed):
+@pytest.mark.parametrize("tokens", [509, 4001])
+def test_gate_bwd_other_schedules(tokens, hidden, masked, device, seed):
     """The CUDA schedules the model sizes above do not reach: the weight-gradient tile in shared memory
-    (H = 4352), a second size of the two-CTA column split (H = 5120) and the untuned one-warp schedule
-    of H / 256 prime (H = 7424: 29 column vectors per thread)."""
-    check_gate_bwd(509, hidden, masked, device, seed)
+    (H = 4352), a second size of the two-CTA column split (H = 5120; its token-pipelined kernel at
+    T = 509, 4 tokens per worker, the other one at T = 4001, 31 per worker) and the untuned one-warp
+    schedule of H / 256 prime (H = 7424: 29 column vectors per thread)."""
+    check_gate_bwd(tokens, hidden, masked, device, seed)
 
 
 def test_gate_bwd_is_deterministic(device, seed):

@@ -153,6 +153,12 @@ def test_gate_bwd_split_schedule():
             assert plan["gw_regs"] and plan["threads"] * 2 == hidden // 8, (hidden, plan)
     assert gate_bwd.bwd_plan(7168, 4, 132)["split"] == 2
     assert gate_bwd.bwd_plan(4096, 4, 132)["split"] == 1
+    # the token-pipelined variant: every split schedule whose second x/k buffer fits (all but H = 8192)
+    pipelined = [h for h in range(512, 8193, 256) if gate_bwd.bwd_plan(h, 4, 132)["pipe"]]
+    assert pipelined == [h for h in range(4608, 8192, 512)], pipelined
+    with pytest.raises(ValueError, match="no pipelined schedule at hidden_size 4096"):
+        gate_bwd.build_engram_gate_bwd(4096, 4, 132, False, pipelined=True)
+    assert {"gate_bwd_pipelined_mask", "gate_bwd_pipelined_nomask"} <= set(cuda_engram.lowering_cases(7168))
     assert gate_bwd.bwd_plan(7168, 4, 131)["split"] == 1  # an odd worker count cannot pair workers
     source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(7168, 4, 132, False))
     assert "cluster_arrive" in source and "st.shared::cluster" in source

@@ -3,7 +3,9 @@
 Launch pattern (uniform across the four kernels): ``<op>_key(...)`` computes the compile-time key from
 tensor metadata and flags (never the token count, which is a dynamic dimension of the kernels);
 ``get_<op>_kernel(*key)`` (``functools.lru_cache``) compiles ``build_<op>(*key)`` once and logs it;
-``<op>(...)`` launches on the current torch stream into caller-allocated outputs.
+``<op>(...)`` launches on the current torch stream into caller-allocated outputs. The backward's key holds
+two kernels where its split schedule has a token-pipelined variant (both compiled with the key; the
+launcher picks one by tokens per worker, see :mod:`.gate_bwd`).
 
 Supported sizes: ``H % 256 == 0`` and ``512 <= H <= 8192`` (where the backward cannot hold its weight-gradient
 accumulators in registers, even split over a 2-CTA cluster, it keeps an ``m * H`` fp32 tile in shared memory:
@@ -11,7 +13,7 @@ at most 124 KiB, at m = 4 and H = 7936); any token count; ``m = 4`` (other ``m``
 """
 
 from .fused_weight import build_engram_fused_weight, engram_fused_weight, engram_fused_weight_key, get_engram_fused_weight_kernel
-from .gate_bwd import build_engram_gate_bwd, engram_gate_bwd, engram_gate_bwd_key, get_engram_gate_bwd_kernel
+from .gate_bwd import bwd_plan, build_engram_gate_bwd, engram_gate_bwd, engram_gate_bwd_key, get_engram_gate_bwd_kernel
 from .gate_fwd import build_engram_gate_fwd, engram_gate_fwd, engram_gate_fwd_key, get_engram_gate_fwd_kernel
 from .grad_w_reduce import (
     build_engram_grad_w_reduce,
@@ -45,7 +47,8 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     """Every kernel variant at ``hidden_size``, as un-compiled prim_funcs (for the CPU build tests).
 
     Case names: ``fused_weight``, ``gate_fwd_{mask,nomask}``, ``gate_fwd_mask_inplace``,
-    ``gate_bwd_{mask,nomask}`` and ``grad_w_reduce``, the Ascend backend's names without its
+    ``gate_bwd_{mask,nomask}`` (plus ``gate_bwd_pipelined_{mask,nomask}`` where the backward has that
+    variant) and ``grad_w_reduce``, the Ascend backend's names without its
     ``save``/``nosave`` part (the CUDA forward always writes the statistics, see
     :func:`engram_gate_fwd`); the last two at the CUDA partial count ``P`` of ``config.GRAD_W_PARTIALS``.
 
@@ -62,5 +65,9 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     cases["gate_fwd_mask_inplace"] = build_engram_gate_fwd(H, m, True, True)
     for mask in (False, True):
         cases[f"gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(H, m, num_partials, mask)
+        if bwd_plan(H, m, num_partials)["pipe"]:
+            cases[f"gate_bwd_pipelined_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(
+                H, m, num_partials, mask, pipelined=True
+            )
     cases["grad_w_reduce"] = build_engram_grad_w_reduce(H, m, num_partials)
     return cases

@@ -17,6 +17,10 @@ or in a shared-memory tile that only it touches. Per token:
    reduction that every warp performs identically, so all threads of all CTAs hold bitwise-equal sums);
 3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
 
+Where the split's shared memory has room for a second x/k buffer, the key also compiles a token-pipelined
+variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``; bitwise the same
+results), which the launcher takes for at most ``_PIPE_MAX_PER`` tokens per worker.
+
 Latency hiding (compile-time, by register and shared-memory budget, see :func:`bwd_plan`): each
 thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
 they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
@@ -50,6 +54,8 @@ _GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers ta
 _WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream) step ahead
 _SMEM_BYTES = 227 * 1024
 _SPLIT = 2  # cluster size of the column split (where only the split schedule holds grad_wf in registers)
+_PIPE = True  # split schedule: a second kernel whose phase 1 of the next token overlaps phase 2 of this one
+_PIPE_MAX_PER = 16  # ... launched for at most this many tokens per worker (more: the unpipelined kernel)
 
 _PRELUDE = r"""
 __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float value) {
@@ -79,7 +85,16 @@ def _column_plan(columns: int, hc_mult: int) -> dict:
     wf_smem = _WF_SMEM and stage_xk and smem + wf_bytes <= _SMEM_BYTES
     smem += wf_bytes if wf_smem else 0
     pre_gov = _PREFETCH_GO_V and smem + gov_bytes <= _SMEM_BYTES
-    return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem)
+    return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem, pipe=False)
+
+
+def _pipe_fits(columns: int, hc_mult: int, plan: dict) -> bool:
+    """Whether the token-pipelined variant fits at ``columns`` per CTA: it needs the tile in registers, the
+    x/k staging, wf in shared memory and the go/v prefetch, plus a second x/k buffer."""
+    H, m = columns, hc_mult
+    fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
+    need = fixed + 2 * (4 * m * H) + 4 * m * H + 2 * (m + 1) * H  # two x/k buffers, wf, go/v
+    return all(plan[k] for k in ("gw_regs", "stage_xk", "pre_gov", "wf_smem")) and need <= _SMEM_BYTES
 
 
 def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None) -> dict:
@@ -145,6 +160,16 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     H = 4096 29.7 -> 29.1 / 382.5 -> 382.4 us (peer 48.7 / 659 and 32.1 / 417 in the same runs).
     Not adopted: issuing the token's x/k staging before waiting for its prefetched go/v (H = 7168
     54.2 / 672.5 us against 53.8 / 661.4; H = 4096 28.7 / 380.9 against 28.9 / 382.7).
+    Token-pipelined split (``pipe``, a second kernel, see :func:`build_engram_gate_bwd`; bitwise equal to
+    the unpipelined one at T in {1, 2, 3, 133, 264, 265, 509, 512, 1000, 8001}, masks on and off,
+    H in {5120, 6144, 7168}), 4 interleaved rounds against the unpipelined kernel and the peer:
+    H = 7168 T = 512 / 1024 / 2048 / 4096 / 8192: 51.3 / 93.0 / 174.3 / 338.6 / 669.7 us against 54.5 /
+    94.6 / 175.5 / 338.4 / 667.8 (peer 48.9 / 90.6 / 172.6 / 334.2 / 666.1); H = 5120 T = 512 / 8192:
+    40.3 / 539.3 against 41.5 / 499.5 (peer 38.8 / 520.2); H = 6144 46.5 / 621.2 against 47.2 / 572.4
+    (peer 43.5 / 574.4). Hence the pipelined kernel for at most ``_PIPE_MAX_PER`` = 16 tokens per worker
+    (T <= 2112 at P = 132). Both paths in one kernel with a run-time switch spilled (128 registers at
+    448 threads); one pipeline over the cluster's two workers (row flush inside it) instead of one per
+    worker: 51.4 us at T = 512, no gain.
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
@@ -160,6 +185,7 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
         part = _column_plan(H // S, m)
         if part["gw_regs"] and S * (part["threads"] // 32) <= 32:
             plan, split = part, S
+            plan["pipe"] = _PIPE and _pipe_fits(H // S, m, part)
     plan["split"] = split
     return plan
 
@@ -170,7 +196,7 @@ def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tenso
     return (int(hidden_size), int(hc_mult), int(grad_w_partial.shape[0]), image_token_mask is not None)
 
 
-def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool):
+def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, pipelined: bool = False):
     """Builds the backward prim_func.
 
     Args:
@@ -178,6 +204,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         hc_mult: ``m``.
         num_partials: ``P``, the number of workers / rows of ``grad_w_partial``.
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
+        pipelined: The token-pipelined variant of the split schedule (only where ``bwd_plan(...)["pipe"]``):
+            iteration ``t`` stages token ``t+1``'s x/k, runs its phase 1 and sends its dL/dg partials, then
+            runs phase 2 of token ``t``, then waits for the cluster, so that the exchange and the x/k loads
+            overlap a phase 2. Same arithmetic in the same order (bitwise-equal outputs).
 
     Returns:
         ``T.prim_func(go, x, kv, wf, dot, gate, rstd_x, rstd_k, [mask], clamp: f32, grad_x, grad_kv,
@@ -189,6 +219,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     plan = bwd_plan(H, m, P)
     S, threads, nc = plan["split"], plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
+    if pipelined and not plan["pipe"]:
+        raise ValueError(f"engram_gate_bwd: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
+    pipe = pipelined  # implies S > 1, x/k staging, the go/v prefetch, wf in shared memory, tile in registers
     if threads % 32 != 0:
         # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
         raise ValueError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
@@ -234,17 +267,18 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 vr[i, k] = kv[t, m, c0 + (i * threads + tid) * _VEC + k]
 
     @T.macro
-    def stage(x, kv, xk_s, t, tid, c0):
-        # Thread-private cp.async of the thread's own x and k columns (all m streams) of token t.
+    def stage(x, kv, xk_s, b, t, tid, c0):
+        # Thread-private cp.async of the thread's own x and k columns (all m streams) of token t into
+        # buffer b (xk_s[2b] = x, xk_s[2b + 1] = k).
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 T.ptx_cp_async(
-                    T.access_ptr(xk_s[0, h, (i * threads + tid) * _VEC], "w", _VEC),
+                    T.access_ptr(xk_s[2 * b, h, (i * threads + tid) * _VEC], "w", _VEC),
                     T.access_ptr(x[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
                     _VEC,
                 )
                 T.ptx_cp_async(
-                    T.access_ptr(xk_s[1, h, (i * threads + tid) * _VEC], "w", _VEC),
+                    T.access_ptr(xk_s[2 * b + 1, h, (i * threads + tid) * _VEC], "w", _VEC),
                     T.access_ptr(kv[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
                     _VEC,
                 )
@@ -321,7 +355,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
             else:
                 if stage_xk:
-                    stage(x, kv, xk_s, t, tid, c0)
+                    stage(x, kv, xk_s, 0, t, tid, c0)
                 # Per-stream scalars (here, unless loaded one token ahead): thread h < m loads those of
                 # stream h (used only after phase 1) and publishes them before the reduction barrier;
                 # everyone reads them after it (double-buffered).
@@ -447,6 +481,134 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                                 gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
 
     @T.macro
+    def pipe_phase1(go, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, red, scs, gon, vr, vf, gv, gl, acc, sc,
+                    parity, t, t_stop, tid, lane, wid, rank, c0):
+        # Phase 1 of token t (split schedule, go/v in gov_s): go into gon, the value gradient, the next
+        # token's go/v prefetch, this CTA's dL/dg partials into every CTA of the cluster; then arrive.
+        if tid < m:
+            sc[0] = dot[t, tid]
+            sc[1] = rstd_x[t, tid]
+            sc[2] = rstd_k[t, tid]
+        for h in T.unroll(m):
+            gl[h] = gate[t, h]
+            acc[h] = 0.0
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                for k in T.vectorized(_VEC):
+                    gon[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
+            for k in T.vectorized(_VEC):
+                vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
+            for k in T.unroll(_VEC):
+                vf[k] = T.cast(vr[i, k], f32)
+            for h in T.unroll(m):
+                for k in T.unroll(_VEC):
+                    acc[h] += T.cast(gon[i, h, k], f32) * vf[k]
+            for k in T.unroll(_VEC):
+                gv[k] = T.cast(gon[i, 0, k], f32) * gl[0]
+                for h in T.unroll(1, m):
+                    gv[k] += T.cast(gon[i, h, k], f32) * gl[h]
+            for k in T.vectorized(_VEC):
+                grad_kv[t, m, c0 + (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+        prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+        if tid < m:
+            sc[3] = scale * sc[1] * sc[2]
+            scs[parity[0], 0, tid] = T.if_then_else(
+                T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
+            )
+            scs[parity[0], 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
+            scs[parity[0], 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
+            scs[parity[0], 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
+        for h in T.unroll(m):
+            acc[h] = T.warp_reduce_sum(acc[h])
+        if lane == 0:
+            for h in T.unroll(m):
+                for r in T.unroll(S):
+                    T.call_extern(
+                        "void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h]
+                    )
+        T.cluster_arrive()
+
+    @T.macro
+    def pipe_finish1(red, scs, gl, acc, beta, ax, ak, parity, lane):
+        # Completes phase 1 of the token whose partials went out last: cluster wait, the same sum of all
+        # warps' partials on every thread, its beta / alpha_x / alpha_k.
+        T.cluster_wait()
+        for h in T.unroll(m):
+            acc[h] = T.warp_reduce_sum(T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32)))
+        for h in T.unroll(m):
+            beta[h] = T.if_then_else(
+                scs[parity[0], 1, h] != 0.0,
+                acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity[0], 0, h],
+                T.cast(0.0, f32),
+            )
+            ax[h] = scs[parity[0], 2, h]
+            ak[h] = scs[parity[0], 3, h]
+        parity[0] = 1 - parity[0]
+
+    @T.macro
+    def pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, b, t, tid, c0):
+        # Phase 2 of token t from x/k buffer b: grad_x, grad_k, the weight-gradient registers.
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                for k in T.vectorized(_VEC):
+                    xr[k] = xk_s[2 * b, h, (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(_VEC):
+                    kr[k] = xk_s[2 * b + 1, h, (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(_VEC):
+                    wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(_VEC):
+                    cp[k] = gor[i, h, k]
+                for k in T.vectorized(_VEC):
+                    grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+                        T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
+                    )
+                for k in T.vectorized(_VEC):
+                    grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
+                for k in T.unroll(_VEC):
+                    gwr[i, h, k] += beta[h] * xr[k] * kr[k]
+
+    @T.macro
+    def tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s, gov_s, wf_s, red, scs,
+                    gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak, sc, parity,
+                    t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
+        # Tokens [t_lo, t_hi) of one worker, software-pipelined by one token: iteration t stages token
+        # t+1's x/k, runs its phase 1 and sends its dL/dg partials, then runs phase 2 of token t (whose
+        # exchange completed in the previous iteration), then waits for token t+1's exchange. The cluster
+        # barrier and the x/k latency thus overlap phase 2 of the previous token. Per token the same
+        # arithmetic in the same order as the unpipelined loop (bitwise-equal results).
+        for t in T.serial(t_lo - 1, t_hi):
+            # token t's x/k (staged one iteration ago) and token t+1's go/v (prefetched)
+            T.ptx_wait_group(0)
+            if t + 1 < t_hi:
+                if has_mask and mask[t + 1]:
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                grad_x[t + 1, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
+                    prefetch(go, kv, gov_s, t + 2, t_stop, tid, c0)
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m + 1):
+                            for k in T.vectorized(_VEC):
+                                grad_kv[t + 1, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+                else:
+                    stage(x, kv, xk_s, (t + 1) % 2, t + 1, tid, c0)
+                    pipe_phase1(go, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, red, scs, gon, vr, vf, gv, gl,
+                                acc, sc, parity, t + 1, t_stop, tid, lane, wid, rank, c0)
+            if t >= t_lo:
+                if not (has_mask and mask[t]):
+                    pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t % 2, t, tid, c0)
+            if t + 1 < t_hi:
+                if not (has_mask and mask[t + 1]):
+                    # token t's phase 2 is done: its go and scalars make room for token t+1's
+                    pipe_finish1(red, scs, gl, acc, beta, ax, ak, parity, lane)
+                    for i in T.unroll(nc):
+                        for h in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                gor[i, h, k] = gon[i, h, k]
+
+    @T.macro
     def body(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, grad_w):
         with T.Kernel(P, threads=threads, cluster_dims=S if S > 1 else None, prelude=_PRELUDE if S > 1 else None) as p:
             tid = T.get_thread_binding()
@@ -454,7 +616,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             wid = tid // 32
             gwr = T.alloc_local((nc, m, _VEC), f32) if gw_regs else None
             gw_s = None if gw_regs else T.alloc_shared((m, _VEC, nvec), f32)
-            xk_s = T.alloc_shared((2, m, HC), bf16) if stage_xk else None  # this token's x and k, own columns only
+            # this token's x and k, own columns only (and the next token's where the tokens are pipelined)
+            xk_s = T.alloc_shared((4 if pipe else 2, m, HC), bf16) if stage_xk else None
             gov_s = T.alloc_shared((m + 1, HC), bf16) if pre_gov else None  # next token's go rows and v, own columns
             wf_s = T.alloc_shared((m, HC), f32) if wf_smem else None  # wf, own columns only (loaded once)
             red = T.alloc_shared((2, m, 32), f32)
@@ -477,8 +640,19 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             gln = T.alloc_local((m,), f32) if scalars_ahead else None  # the next token's gate scores
             scn = T.alloc_local((3,), f32) if scalars_ahead else None  # its dot, rstd_x, rstd_k (threads h < m)
             parity = T.alloc_local((1,), T.int32)  # reduction buffer of this token
+            gon = T.alloc_local((nc, m, _VEC), bf16) if pipe else None  # the next token's go (pipelined)
 
             parity[0] = 0
+            if pipe:
+                # defined before the pipeline's first phase 2 (which never runs before its phase 1)
+                for h in T.unroll(m):
+                    beta[h] = 0.0
+                    ax[h] = 0.0
+                    ak[h] = 0.0
+                for i in T.unroll(nc):
+                    for h in T.unroll(m):
+                        for k in T.unroll(_VEC):
+                            gor[i, h, k] = T.cast(0.0, bf16)
             for i in T.unroll(nc):
                 for h in T.unroll(m):
                     for k in T.unroll(_VEC):
@@ -523,10 +697,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 # Worker w0 + j: its tokens, then its row of the partials (zeros for an empty range).
                 t_lo = T.min(per * (w0 + j), num_tokens)
                 t_hi = T.min(per * (w0 + j) + per, num_tokens)
-                tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
-                       gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
-                       ax, ak, sc, gln, scn, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop, t_stop,
-                       tid, lane, wid, rank, c0)
+                if pipe:
+                    tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s,
+                                gov_s, wf_s, red, scs, gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak,
+                                sc, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0)
+                else:
+                    tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
+                           gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
+                           ax, ak, sc, gln, scn, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop,
+                           t_stop, tid, lane, wid, rank, c0)
                 flush(grad_w, gwr, gw_s, wr, xr, w0 + j, tid, lane, wid, c0, j + 1 < S)  # xr: free scratch here
 
     xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)
@@ -577,8 +756,14 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
 
 @functools.lru_cache(maxsize=None)
 def get_engram_gate_bwd_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`engram_gate_bwd_key`), built once per key."""
-    return jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
+    """Compiled kernels for ``key`` (see :func:`engram_gate_bwd_key`), built once per key (never per token
+    count): ``(kernel, pipelined kernel or None)``; the launcher takes the pipelined one for at most
+    ``_PIPE_MAX_PER`` tokens per worker."""
+    H, m, P, _ = key
+    kernel = jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
+    if not bwd_plan(H, m, P)["pipe"]:
+        return kernel, None
+    return kernel, jit_compile("engram_gate_bwd_pipelined", key, build_engram_gate_bwd(*key, pipelined=True))
 
 
 def engram_gate_bwd(
@@ -611,7 +796,9 @@ def engram_gate_bwd(
         grad_w_partial: ``(P, m, H)`` f32, every row written (row ``p`` = worker ``p``'s sum).
     """
     key = engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask)
-    kernel = get_engram_gate_bwd_kernel(*key)
+    kernel, pipelined = get_engram_gate_bwd_kernel(*key)
+    if pipelined is not None and -(-hidden_states.shape[0] // key[2]) <= _PIPE_MAX_PER:
+        kernel = pipelined
     args = [grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k]
     if key[3]:
         args.append(image_token_mask)
