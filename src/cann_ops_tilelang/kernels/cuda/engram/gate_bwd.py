@@ -314,6 +314,111 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             gw_s[h, k, i * threads + tid] = 0.0
 
     @T.macro
+    def load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid):
+        # Token t's gate scores (every thread) and, in thread h < m, stream h's dot, rstd_x, rstd_k.
+        if tid < m:
+            sc[0] = dot[t, tid]
+            sc[1] = rstd_x[t, tid]
+            sc[2] = rstd_k[t, tid]
+        for h in T.unroll(m):
+            gl[h] = gate[t, h]
+
+    @T.macro
+    def image_token(go, kv, gov_s, grad_x, grad_kv, cp, t, t_stop, tid, c0):
+        # Image token t: grad_x = go (bit copy, from the prefetched go/v where there is one, which then
+        # fetches token t+1), grad_kv = 0, no weight-gradient contribution.
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                if pre_gov:
+                    for k in T.vectorized(_VEC):
+                        cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                else:
+                    for k in T.vectorized(_VEC):
+                        cp[k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(_VEC):
+                    grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
+        if pre_gov:
+            prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+        for i in T.unroll(nc):
+            for h in T.unroll(m + 1):
+                for k in T.vectorized(_VEC):
+                    grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+
+    @T.macro
+    def phase1_vec(gor, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0):
+        # Column vector i of phase 1 (go in gor, v in vr): the dL/dg partials and the value gradient.
+        for k in T.unroll(_VEC):
+            vf[k] = T.cast(vr[i, k], f32)
+        for h in T.unroll(m):
+            for k in T.unroll(_VEC):
+                acc[h] += T.cast(gor[i, h, k], f32) * vf[k]
+        for k in T.unroll(_VEC):
+            gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
+            for h in T.unroll(1, m):
+                gv[k] += T.cast(gor[i, h, k], f32) * gl[h]
+        for k in T.vectorized(_VEC):
+            grad_kv[t, m, c0 + (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+
+    @T.macro
+    def publish_scalars(scs, sc, parity, clamp, tid):
+        # Thread h < m (holding stream h's dot, rstd_x, rstd_k in sc) publishes its per-stream scalars.
+        if tid < m:
+            sc[3] = scale * sc[1] * sc[2]
+            scs[parity[0], 0, tid] = T.if_then_else(
+                T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
+            )
+            scs[parity[0], 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
+            scs[parity[0], 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
+            scs[parity[0], 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
+
+    @T.macro
+    def send_partials(red, acc, parity, lane, wid, rank):
+        # Every CTA of the cluster gets every warp's partial (slot rank * nwarps + wid), so all of them
+        # sum the same values in the same order: bitwise-equal dL/dg.
+        if lane == 0:
+            for h in T.unroll(m):
+                for r in T.unroll(S):
+                    T.call_extern(
+                        "void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h]
+                    )
+
+    @T.macro
+    def betas(red, scs, gl, acc, beta, ax, ak, parity, lane):
+        # After the barrier: the sum of all warps' partials (same order on every thread) and the token's
+        # beta / alpha_x / alpha_k per stream; the reduction buffers flip.
+        for h in T.unroll(m):
+            acc[h] = T.warp_reduce_sum(
+                T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32))
+            )
+        # Per-stream scalars (same arithmetic as computing them here).
+        for h in T.unroll(m):
+            beta[h] = T.if_then_else(
+                scs[parity[0], 1, h] != 0.0,
+                acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity[0], 0, h],
+                T.cast(0.0, f32),
+            )
+            ax[h] = scs[parity[0], 2, h]
+            ak[h] = scs[parity[0], 3, h]
+        parity[0] = 1 - parity[0]
+
+    @T.macro
+    def phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0):
+        # Column vector i of stream h in phase 2 (x, k, wf in xr, kr, wr): grad_x, grad_k, weight gradient.
+        for k in T.vectorized(_VEC):
+            cp[k] = gor[i, h, k]
+        for k in T.vectorized(_VEC):
+            grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+                T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
+            )
+        for k in T.vectorized(_VEC):
+            grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
+        for k in T.unroll(_VEC):
+            if gw_regs:
+                gwr[i, h, k] += beta[h] * xr[k] * kr[k]
+            else:
+                gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
+
+    @T.macro
     def tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
                gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
                ax, ak, sc, gln, scn, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
@@ -336,23 +441,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         scn[1] = rstd_x[t + 1, tid]
                         scn[2] = rstd_k[t + 1, tid]
             if has_mask and mask[t]:
-                # Image token: grad_x = go (bit copy), grad_kv = 0, no weight-gradient contribution.
-                for i in T.unroll(nc):
-                    for h in T.unroll(m):
-                        if pre_gov:
-                            for k in T.vectorized(_VEC):
-                                cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
-                        else:
-                            for k in T.vectorized(_VEC):
-                                cp[k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
-                        for k in T.vectorized(_VEC):
-                            grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
-                if pre_gov:
-                    prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
-                for i in T.unroll(nc):
-                    for h in T.unroll(m + 1):
-                        for k in T.vectorized(_VEC):
-                            grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+                image_token(go, kv, gov_s, grad_x, grad_kv, cp, t, t_stop, tid, c0)
             else:
                 if stage_xk:
                     stage(x, kv, xk_s, 0, t, tid, c0)
@@ -360,12 +449,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 # stream h (used only after phase 1) and publishes them before the reduction barrier;
                 # everyone reads them after it (double-buffered).
                 if not scalars_ahead:
-                    if tid < m:
-                        sc[0] = dot[t, tid]
-                        sc[1] = rstd_x[t, tid]
-                        sc[2] = rstd_k[t, tid]
-                    for h in T.unroll(m):
-                        gl[h] = gate[t, h]
+                    load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid)
                 for h in T.unroll(m):
                     acc[h] = 0.0
                 # Phase 1: go (kept in registers) and v -> partial dL/dg per stream, value gradient.
@@ -378,28 +462,11 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
                     else:
                         load_gov(go, kv, gor, vr, t, tid, c0)
-                    for k in T.unroll(_VEC):
-                        vf[k] = T.cast(vr[i, k], f32)
-                    for h in T.unroll(m):
-                        for k in T.unroll(_VEC):
-                            acc[h] += T.cast(gor[i, h, k], f32) * vf[k]
-                    for k in T.unroll(_VEC):
-                        gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
-                        for h in T.unroll(1, m):
-                            gv[k] += T.cast(gor[i, h, k], f32) * gl[h]
-                    for k in T.vectorized(_VEC):
-                        grad_kv[t, m, c0 + (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+                    phase1_vec(gor, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
                 # The staging buffer is consumed: fetch the next token while this one finishes.
                 if pre_gov:
                     prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
-                if tid < m:
-                    sc[3] = scale * sc[1] * sc[2]
-                    scs[parity[0], 0, tid] = T.if_then_else(
-                        T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
-                    )
-                    scs[parity[0], 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
-                    scs[parity[0], 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
-                    scs[parity[0], 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
+                publish_scalars(scs, sc, parity, clamp, tid)
                 if wf_pipe:
                     # phase 2's first wf vector, issued before the reduction (independent of it)
                     for k in T.vectorized(_VEC):
@@ -412,30 +479,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             red[parity[0], h, wid] = acc[h]
                     T.sync_threads()
                 else:
-                    # Every CTA of the cluster gets every warp's partial (slot rank * nwarps + wid), so
-                    # all of them sum the same values in the same order: bitwise-equal dL/dg.
-                    if lane == 0:
-                        for h in T.unroll(m):
-                            for r in T.unroll(S):
-                                T.call_extern(
-                                    "void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h]
-                                )
+                    send_partials(red, acc, parity, lane, wid, rank)
                     T.cluster_arrive()
                     T.cluster_wait()
-                for h in T.unroll(m):
-                    acc[h] = T.warp_reduce_sum(
-                        T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32))
-                    )
-                # Per-stream scalars (same arithmetic as computing them here).
-                for h in T.unroll(m):
-                    beta[h] = T.if_then_else(
-                        scs[parity[0], 1, h] != 0.0,
-                        acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity[0], 0, h],
-                        T.cast(0.0, f32),
-                    )
-                    ax[h] = scs[parity[0], 2, h]
-                    ak[h] = scs[parity[0], 3, h]
-                parity[0] = 1 - parity[0]
+                betas(red, scs, gl, acc, beta, ax, ak, parity, lane)
                 # Phase 2: x, k, wf -> grad_x, grad_k and the weight-gradient tile.
                 if stage_xk:
                     # this token's x/k; the next token's go/v prefetch (committed after it) may stay in flight
@@ -466,31 +513,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         else:
                             for k in T.vectorized(_VEC):
                                 wr[k] = wf[h, c0 + (i * threads + tid) * _VEC + k]
-                        for k in T.vectorized(_VEC):
-                            cp[k] = gor[i, h, k]
-                        for k in T.vectorized(_VEC):
-                            grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
-                                T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
-                            )
-                        for k in T.vectorized(_VEC):
-                            grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
-                        for k in T.unroll(_VEC):
-                            if gw_regs:
-                                gwr[i, h, k] += beta[h] * xr[k] * kr[k]
-                            else:
-                                gw_s[h, k, i * threads + tid] += beta[h] * xr[k] * kr[k]
+                        phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
     def pipe_phase1(go, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, red, scs, gon, vr, vf, gv, gl, acc, sc,
                     parity, t, t_stop, tid, lane, wid, rank, c0):
         # Phase 1 of token t (split schedule, go/v in gov_s): go into gon, the value gradient, the next
         # token's go/v prefetch, this CTA's dL/dg partials into every CTA of the cluster; then arrive.
-        if tid < m:
-            sc[0] = dot[t, tid]
-            sc[1] = rstd_x[t, tid]
-            sc[2] = rstd_k[t, tid]
+        load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid)
         for h in T.unroll(m):
-            gl[h] = gate[t, h]
             acc[h] = 0.0
         for i in T.unroll(nc):
             for h in T.unroll(m):
@@ -498,52 +529,13 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     gon[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
             for k in T.vectorized(_VEC):
                 vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
-            for k in T.unroll(_VEC):
-                vf[k] = T.cast(vr[i, k], f32)
-            for h in T.unroll(m):
-                for k in T.unroll(_VEC):
-                    acc[h] += T.cast(gon[i, h, k], f32) * vf[k]
-            for k in T.unroll(_VEC):
-                gv[k] = T.cast(gon[i, 0, k], f32) * gl[0]
-                for h in T.unroll(1, m):
-                    gv[k] += T.cast(gon[i, h, k], f32) * gl[h]
-            for k in T.vectorized(_VEC):
-                grad_kv[t, m, c0 + (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+            phase1_vec(gon, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
         prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
-        if tid < m:
-            sc[3] = scale * sc[1] * sc[2]
-            scs[parity[0], 0, tid] = T.if_then_else(
-                T.abs(sc[0]) * sc[3] >= clamp, T.sqrt(sc[3] / T.abs(sc[0])), T.cast(0.0, f32)
-            )
-            scs[parity[0], 1, tid] = T.if_then_else(T.abs(sc[0]) * sc[3] >= clamp, T.cast(1.0, f32), T.cast(0.0, f32))
-            scs[parity[0], 2, tid] = sc[0] * sc[1] * sc[1] / hidden_f
-            scs[parity[0], 3, tid] = sc[0] * sc[2] * sc[2] / hidden_f
+        publish_scalars(scs, sc, parity, clamp, tid)
         for h in T.unroll(m):
             acc[h] = T.warp_reduce_sum(acc[h])
-        if lane == 0:
-            for h in T.unroll(m):
-                for r in T.unroll(S):
-                    T.call_extern(
-                        "void", "ops_st_cluster_f32", T.address_of(red[parity[0], h, rank * nwarps + wid]), r, acc[h]
-                    )
+        send_partials(red, acc, parity, lane, wid, rank)
         T.cluster_arrive()
-
-    @T.macro
-    def pipe_finish1(red, scs, gl, acc, beta, ax, ak, parity, lane):
-        # Completes phase 1 of the token whose partials went out last: cluster wait, the same sum of all
-        # warps' partials on every thread, its beta / alpha_x / alpha_k.
-        T.cluster_wait()
-        for h in T.unroll(m):
-            acc[h] = T.warp_reduce_sum(T.if_then_else(lane < S * nwarps, red[parity[0], h, lane], T.cast(0.0, f32)))
-        for h in T.unroll(m):
-            beta[h] = T.if_then_else(
-                scs[parity[0], 1, h] != 0.0,
-                acc[h] * gl[h] * (1.0 - gl[h]) * 0.5 * scs[parity[0], 0, h],
-                T.cast(0.0, f32),
-            )
-            ax[h] = scs[parity[0], 2, h]
-            ak[h] = scs[parity[0], 3, h]
-        parity[0] = 1 - parity[0]
 
     @T.macro
     def pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, b, t, tid, c0):
@@ -556,16 +548,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     kr[k] = xk_s[2 * b + 1, h, (i * threads + tid) * _VEC + k]
                 for k in T.vectorized(_VEC):
                     wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
-                for k in T.vectorized(_VEC):
-                    cp[k] = gor[i, h, k]
-                for k in T.vectorized(_VEC):
-                    grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
-                        T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
-                    )
-                for k in T.vectorized(_VEC):
-                    grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
-                for k in T.unroll(_VEC):
-                    gwr[i, h, k] += beta[h] * xr[k] * kr[k]
+                phase2_vec(grad_x, grad_kv, gwr, None, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
     def tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s, gov_s, wf_s, red, scs,
@@ -581,17 +564,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             T.ptx_wait_group(0)
             if t + 1 < t_hi:
                 if has_mask and mask[t + 1]:
-                    for i in T.unroll(nc):
-                        for h in T.unroll(m):
-                            for k in T.vectorized(_VEC):
-                                cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                grad_x[t + 1, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
-                    prefetch(go, kv, gov_s, t + 2, t_stop, tid, c0)
-                    for i in T.unroll(nc):
-                        for h in T.unroll(m + 1):
-                            for k in T.vectorized(_VEC):
-                                grad_kv[t + 1, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+                    image_token(go, kv, gov_s, grad_x, grad_kv, cp, t + 1, t_stop, tid, c0)
                 else:
                     stage(x, kv, xk_s, (t + 1) % 2, t + 1, tid, c0)
                     pipe_phase1(go, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, red, scs, gon, vr, vf, gv, gl,
@@ -602,7 +575,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             if t + 1 < t_hi:
                 if not (has_mask and mask[t + 1]):
                     # token t's phase 2 is done: its go and scalars make room for token t+1's
-                    pipe_finish1(red, scs, gl, acc, beta, ax, ak, parity, lane)
+                    T.cluster_wait()
+                    betas(red, scs, gl, acc, beta, ax, ak, parity, lane)
                     for i in T.unroll(nc):
                         for h in T.unroll(m):
                             for k in T.vectorized(_VEC):
