@@ -166,6 +166,37 @@ def test_gate_bwd_split_schedule():
     assert "cluster" not in source.split("engram_gate_bwd_cuda_kernel", 1)[1]
 
 
+@pytest.mark.parametrize("hidden,partials,tokens,expected", [
+    (7168, 132, 1, "pipelined"), (7168, 132, 2112, "pipelined"), (7168, 132, 2113, "plain"),
+    (7168, 132, 8192, "plain"), (7168, 66, 1056, "pipelined"), (7168, 66, 1057, "plain"),
+    (4096, 132, 512, "plain"), (8192, 132, 512, "plain"), (7168, 131, 512, "plain"),
+])
+def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monkeypatch, hidden, partials, tokens,
+                                                                           expected):
+    """The CUDA backward launcher takes the token-pipelined kernel of its key where the key has one and a
+    worker gets at most ``_PIPE_MAX_PER`` (16) tokens, else the plain one; the kernels come from one
+    compile per key, whatever the token count."""
+    from cann_ops_tilelang.kernels.cuda.engram import gate_bwd
+
+    calls, keys = [], []
+
+    def fake_kernels(*key):
+        keys.append(key)
+        plain = lambda *args: calls.append("plain")  # noqa: E731
+        pipelined = lambda *args: calls.append("pipelined")  # noqa: E731
+        return plain, (pipelined if gate_bwd.bwd_plan(key[0], key[1], key[2])["pipe"] else None)
+
+    monkeypatch.setattr(gate_bwd, "get_engram_gate_bwd_kernel", fake_kernels)
+    meta = dict(device="meta")
+    x = torch.empty(tokens, 4, hidden, dtype=torch.bfloat16, **meta)
+    kv = torch.empty(tokens, 5, hidden, dtype=torch.bfloat16, **meta)
+    stats = torch.empty(tokens, 4, **meta)
+    part = torch.empty(partials, 4, hidden, **meta)
+    gate_bwd.engram_gate_bwd(x, x, kv, torch.empty(4, hidden, **meta), stats, stats, stats, stats, None, 1e-6,
+                             torch.empty_like(x), torch.empty_like(kv), part)
+    assert calls == [expected] and keys == [(hidden, 4, partials, False)]
+
+
 @pytest.mark.parametrize("partials", [1, 2, 66, 113, 128, 129, 132, 133, 257, 400, 1000])
 def test_cuda_grad_w_reduce_chunks_sum_every_row_once_in_order(partials):
     """The TMA chunks of the CUDA weight-gradient reduction (boxes of ``rows`` rows, the last one starting at
