@@ -161,7 +161,7 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     Not adopted: issuing the token's x/k staging before waiting for its prefetched go/v (H = 7168
     54.2 / 672.5 us against 53.8 / 661.4; H = 4096 28.7 / 380.9 against 28.9 / 382.7).
     Token-pipelined split (``pipe``, a second kernel, see :func:`build_engram_gate_bwd`; bitwise equal to
-    the unpipelined one at T in {1, 2, 3, 133, 264, 265, 509, 512, 1000, 8001}, masks on and off,
+    the unpipelined one at T in {1, 2, 3, 133, 509, 512, 1000, 8001}, masks on and off,
     H in {5120, 6144, 7168}), 4 interleaved rounds against the unpipelined kernel and the peer:
     H = 7168 T = 512 / 1024 / 2048 / 4096 / 8192: 51.3 / 93.0 / 174.3 / 338.6 / 669.7 us against 54.5 /
     94.6 / 175.5 / 338.4 / 667.8 (peer 48.9 / 90.6 / 172.6 / 334.2 / 666.1); H = 5120 T = 512 / 8192:
