@@ -8,9 +8,10 @@ Tests marked ``benchmark`` are deselected unless the ``-m`` expression names ``b
     @pytest.mark.parametrize("tokens", [4096, 65536])
     def test_bench_engram_gate_fwd(bench, tokens):
         x = ...
-        t = bench.time_us(lambda: cann_ops_tilelang.engram_gate_fwd(x, ...))
-        bench.record(f"fwd-t{tokens}", impl="ours", time_us=t, bytes=x.nbytes * 3)
-        bench.record(f"fwd-t{tokens}", impl="eager", time_us=bench.time_us(lambda: ref(x)), bytes=x.nbytes * 3)
+        bench.side_by_side(f"fwd-t{tokens}", {
+            "ours": lambda: cann_ops_tilelang.engram_gate_fwd(x, ...),
+            "eager": lambda: ref(x),
+        }, bytes=x.nbytes * 3)
 
 Implementations compared with each other go through ``bench.side_by_side(case, {"ours": f, "peer": g, ...},
 bytes=...)``: each is timed in ``ROUNDS`` rounds in rotated order and the mean of the rounds recorded, so that
@@ -86,10 +87,7 @@ def detect_chip() -> str:
         if kind is None:
             _CHIP = "cpu"
         else:
-            import torch
-
-            mod = torch.cuda if kind == "cuda" else torch.npu
-            _CHIP = chip_from_name(mod.get_device_name(0), kind)
+            _CHIP = chip_from_name(_device_module(kind).get_device_name(0), kind)
     return _CHIP
 
 
@@ -97,10 +95,14 @@ def detect_chip() -> str:
 _CUPTI_BROKEN = False
 
 
-def _time_cuda_events(fn: Callable[[], Any], kind: str, rep_ms: float = 30.0) -> float:
+def _device_module(kind: str):
     import torch
 
-    mod = torch.cuda if kind == "cuda" else torch.npu
+    return torch.cuda if kind == "cuda" else torch.npu
+
+
+def _time_cuda_events(fn: Callable[[], Any], kind: str, rep_ms: float = 30.0) -> float:
+    mod = _device_module(kind)
     fn()
     mod.synchronize()
     start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
@@ -132,9 +134,7 @@ def _time_wall(fn: Callable[[], Any], rep_ms: float = 30.0) -> float:
 
 def _synchronize(kind: str | None) -> None:
     if kind is not None:
-        import torch
-
-        (torch.cuda if kind == "cuda" else torch.npu).synchronize()
+        _device_module(kind).synchronize()
 
 
 def device_time_us(fn: Callable[[], Any], kind: str | None) -> tuple[float, str]:

@@ -67,11 +67,17 @@ __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float v
 """
 
 
+def _smem_parts(columns: int, hc_mult: int) -> tuple[int, int, int, int, int]:
+    """Shared-memory bytes of one CTA owning ``columns`` columns: ``(fixed, tile, xk, gov, wf)`` = the reduction
+    and scalar buffers, the fp32 weight-gradient tile, one x/k staging buffer, the go/v prefetch buffer, wf."""
+    H, m = columns, hc_mult
+    return 2 * m * 32 * 4 + 2 * 4 * m * 4, 4 * m * H, 4 * m * H, 2 * (m + 1) * H, 4 * m * H
+
+
 def _column_plan(columns: int, hc_mult: int) -> dict:
     """The schedule of one CTA that owns ``columns`` columns of every stream (see :func:`bwd_plan`)."""
     H, m = columns, hc_mult
-    fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
-    tile, xk_bytes, gov_bytes, wf_bytes = 4 * m * H, 4 * m * H, 2 * (m + 1) * H, 4 * m * H
+    fixed, tile, xk_bytes, gov_bytes, wf_bytes = _smem_parts(H, m)
     stage_xk = _STAGE_XK and fixed + tile + xk_bytes <= _SMEM_BYTES
     nvec = H // _VEC
     n32 = nvec // 32
@@ -91,9 +97,8 @@ def _column_plan(columns: int, hc_mult: int) -> dict:
 def _pipe_fits(columns: int, hc_mult: int, plan: dict) -> bool:
     """Whether the token-pipelined variant fits at ``columns`` per CTA: it needs the tile in registers, the
     x/k staging, wf in shared memory and the go/v prefetch, plus a second x/k buffer."""
-    H, m = columns, hc_mult
-    fixed = 2 * m * 32 * 4 + 2 * 4 * m * 4
-    need = fixed + 2 * (4 * m * H) + 4 * m * H + 2 * (m + 1) * H  # two x/k buffers, wf, go/v
+    fixed, _, xk_bytes, gov_bytes, wf_bytes = _smem_parts(columns, hc_mult)
+    need = fixed + 2 * xk_bytes + wf_bytes + gov_bytes
     return all(plan[k] for k in ("gw_regs", "stage_xk", "pre_gov", "wf_smem")) and need <= _SMEM_BYTES
 
 
@@ -618,7 +623,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
 
             parity[0] = 0
             if pipe:
-                # defined before the pipeline's first phase 2 (which never runs before its phase 1)
+                # zeroed for TileLang's read-before-write check, which cannot see that the pipeline's
+                # first phase 2 always runs after its phase 1
                 for h in T.unroll(m):
                     beta[h] = 0.0
                     ax[h] = 0.0
