@@ -14,9 +14,9 @@ Tests marked ``benchmark`` are deselected unless the ``-m`` expression names ``b
         }, bytes=x.nbytes * 3)
 
 Implementations compared with each other go through ``bench.side_by_side(case, {"ours": f, "peer": g, ...},
-bytes=...)``: each is timed in ``ROUNDS`` rounds in rotated order and the mean of the rounds recorded, so that
-none of them is systematically measured first after an idle device (slower clocks) or after the same
-neighbour.
+bytes=...)``: after a discarded warm-up round each is timed in ``ROUNDS`` rounds in rotated order and the mean
+of the rounds recorded, so that none of them is systematically measured first after an idle device (slower
+clocks) or after the same neighbour.
 
 ``bench.time_us(fn)`` is device time in microseconds: CUDA ``tilelang.profiler.bench.do_bench(fn, warmup=0,
 rep=30, backend="cupti")`` (falling back to CUDA events when CUPTI yields nothing), NPU ``backend="msprof"``
@@ -186,9 +186,10 @@ class Bench:
                      **fields: Any) -> dict[str, float]:
         """Times several implementations of one case against each other and records each one.
 
-        Every implementation is called once untimed (JIT, compilation, allocator), then ``rounds`` rounds
-        time each of them with :meth:`time_us`, the order rotated by one place per round so that no
-        implementation is always the first after an idle device or always follows the same neighbour.
+        Every implementation is called once untimed (JIT, compilation, allocator) and timed once in a
+        discarded warm-up round (the device clocks rise after the idle time of a compilation), then
+        ``rounds`` rounds time each of them with :meth:`time_us`, the order rotated by one place per round
+        so that no implementation is always the first of a round or always follows the same neighbour.
         Records ``time_us`` = the mean of the rounds (each round a mean over its repetitions) and
         ``rounds_us`` (the rounds, in order) plus ``fields`` (``bytes`` etc.); ``None`` entries are skipped.
 
@@ -199,6 +200,8 @@ class Bench:
         for _, fn in live:
             fn()
         _synchronize(self.kind)
+        for _, fn in live:  # warm-up round, discarded
+            self.time_us(fn)
         per: dict[str, list[float]] = {impl: [] for impl, _ in live}
         timers: dict[str, str | None] = {}
         for r in range(max(1, rounds)):

@@ -92,16 +92,18 @@ def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
 
 
 def test_cuda_streaming_row_layouts_cover_the_row():
-    """The one-token CTA layouts of the CUDA streaming kernels (2-D grid up to 256 threads, apply-mix
-    backward up to 512, post backward 128 where H % 1024 == 0) are whole warps within the CTA limit
-    and cover the row's H / 8 vectors exactly once, guarding the last slots exactly when they overrun
-    (every H % 64 == 0 up to 16384)."""
+    """The one-token CTA layouts of the CUDA streaming kernels (apply-mix forward up to 128 threads, post
+    forward up to 256, apply-mix backward up to 512, post backward 128 where H % 1024 == 0) are whole
+    warps within the CTA limit and cover the row's H / 8 vectors exactly once, guarding the last slots
+    exactly when they overrun (every H % 64 == 0 up to 16384); the forwards' column chunks split a row's
+    vectors per thread evenly (all of them up to 2, else one per chunk)."""
     from cann_ops_tilelang.kernels.cuda.mhc import streaming
 
     for hidden in range(64, 16385, 64):
         nvec = hidden // 8
         layouts = {
-            "row": streaming._row_layout(hidden, streaming._ROW_MAX_THREADS),
+            "apply_mix_fwd": streaming._row_layout(hidden, streaming._APPLY_MIX_FWD_MAX_THREADS),
+            "post_fwd": streaming._row_layout(hidden, streaming._POST_FWD_MAX_THREADS),
             "apply_mix_bwd": streaming._row_layout(hidden, streaming._APPLY_MIX_BWD_MAX_THREADS),
             "post_bwd": streaming._post_backward_layout(hidden),
         }
@@ -111,3 +113,8 @@ def test_cuda_streaming_row_layouts_cover_the_row():
             assert threads * (nv - 1) < nvec, (hidden, name, threads, nv)  # no slot wholly past the row
         assert layouts["post_bwd"][0] == 128 or hidden % 1024 != 0, hidden
         assert layouts["apply_mix_bwd"][0] <= 512, hidden
+        assert layouts["apply_mix_fwd"][0] <= 128 and layouts["post_fwd"][0] <= 256, hidden
+        for name in ("apply_mix_fwd", "post_fwd"):
+            nv = layouts[name][1]
+            nvc = streaming._row_chunk(nv)
+            assert nv % nvc == 0 and (nvc == nv if nv <= 2 else nvc == 1), (hidden, name, nv, nvc)

@@ -118,13 +118,13 @@ def test_side_by_side_rotates_and_averages(inner, monkeypatch):
         @pytest.mark.benchmark
         def test_s(bench, monkeypatch):
             order = []
-            fake = iter([10.0, 20.0, 30.0,  22.0, 32.0, 12.0,  34.0, 14.0, 24.0])
+            fake = iter([99.0, 98.0, 97.0,  10.0, 20.0, 30.0,  22.0, 32.0, 12.0,  34.0, 14.0, 24.0])
             monkeypatch.setattr(bench, "time_us", lambda fn: (fn(), next(fake))[1])
             impls = {name: (lambda name=name: order.append(name)) for name in "abc"}
             out = bench.side_by_side("c", {"a": impls["a"], "none": None, "b": impls["b"], "c": impls["c"]},
                                      bytes=1000)
-            # one untimed call each, then rounds a b c | b c a | c a b
-            assert order == list("abc") + list("abc") + list("bca") + list("cab")
+            # one untimed call each, a discarded warm-up round, then rounds a b c | b c a | c a b
+            assert order == list("abc") + list("abc") + list("abc") + list("bca") + list("cab")
             assert out == {"a": 12.0, "b": 22.0, "c": 32.0}
             recs = {r["impl"]: r for r in bench.records}
             assert set(recs) == {"a", "b", "c"}

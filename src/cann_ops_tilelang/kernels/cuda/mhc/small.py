@@ -90,8 +90,10 @@ __all__ = [
 # in a single wave while each CTA stays a handful of warps (the ops are latency-bound, not
 # bandwidth-bound: 8192 tokens x 24 mixes are 0.8 MB).
 _TOKENS_PER_CTA = 32
-# Head-mix forward is a pure elementwise map over (T, m): 64 tokens (256 threads at m = 4) per CTA.
-_HEAD_FWD_TOKENS = 64
+# Head-mix forward is a pure elementwise map over (T, m): 128 tokens (512 threads at m = 4) per CTA.
+# NOTE measured on the H200 (cupti, 3 interleaved rounds, T = 512 / 8192): 128 tokens (512 threads) 1.346 /
+# 1.567 us, 64 tokens 1.342 / 1.677, 32 tokens 1.379 / 1.708 (the peer, 32 tokens: 1.354 / 1.680).
+_HEAD_FWD_TOKENS = 128
 # Head-mix backward: 64 tokens per worker iteration; at the largest test size (T = 24576, P = 132)
 # each worker runs 3 iterations.
 _HEAD_BWD_TOKENS = 64
@@ -1233,7 +1235,7 @@ def mhc_head_compute_mix_forward_key(input_mix: torch.Tensor) -> tuple:
 def build_mhc_head_compute_mix_forward(hc_mult: int):
     """Builds the head-mix forward prim_func (OPS.md B.2.9): ``sigmoid(x * scale + base) + pre_eps``.
 
-    Elementwise; one thread per element, ``_HEAD_FWD_TOKENS`` tokens per CTA (256 threads at m = 4),
+    Elementwise; one thread per element, ``_HEAD_FWD_TOKENS`` tokens per CTA (512 threads at m = 4),
     so a warp's loads and stores are single 128-byte lines and every thread has one short chain.
 
     Args:

@@ -13,8 +13,9 @@ Schedules:
 * element-wise ops without per-token scalars (expand) run a flat grid over the ``T * H / 8`` vectors
   of the token-major tensors (2 vectors per thread, strided by the CTA size so that every
   warp access is coalesced);
-* element-wise ops with per-token scalars (apply-mix forward, post forward) run a 2-D grid
-  ``(tokens, column chunks)``; a thread loads its token's scalars once (uniform loads, broadcast);
+* element-wise ops with per-token scalars (apply-mix forward, post forward) run a 1-D grid over
+  ``(token, column chunk)`` pairs, chunks fastest, so that consecutive CTAs read consecutive chunks of
+  the same rows; a thread loads its token's scalars once (uniform loads, broadcast);
 * per-token reductions (apply-mix backward, post backward) run one CTA per token (up to 512 threads
   for the apply-mix backward; the post backward with 128 threads where ``H % 1024 == 0``, see
   ``_post_backward_layout``): each thread keeps
@@ -85,8 +86,18 @@ _VEC = 8  # bf16 elements per 16-byte access
 # inductor).
 _FLAT_FWD = (128, 2)
 _FLAT_BWD = (256, 2)
-_ROW_MAX_THREADS = 256  # upper bound of a (token, column chunk) CTA of the 2-D grid
-_ROW_NVC = 2  # upper bound of the vectors per thread of the 2-D grid (a divisor of the row's count)
+# (token, column chunk) CTAs of the apply-mix and post forward: at most this many threads ...
+_APPLY_MIX_FWD_MAX_THREADS = 128
+_POST_FWD_MAX_THREADS = 256
+_ROW_NVC = 2  # ... and the whole row in one CTA where that takes at most _ROW_NVC vectors per thread, else one
+# NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds, T = 512 / 8192): the grid order matters
+# most. With the chunks of one token in consecutive CTAs (1-D grid, chunks fastest) instead of the tokens
+# of one chunk (2-D grid, tokens on x): apply-mix forward at H = 7168, 128 threads x 1 vector (7 chunks)
+# 11.79 / 138.25 us against 12.04 / 142.96 us (the previous 224 x 2 layout 12.01 / 139.67, the peer
+# 11.78 / 138.29); at H = 4096 (4 chunks) 7.43 / 81.59 against 7.85 / 83.59 (previous 7.54 / 81.57, peer
+# 7.52 / 81.47). Post forward at H = 7168, 224 x 1 (4 chunks): 18.31 / 246.63 us against 18.79 / 258.21
+# (previous 224 x 2: 18.61 / 256.50, peer 19.33 / 256.59); at H = 4096 the whole row per CTA (256 x 2)
+# stays best: 11.36 / 144.69 against 11.68 / 144.68 for 256 x 1.
 _RED_MAX_THREADS = 256  # upper bound of the post backward's one-token CTA where H % 1024 != 0
 # NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): the apply-mix backward with CTAs of up
 # to 512 threads (1-2 vectors per thread) at 2 CTAs per SM, against up to 256 threads at the register
@@ -95,7 +106,11 @@ _RED_MAX_THREADS = 256  # upper bound of the post backward's one-token CTA where
 # 7168; the peer 16.06 / 19.05 / 25.80 and 205.0 / 255.2 / 357.7 us). The <= 256-thread layout at
 # 2 CTAs per SM (no spill either) came second (25.90 / 353.0 us at H = 7168).
 _APPLY_MIX_BWD_MAX_THREADS = 512
-_NORMW_THREADS = 128  # fp32 (M3, K) merge forward: one float4 column group per thread
+_NORMW_THREADS = 128  # fp32 (M3, K) merge forward: 128 threads of _NORMW_VECS float4 columns each, ...
+_NORMW_VECS = 4
+# NOTE ... the M3 rows of a column block in consecutive CTAs (they share the normw block). Measured on the
+# H200 (K = 16384 / 28672): 2.29 / 2.99 us against 2.40 / 3.27 us for one float4 per thread, row by row
+# (2 float4: 2.40 / 3.08; 256 threads: 2.34-2.42 / 3.06-3.20; the peer 2.44 / 3.08 in the same run).
 # NOTE measured on the H200 (K = 16384 / 28672): 8 row groups x 16 float4 column groups (128 threads,
 # 64 columns per CTA) put the whole merge backward in flight at once: 3.9 / 5.2 us, against 7.2 / 7.8 us
 # for one thread walking all 24 rows of its column group (and 4.2 / 5.3 us for the peer).
@@ -120,10 +135,10 @@ def _row_layout(hidden_size: int, max_threads: int) -> tuple[int, int, bool]:
     (then ``nv = H / 8 / threads`` vectors per thread, no guard); if ``H / 8`` has no such divisor
     (``H % 256 != 0``), ``threads = min(max_threads, align32(H / 8))`` and the last slots are guarded.
 
-    NOTE tuned for H200: up to 256 threads (the 2-D grid of the apply-mix and post forward, and the post
-    backward where ``H % 1024 != 0``), the model sizes give (threads, nv) = (160, 1) at H = 1280, (160, 2)
-    at 2560, (256, 2) at 4096, (160, 4) at 5120 and (224, 4) at 7168, i.e. 5-7 warps per CTA and up to
-    4 vectors per thread, so several CTAs share an SM. The apply-mix backward takes up to 512 threads.
+    NOTE tuned for H200: up to 256 threads (the post forward, and the post backward where ``H % 1024 != 0``),
+    the model sizes give (threads, nv) = (160, 1) at H = 1280, (160, 2) at 2560, (256, 2) at 4096,
+    (160, 4) at 5120 and (224, 4) at 7168, i.e. 5-7 warps per CTA; the apply-mix forward takes up to 128
+    threads, its backward up to 512.
     """
     nvec = hidden_size // _VEC
     best = 0
@@ -138,9 +153,9 @@ def _row_layout(hidden_size: int, max_threads: int) -> tuple[int, int, bool]:
 
 
 def _row_chunk(nv: int) -> int:
-    """Vectors per thread of the 2-D ``(tokens, column chunks)`` grid: the largest divisor of the row's
-    ``nv`` vectors per thread that is at most ``_ROW_NVC``."""
-    return max(d for d in range(1, min(nv, _ROW_NVC) + 1) if nv % d == 0)
+    """Vectors per thread of a ``(token, column chunk)`` CTA whose layout puts ``nv`` vectors per thread on
+    the row: all of them (one chunk per token) where ``nv <= _ROW_NVC``, else one (``nv`` chunks)."""
+    return nv if nv <= _ROW_NVC else 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,25 +318,31 @@ def build_mhc_fn_normw_merge_forward(rows: int, cols: int):
     from tilelang import language as T
 
     M3, K = rows, cols
-    threads = _NORMW_THREADS
+    threads, nv = _NORMW_THREADS, _NORMW_VECS
     nq = K // 4
     f32 = T.float32
 
     @T.prim_func
     def mhc_fn_normw_merge_forward_cuda(fn: T.Tensor((M3, K), f32), normw: T.Tensor((K,), f32), out_fn: T.Tensor((M3, K), f32)):
-        # NOTE: (M3, K) is at most 24 x 32768 floats (3 MiB): one float4 per thread, grid (K/512, M3).
-        with T.Kernel(T.ceildiv(nq, threads), M3, threads=threads) as (bx, r):
+        # (M3, K) is at most 24 x 32768 floats (3 MiB); CTA (bx, r) = bid (rows fastest) owns the
+        # nv float4 column groups bx * nv * threads + j * threads + tid (j < nv) of row r.
+        with T.Kernel(T.ceildiv(nq, threads * nv) * M3, threads=threads) as bid:
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
+            r = bid % M3
+            bx = bid // M3
             tid = T.get_thread_binding()
-            a = T.alloc_local((4,), f32)
-            w = T.alloc_local((4,), f32)
-            if bx * threads + tid < nq:
-                for k in T.vectorized(4):
-                    a[k] = fn[r, (bx * threads + tid) * 4 + k]
-                for k in T.vectorized(4):
-                    w[k] = normw[(bx * threads + tid) * 4 + k]
-                for k in T.vectorized(4):
-                    out_fn[r, (bx * threads + tid) * 4 + k] = a[k] * w[k]
+            a = T.alloc_local((nv, 4), f32)
+            w = T.alloc_local((nv, 4), f32)
+            for j in T.unroll(nv):
+                if (bx * nv + j) * threads + tid < nq:
+                    for k in T.vectorized(4):
+                        a[j, k] = fn[r, ((bx * nv + j) * threads + tid) * 4 + k]
+                    for k in T.vectorized(4):
+                        w[j, k] = normw[((bx * nv + j) * threads + tid) * 4 + k]
+            for j in T.unroll(nv):
+                if (bx * nv + j) * threads + tid < nq:
+                    for k in T.vectorized(4):
+                        out_fn[r, ((bx * nv + j) * threads + tid) * 4 + k] = a[j, k] * w[j, k]
 
     return mhc_fn_normw_merge_forward_cuda
 
@@ -474,8 +495,8 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     """Builds ``out[t, d] = bf16(sum_{i=0..m-1} mix[t, i] * f32(x[t, i, d]))`` (i ascending, starting
     from the product ``mix_0 * x_0``).
 
-    Grid ``(T, column chunks)``; a thread loads its token's ``m`` mixes once and ``m`` 16-byte vectors
-    per column vector.
+    1-D grid over ``(token, column chunk)``, chunks fastest; a thread loads its token's ``m`` mixes once
+    and ``m`` 16-byte vectors per column vector.
 
     Args:
         hidden_size: ``H`` (multiple of 64).
@@ -487,9 +508,7 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
-    # NOTE: at most 2 vectors per thread in the 2-D grid (chunks of threads * nvc vectors) keeps
-    # 2 * m 16-byte loads in flight per thread with ~48 registers, i.e. full occupancy.
+    threads, nv, guarded = _row_layout(H, _APPLY_MIX_FWD_MAX_THREADS)
     nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
@@ -500,8 +519,10 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     def mhc_pre_apply_mix_forward_cuda(
         x: T.Tensor((num_tokens, m, H), bf16), mix: T.Tensor((num_tokens, m), f32), out: T.Tensor((num_tokens, H), bf16)
     ):
-        # Tokens on grid x (up to 2**31 - 1 CTAs); grid y is limited to 65535.
-        with T.Kernel(num_tokens, chunks, threads=threads) as (t, cb):
+        # One grid dimension (up to 2**31 - 1 CTAs; y is limited to 65535), the chunks of a token adjacent.
+        with T.Kernel(num_tokens * chunks, threads=threads) as bid:
+            t = bid // chunks
+            cb = bid % chunks
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
             tid = T.get_thread_binding()
             mx = T.alloc_local((m,), f32)
@@ -673,8 +694,8 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     """Builds ``out[t, o, d] = bf16(post[t, o] * f32(x[t, d]) + sum_{i=0..m-1} comb[t, i, o] * f32(res[t, i, d]))``,
     accumulated in exactly that order (post term first, then i ascending).
 
-    Grid ``(T, column chunks)``; a thread loads its token's ``m + m*m`` scalars once (uniform
-    loads) and, per column vector, ``1 + m`` 16-byte loads and ``m`` 16-byte stores.
+    1-D grid over ``(token, column chunk)``, chunks fastest; a thread loads its token's ``m + m*m``
+    scalars once (uniform loads) and, per column vector, ``1 + m`` 16-byte loads and ``m`` 16-byte stores.
 
     Args:
         hidden_size: ``H`` (multiple of 64).
@@ -687,13 +708,12 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    threads, nv, guarded = _row_layout(H, _ROW_MAX_THREADS)
-    # NOTE: 2 vectors per thread where possible: 2 * (1 + m) 16-byte loads in flight per thread with
-    # the 20 scalars in 64 registers (no spill), so that 4 CTAs of 256 threads share an SM and the 512
-    # CTAs of T = 512, H = 4096 run in one wave. Measured on the H200 against the 71-register build
-    # (3 CTAs per SM): 11.44 vs 11.93 us at T = 512, H = 4096, level elsewhere (18.6 / 144.8 / 256.1 us
-    # vs 18.7 / 144.1 / 255.4 us at T = 512 H = 7168, T = 8192 H = 4096 / 7168). 128-thread CTAs and
-    # one vector per thread were level at T = 512 and 1-4 % slower at T = 8192.
+    threads, nv, guarded = _row_layout(H, _POST_FWD_MAX_THREADS)
+    # NOTE: the whole row per CTA at 2 vectors per thread (H = 4096: 256 x 2), else one vector per thread
+    # (see _ROW_NVC); 2 * (1 + m) 16-byte loads in flight per thread with the 20 scalars in 64 registers
+    # (no spill), so that 4 CTAs of 256 threads share an SM and the 512 CTAs of T = 512, H = 4096 run in
+    # one wave. Measured on the H200 against the 71-register build (3 CTAs per SM, then a 2-D grid):
+    # 11.44 vs 11.93 us at T = 512, H = 4096.
     nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
@@ -708,8 +728,10 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
         comb_res_mix: T.Tensor((num_tokens, m, m), f32),
         out: T.Tensor((num_tokens, m, H), bf16),
     ):
-        # Tokens on grid x (up to 2**31 - 1 CTAs); grid y is limited to 65535.
-        with T.Kernel(num_tokens, chunks, threads=threads) as (t, cb):
+        # One grid dimension (up to 2**31 - 1 CTAs; y is limited to 65535), the chunks of a token adjacent.
+        with T.Kernel(num_tokens * chunks, threads=threads) as bid:
+            t = bid // chunks
+            cb = bid % chunks
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 64))
             tid = T.get_thread_binding()
             pr = T.alloc_local((m,), f32)
