@@ -73,3 +73,35 @@ def test_mhc_launchers_get_arguments_then_new_outputs(stub_backend):
     assert name == "mhc_gemm_with_sqrsum_forward"
     assert args[0] is x and args[1] is fn and args[2] == 4 and args[3] is parts and args[4] is sq
     assert parts.shape == (4, 3, 24) and sq.shape == (4, 3)
+
+
+def test_misaligned_tensors_never_reach_the_backend(stub_backend):
+    """A non-empty tensor argument whose data does not start on a 16-byte boundary (a contiguous view
+    at an odd storage offset) gets a ValueError naming the op and the argument, before any launch;
+    16-byte aligned views and empty tensors pass."""
+    assert _library.ALIGN_BYTES == 16
+    flat = torch.ones(4 * 512 + 8, dtype=torch.bfloat16)
+    good = torch.ones(4, 512, dtype=torch.bfloat16)
+    run = ops.engram_fused_weight.backend_kernel("cuda")
+    for offset in (1, 2, 4):  # 2, 4 and 8 bytes past a boundary
+        bad = flat[offset:offset + 4 * 512].view(4, 512)
+        assert bad.is_contiguous()
+        with pytest.raises(ValueError, match=r"cann_ops_tilelang::engram_fused_weight: argument 'weight_embed': "
+                                             r"expected data starting on a 16-byte boundary .* "
+                                             rf"{2 * offset} bytes past one \(a view at storage offset {offset}\)"):
+            run(good, bad)
+    assert stub_backend == []
+    run(good, flat[8:8 + 4 * 512].view(4, 512))  # 16 bytes past: aligned
+    assert [name for name, _ in stub_backend] == ["engram_fused_weight"]
+    # an in-place buffer is checked too, and nothing is written to it
+    grad = torch.zeros(4 * 512 + 1)[1:].view(4, 512)
+    reduce = ops.registered_ops()["engram_grad_w_reduce"].backend_kernel("cuda")
+    with pytest.raises(ValueError, match="argument 'grad_weight_hidden'"):
+        reduce(torch.zeros(2, 4, 512), good, good, grad, torch.zeros(4, 512))
+    assert torch.equal(grad, torch.zeros(4, 512)) and len(stub_backend) == 1
+    # empty tensors have no data to misalign
+    empty = torch.empty(0, dtype=torch.bfloat16).set_(flat.untyped_storage(), 1, (0, 4, 512))
+    assert empty.numel() == 0 and empty.storage_offset() == 1
+    ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(empty, torch.empty(0, 5, 512, dtype=torch.bfloat16),
+                                                                 torch.ones(4, 512), 1e-6, 1e-6)
+    assert len(stub_backend) == 1  # zero tokens: no launch

@@ -7,7 +7,9 @@ the schema), it validates the arguments (metadata only) and allocates the output
 * the prepare function is the fake (meta) implementation, so fake and real outputs have identical
   metadata by construction;
 * the kernels for ``"cuda"`` and ``"privateuseone"`` (Ascend NPUs through torch_npu) run the
-  prepare function, then the op's *launch* function (registered with ``@op.launch``), which gets
+  prepare function, check that every non-empty tensor argument starts on a 16-byte boundary (the
+  kernels' widest vector access; a misaligned view gets a ``ValueError`` naming the op and the
+  argument instead of a device fault), then the op's *launch* function (registered with ``@op.launch``), which gets
   the lazily imported backend module ``cann_ops_tilelang.kernels.<backend>.<family>``, the
   outputs and the arguments; TileLang is imported only there, on first use;
 * any other device (CPU, ...) gets a ``RuntimeError`` naming the op, the device and the devices
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from . import config
+from ._checks import OpError
 
 __all__ = ["NAMESPACE", "declare", "registered_ops"]
 
@@ -38,6 +41,8 @@ _BACKENDS = {"cuda": "cuda", "privateuseone": "ascend"}
 _SUPPORTED = "cuda, npu"
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
+
+ALIGN_BYTES = 16  # the kernels' widest vector access (16-byte loads, stores and cp.async copies)
 
 
 def registered_ops() -> dict[str, Callable[..., Any]]:
@@ -77,6 +82,19 @@ def _backend_module(backend: str, family: str):
     return importlib.import_module(f"{__package__}.kernels.{backend}.{family}")
 
 
+def _check_aligned(name: str, arguments: dict[str, Any]) -> None:
+    """``ValueError`` for the first non-empty tensor argument whose data does not start on an
+    ``ALIGN_BYTES`` boundary (e.g. a contiguous view at an odd storage offset)."""
+    for arg, value in arguments.items():
+        if isinstance(value, torch.Tensor) and value.numel() > 0 and value.data_ptr() % ALIGN_BYTES:
+            raise OpError(name).value(
+                arg,
+                f"expected data starting on a {ALIGN_BYTES}-byte boundary (the kernels use {ALIGN_BYTES}-byte "
+                f"vector accesses), got an address {value.data_ptr() % ALIGN_BYTES} bytes past one (a view at "
+                f"storage offset {value.storage_offset()}); pass a copy (.clone())",
+            )
+
+
 class _Op:
     """Binds a declared op's prepare function to its launch function for one backend."""
 
@@ -101,6 +119,7 @@ class _Op:
             bound = self.signature.bind(*args, **kwargs)
             bound.apply_defaults()
             outputs = self.prepare(*bound.args, **bound.kwargs)
+            _check_aligned(self.name, bound.arguments)
             if config.debug_enabled():
                 config.logger.debug("%s::%s on %s: %s", NAMESPACE, self.name, backend, _describe(bound.arguments))
             if self.launch is None:

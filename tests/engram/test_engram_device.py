@@ -56,6 +56,18 @@ def test_fused_weight_bitwise(shape, device, seed):
     assert_equal(we, we0)
 
 
+def test_misaligned_view_is_rejected_on_device(device, seed):
+    """A contiguous view 2 bytes past a 16-byte boundary gets the op's ValueError instead of a device
+    fault (the kernels use 16-byte vector accesses), and the device stays usable."""
+    gen = torch.Generator().manual_seed(seed)
+    wh = torch.randn(4, 512, generator=gen).bfloat16().to(device)
+    flat = torch.randn(4 * 512 + 8, generator=gen).bfloat16().to(device)
+    with pytest.raises(ValueError, match="argument 'weight_embed': expected data starting on a 16-byte boundary"):
+        ops.engram_fused_weight(wh, flat[1:1 + 4 * 512].view(4, 512))
+    we = flat[8:8 + 4 * 512].view(4, 512)  # 16 bytes past: aligned, runs
+    assert_equal(ops.engram_fused_weight(wh, we), fused_weight_ref(wh, we))
+
+
 # --- engram_gate_fwd ----------------------------------------------------------------------------------
 
 
