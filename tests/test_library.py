@@ -75,11 +75,12 @@ def test_mhc_launchers_get_arguments_then_new_outputs(stub_backend):
     assert parts.shape == (4, 3, 24) and sq.shape == (4, 3)
 
 
-def test_misaligned_tensors_never_reach_the_backend(stub_backend):
-    """A non-empty tensor argument whose data does not start on a 16-byte boundary (a contiguous view
-    at an odd storage offset) gets a ValueError naming the op and the argument, before any launch;
-    16-byte aligned views and empty tensors pass."""
-    assert _library.ALIGN_BYTES == 16
+def test_misaligned_vector_arguments_never_reach_the_backend(stub_backend):
+    """An argument the kernels access in vectors (the op's ``vector_args``) whose data does not start on a
+    multiple of the access width (a contiguous view at an odd storage offset) gets a ValueError naming the
+    op and the argument, before any launch; aligned views, empty tensors and the arguments accessed element
+    by element (masks, fp32 gradient buffers such as a Megatron main_grad view) pass at any offset."""
+    assert ops.engram_fused_weight.vector_args == {"weight_hidden": 16, "weight_embed": 16}
     flat = torch.ones(4 * 512 + 8, dtype=torch.bfloat16)
     good = torch.ones(4, 512, dtype=torch.bfloat16)
     run = ops.engram_fused_weight.backend_kernel("cuda")
@@ -93,15 +94,33 @@ def test_misaligned_tensors_never_reach_the_backend(stub_backend):
     assert stub_backend == []
     run(good, flat[8:8 + 4 * 512].view(4, 512))  # 16 bytes past: aligned
     assert [name for name, _ in stub_backend] == ["engram_fused_weight"]
-    # an in-place buffer is checked too, and nothing is written to it
-    grad = torch.zeros(4 * 512 + 1)[1:].view(4, 512)
+    # the TMA-loaded partials must be aligned; the fp32 gradient buffers (element-wise) need not be
     reduce = ops.registered_ops()["engram_grad_w_reduce"].backend_kernel("cuda")
-    with pytest.raises(ValueError, match="argument 'grad_weight_hidden'"):
-        reduce(torch.zeros(2, 4, 512), good, good, grad, torch.zeros(4, 512))
-    assert torch.equal(grad, torch.zeros(4, 512)) and len(stub_backend) == 1
-    # empty tensors have no data to misalign
-    empty = torch.empty(0, dtype=torch.bfloat16).set_(flat.untyped_storage(), 1, (0, 4, 512))
+    partial = torch.zeros(2 * 4 * 512 + 1)[1:].view(2, 4, 512)
+    grad = torch.zeros(4 * 512 + 1)[1:].view(4, 512)
+    with pytest.raises(ValueError, match="engram_grad_w_reduce: argument 'grad_w_partial': .* 4 bytes past one"):
+        reduce(partial, good, good, torch.zeros(4, 512), torch.zeros(4, 512))
+    assert len(stub_backend) == 1
+    reduce(torch.zeros(2, 4, 512), good, good, grad, torch.zeros(4 * 512 + 3)[3:].view(4, 512))
+    assert [name for name, _ in stub_backend][1:] == ["engram_grad_w_reduce"]
+    # a mask at an odd offset (read one element at a time) and empty tensors pass
+    x = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 5, 512, dtype=torch.bfloat16)
+    mask = torch.zeros(4, dtype=torch.bool)[1:]
+    ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(x, kv, torch.ones(4, 512), 1e-6, 1e-6, True, mask)
+    assert [name for name, _ in stub_backend][2:] == ["engram_gate_fwd"]
+    empty = flat[1:1].view(0, 4, 512)
     assert empty.numel() == 0 and empty.storage_offset() == 1
     ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(empty, torch.empty(0, 5, 512, dtype=torch.bfloat16),
                                                                  torch.ones(4, 512), 1e-6, 1e-6)
-    assert len(stub_backend) == 1  # zero tokens: no launch
+    assert len(stub_backend) == 3  # zero tokens: no launch
+
+
+def test_vector_args_name_arguments_of_the_op():
+    def prepare(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
+    with pytest.raises(ValueError, match=r"cann_ops_tilelang::_test_vector_args: vector_args names no argument "
+                                         r"of the op: \['y'\]"):
+        _library.declare("_test_vector_args", family="engram", vector_args={"y": 16})(prepare)
+    assert "_test_vector_args" not in ops.registered_ops()

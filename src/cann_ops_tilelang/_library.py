@@ -7,9 +7,10 @@ the schema), it validates the arguments (metadata only) and allocates the output
 * the prepare function is the fake (meta) implementation, so fake and real outputs have identical
   metadata by construction;
 * the kernels for ``"cuda"`` and ``"privateuseone"`` (Ascend NPUs through torch_npu) run the
-  prepare function, check that every non-empty tensor argument starts on a 16-byte boundary (the
-  kernels' widest vector access; a misaligned view gets a ``ValueError`` naming the op and the
-  argument instead of a device fault), then the op's *launch* function (registered with ``@op.launch``), which gets
+  prepare function, check that every argument the kernels access in vectors (``vector_args``: the
+  access width in bytes per argument) starts on a multiple of that width where it holds data (a
+  misaligned view gets a ``ValueError`` naming the op and the argument instead of a device fault),
+  then the op's *launch* function (registered with ``@op.launch``), which gets
   the lazily imported backend module ``cann_ops_tilelang.kernels.<backend>.<family>``, the
   outputs and the arguments; TileLang is imported only there, on first use;
 * any other device (CPU, ...) gets a ``RuntimeError`` naming the op, the device and the devices
@@ -24,7 +25,7 @@ never traces into TileLang), with the ``CustomOpDef`` under ``.op`` and the qual
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,8 +42,6 @@ _BACKENDS = {"cuda": "cuda", "privateuseone": "ascend"}
 _SUPPORTED = "cuda, npu"
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
-
-ALIGN_BYTES = 16  # the kernels' widest vector access (16-byte loads, stores and cp.async copies)
 
 
 def registered_ops() -> dict[str, Callable[..., Any]]:
@@ -82,27 +81,32 @@ def _backend_module(backend: str, family: str):
     return importlib.import_module(f"{__package__}.kernels.{backend}.{family}")
 
 
-def _check_aligned(name: str, arguments: dict[str, Any]) -> None:
-    """``ValueError`` for the first non-empty tensor argument whose data does not start on an
-    ``ALIGN_BYTES`` boundary (e.g. a contiguous view at an odd storage offset)."""
-    for arg, value in arguments.items():
-        if isinstance(value, torch.Tensor) and value.numel() > 0 and value.data_ptr() % ALIGN_BYTES:
+def _check_aligned(name: str, arguments: dict[str, Any], vector_args: dict[str, int]) -> None:
+    """``ValueError`` for the first argument of ``vector_args`` that holds data not starting on a multiple
+    of its access width (e.g. a contiguous view at an odd storage offset)."""
+    for arg, width in vector_args.items():
+        value = arguments.get(arg)
+        if isinstance(value, torch.Tensor) and value.numel() > 0 and value.data_ptr() % width:
             raise OpError(name).value(
                 arg,
-                f"expected data starting on a {ALIGN_BYTES}-byte boundary (the kernels use {ALIGN_BYTES}-byte "
-                f"vector accesses), got an address {value.data_ptr() % ALIGN_BYTES} bytes past one (a view at "
-                f"storage offset {value.storage_offset()}); pass a copy (.clone())",
+                f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
+                f"vectors), got an address {value.data_ptr() % width} bytes past one (a view at storage "
+                f"offset {value.storage_offset()}); pass a copy (.clone())",
             )
 
 
 class _Op:
     """Binds a declared op's prepare function to its launch function for one backend."""
 
-    def __init__(self, name: str, family: str, prepare: Callable[..., Any]):
+    def __init__(self, name: str, family: str, prepare: Callable[..., Any], vector_args: Mapping[str, int]):
         self.name = name
         self.family = family
         self.prepare = prepare
         self.signature = inspect.signature(prepare)
+        unknown = sorted(set(vector_args) - set(self.signature.parameters))
+        if unknown:
+            raise ValueError(f"{NAMESPACE}::{name}: vector_args names no argument of the op: {unknown}")
+        self.vector_args = dict(vector_args)
         self.launch: Callable[..., None] | None = None
 
     def unsupported(self, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +123,7 @@ class _Op:
             bound = self.signature.bind(*args, **kwargs)
             bound.apply_defaults()
             outputs = self.prepare(*bound.args, **bound.kwargs)
-            _check_aligned(self.name, bound.arguments)
+            _check_aligned(self.name, bound.arguments, self.vector_args)
             if config.debug_enabled():
                 config.logger.debug("%s::%s on %s: %s", NAMESPACE, self.name, backend, _describe(bound.arguments))
             if self.launch is None:
@@ -131,7 +135,9 @@ class _Op:
         return run
 
 
-def declare(name: str, *, family: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
+def declare(
+    name: str, *, family: str, mutates_args: Sequence[str] = (), vector_args: Mapping[str, int] | None = None
+) -> Callable[[Callable[..., Any]], Any]:
     """Declares ``cann_ops_tilelang::<name>`` from its prepare function (see the module docstring).
 
     Args:
@@ -139,6 +145,9 @@ def declare(name: str, *, family: str, mutates_args: Sequence[str] = ()) -> Call
         family: the kernel family, i.e. the module ``kernels.<backend>.<family>`` that holds its
             kernels (``"engram"``, ``"mhc"``...).
         mutates_args: names of the arguments the op writes to, exactly.
+        vector_args: ``{argument: bytes}``, the arguments that the kernels read or write in vectors (or by
+            cp.async / TMA) of that many bytes: each must start on a multiple of it where it holds data.
+            The CUDA lowering tests check it against the generated sources.
 
     Returns:
         A decorator; applied to the prepare function it returns the public Python function. Register
@@ -151,7 +160,7 @@ def declare(name: str, *, family: str, mutates_args: Sequence[str] = ()) -> Call
     def wrap(prepare: Callable[..., Any]) -> Any:
         if name in _REGISTRY:
             raise RuntimeError(f"{NAMESPACE}::{name} is declared twice")
-        op = _Op(name, family, prepare)
+        op = _Op(name, family, prepare, vector_args or {})
 
         def default(*args: Any, **kwargs: Any) -> Any:
             return op.unsupported(*args, **kwargs)
@@ -176,6 +185,7 @@ def declare(name: str, *, family: str, mutates_args: Sequence[str] = ()) -> Call
         public.qualname = f"{NAMESPACE}::{name}"
         public.launch = set_launch
         public.prepare = prepare
+        public.vector_args = dict(op.vector_args)
         _REGISTRY[name] = public
         return public
 

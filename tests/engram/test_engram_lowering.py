@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from _plugins.cuda_vectors import declared_vector_args, undeclared
 
 pytest.importorskip("tilelang")
 
@@ -51,6 +52,8 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
         f"{name} at H={hidden}: shared memory {built.smem_bytes} B (budget {built.budget_bytes} B), "
         f"{built.threads} threads per CTA"
     )
+    # every argument its ops pass in and the kernel accesses in vectors is declared (op helper's alignment check)
+    assert not undeclared(name, built.source, declared_vector_args())
 
 
 def test_both_backends_have_the_same_kernels():
@@ -224,3 +227,22 @@ def test_cuda_grad_w_reduce_chunk_paths_compile(partials):
 
     built = cuda_build.compile_cubin(gwr.build_engram_grad_w_reduce(512, 4, partials), arch="sm_90a")
     assert built.cubin[:4] == b"\x7fELF" and built.fits, (built.smem_bytes, built.budget_bytes)
+
+
+def test_vector_access_check_sees_vectors_cp_async_and_tma():
+    """The source reading behind the alignment declarations (``_plugins.cuda_vectors``) finds 16-byte
+    vector accesses, cp.async copies and TMA loads, and reports an argument whose width is not declared."""
+    from _plugins.cuda_vectors import vector_accesses
+
+    fused = cuda_build.lower_source(cuda_engram.lowering_cases(512)["fused_weight"])
+    assert vector_accesses(fused) == {"weight_hidden": 16, "weight_embed": 16, "weight_fused": 16}
+    bwd = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(4096)["gate_bwd_nomask"]))
+    assert bwd["grad_out"] == 16 and "dot" not in bwd  # cp.async-staged rows; scalars read one at a time
+    reduce = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(512)["grad_w_reduce"]))
+    assert reduce.get("grad_w_partial_desc") == 16 and "grad_weight_hidden" not in reduce
+    declared = declared_vector_args()
+    assert not undeclared("fused_weight", fused, declared)
+    declared["engram_fused_weight"]["vector_args"] = {"weight_hidden": 16, "weight_embed": 8}
+    assert undeclared("fused_weight", fused, declared) == [
+        "fused_weight: engram_fused_weight argument 'weight_embed' is accessed in 16-byte vectors, declared 8"
+    ]

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from _plugins.cuda_vectors import declared_vector_args, undeclared
 
 pytest.importorskip("tilelang")
 
@@ -39,6 +40,8 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
     built = cuda_build.compile_cubin(cuda_mhc.lowering_cases(hidden)[name], arch="sm_90a")
     assert built.cubin[:4] == b"\x7fELF" and len(built.cubin) > 1000
     assert built.fits, (name, hidden, built.smem_bytes, built.budget_bytes, built.threads)
+    # every argument its ops pass in and the kernel accesses in vectors is declared (op helper's alignment check)
+    assert not undeclared(name, built.source, declared_vector_args())
 
 
 @pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])
@@ -92,8 +95,8 @@ def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
 
 
 def test_cuda_streaming_row_layouts_cover_the_row():
-    """The one-token CTA layouts of the CUDA streaming kernels (apply-mix forward up to 128 threads, post
-    forward up to 256, apply-mix backward up to 512, post backward 128 where H % 1024 == 0) are whole
+    """The one-token CTA layouts of the CUDA streaming kernels (apply-mix forward 128 threads where the row
+    allows, else as the post forward; post forward up to 256, apply-mix backward up to 512, post backward 128 where H % 1024 == 0) are whole
     warps within the CTA limit and cover the row's H / 8 vectors exactly once, guarding the last slots
     exactly when they overrun (every H % 64 == 0 up to 16384); the forwards' column chunks split a row's
     vectors per thread evenly (all of them up to 2, else one per chunk)."""
@@ -102,7 +105,7 @@ def test_cuda_streaming_row_layouts_cover_the_row():
     for hidden in range(64, 16385, 64):
         nvec = hidden // 8
         layouts = {
-            "apply_mix_fwd": streaming._row_layout(hidden, streaming._APPLY_MIX_FWD_MAX_THREADS),
+            "apply_mix_fwd": streaming._apply_mix_forward_layout(hidden),
             "post_fwd": streaming._row_layout(hidden, streaming._POST_FWD_MAX_THREADS),
             "apply_mix_bwd": streaming._row_layout(hidden, streaming._APPLY_MIX_BWD_MAX_THREADS),
             "post_bwd": streaming._post_backward_layout(hidden),
@@ -113,7 +116,9 @@ def test_cuda_streaming_row_layouts_cover_the_row():
             assert threads * (nv - 1) < nvec, (hidden, name, threads, nv)  # no slot wholly past the row
         assert layouts["post_bwd"][0] == 128 or hidden % 1024 != 0, hidden
         assert layouts["apply_mix_bwd"][0] <= 512, hidden
-        assert layouts["apply_mix_fwd"][0] <= 128 and layouts["post_fwd"][0] <= 256, hidden
+        assert layouts["post_fwd"][0] <= 256, hidden
+        # apply-mix forward: up to 128 threads, never fewer (then the post forward's layout)
+        assert layouts["apply_mix_fwd"][0] == 128 or layouts["apply_mix_fwd"] == layouts["post_fwd"], hidden
         for name in ("apply_mix_fwd", "post_fwd"):
             nv = layouts[name][1]
             nvc = streaming._row_chunk(nv)

@@ -23,7 +23,12 @@ __all__ = [
 
 _FAMILY = "engram"
 
-engram_fused_weight = declare("engram_fused_weight", family=_FAMILY)(fakes.engram_fused_weight)
+# the arguments the kernels access in 16-byte vectors (bf16 rows, fp32 weights, the TMA-loaded partials)
+_GATE_VECTORS = {"hidden_states": 16, "kv": 16, "weight_fused": 16}
+
+engram_fused_weight = declare(
+    "engram_fused_weight", family=_FAMILY, vector_args={"weight_hidden": 16, "weight_embed": 16}
+)(fakes.engram_fused_weight)
 
 
 @engram_fused_weight.launch
@@ -32,7 +37,7 @@ def _(kernels, out, weight_hidden, weight_embed):
         kernels.engram_fused_weight(weight_hidden, weight_embed, out)
 
 
-_engram_gate_fwd = declare("engram_gate_fwd", family=_FAMILY)(fakes.engram_gate_fwd)
+_engram_gate_fwd = declare("engram_gate_fwd", family=_FAMILY, vector_args=_GATE_VECTORS)(fakes.engram_gate_fwd)
 
 
 @_engram_gate_fwd.launch
@@ -46,7 +51,9 @@ def _(kernels, outs, hidden_states, kv, weight_fused, eps, clamp_value, save_for
     )
 
 
-engram_gate_fwd_inplace = declare("engram_gate_fwd_inplace", family=_FAMILY, mutates_args=("hidden_states",))(
+engram_gate_fwd_inplace = declare(
+    "engram_gate_fwd_inplace", family=_FAMILY, mutates_args=("hidden_states",), vector_args=_GATE_VECTORS
+)(
     fakes.engram_gate_fwd_inplace
 )
 
@@ -60,7 +67,9 @@ def _(kernels, _none, hidden_states, kv, weight_fused, eps, clamp_value, image_t
     )
 
 
-engram_gate_bwd = declare("engram_gate_bwd", family=_FAMILY)(fakes.engram_gate_bwd)
+engram_gate_bwd = declare(
+    "engram_gate_bwd", family=_FAMILY, vector_args={"grad_out": 16, **_GATE_VECTORS}
+)(fakes.engram_gate_bwd)
 
 
 @engram_gate_bwd.launch
@@ -78,7 +87,8 @@ def _(kernels, outs, grad_out, hidden_states, kv, weight_fused, dot, gate_score,
 
 
 engram_grad_w_reduce = declare(
-    "engram_grad_w_reduce", family=_FAMILY, mutates_args=("grad_weight_hidden", "grad_weight_embed")
+    "engram_grad_w_reduce", family=_FAMILY, mutates_args=("grad_weight_hidden", "grad_weight_embed"),
+    vector_args={"grad_w_partial": 16},
 )(fakes.engram_grad_w_reduce)
 
 

@@ -41,13 +41,38 @@ _OPS = {
                                       "input_mix", ("mhc_scale_grad_partial", "mhc_base_grad_partial")),
 }
 
+# op -> the arguments its kernels access in vectors, with the access width in bytes (each must start on a
+# multiple of it; the CUDA lowering tests check this table against the generated sources)
+_VECTOR_ARGS = {
+    "expand_to_mhc_forward": {"x": 16, "out": 16},
+    "expand_to_mhc_backward": {"out_grad": 16, "x_grad": 16},
+    "mhc_fn_normw_merge_forward": {"fn": 16, "normw": 16, "out_fn": 16},
+    "mhc_fn_normw_merge_backward": {"fn": 16, "normw": 16, "out_fn_grad": 16, "fn_grad": 16},
+    "mhc_gemm_with_sqrsum_forward": {"x": 16, "fn": 16},
+    "mhc_gemm_with_sqrsum_backward": {"out_mul_grad": 16, "x": 4, "fn": 8, "x_grad": 4},
+    "mhc_reduce_partials_and_rmsnorm_forward": {"out_mul_splitted": 16, "out_mul": 16, "out": 16},
+    "mhc_reduce_partials_and_rmsnorm_backward": {"out_grad": 16, "out_mul": 16, "out_mul_grad": 16},
+    "mhc_pre_split_mixes_forward": {"input_mixes": 16, "mhc_base": 16, "pre": 16, "post": 16, "comb": 16},
+    "mhc_pre_split_mixes_backward": {"pre_grad": 16, "post_grad": 16, "comb_grad": 16, "input_mixes": 16,
+                                     "post": 16, "mhc_base": 16, "input_mixes_grad": 16},
+    "mhc_sinkhorn_forward": {},
+    "mhc_sinkhorn_backward": {},
+    "mhc_pre_apply_mix_forward": {"x": 16, "out": 16},
+    "mhc_pre_apply_mix_backward": {"out_grad": 16, "x": 16, "x_grad": 16},
+    "mhc_post_forward": {"x": 16, "residual": 16},
+    "mhc_post_forward_out": {"x": 16, "residual": 16, "out": 16},
+    "mhc_post_backward": {"x": 16, "residual": 16, "d_o": 16},
+    "mhc_head_compute_mix_forward": {},
+    "mhc_head_compute_mix_backward": {"output_mix_grad": 16, "input_mix": 16, "input_mix_grad": 16},
+}
+
 # The out-variant of the post forward runs the post-forward kernel with the caller's buffer.
 _KERNEL_NAME = {"mhc_post_forward_out": "mhc_post_forward"}
 
 
 def _declare(name: str):
     mutated, token_arg, zero_when_empty = _OPS[name]
-    public = declare(name, family=_FAMILY, mutates_args=mutated)(getattr(fakes, name))
+    public = declare(name, family=_FAMILY, mutates_args=mutated, vector_args=_VECTOR_ARGS[name])(getattr(fakes, name))
     kernel_name = _KERNEL_NAME.get(name, name)
 
     @public.launch

@@ -152,6 +152,15 @@ def _row_layout(hidden_size: int, max_threads: int) -> tuple[int, int, bool]:
     return threads, nv, nv * threads != nvec
 
 
+def _apply_mix_forward_layout(hidden_size: int) -> tuple[int, int, bool]:
+    """Layout of the apply-mix forward's (token, chunk) CTA: :func:`_row_layout` up to
+    ``_APPLY_MIX_FWD_MAX_THREADS`` (128) threads, unless that gives fewer than 128 (``H / 8`` without a
+    multiple-of-32 divisor in 128..: H = 1280 would get 32-thread CTAs, 2560 64-thread ones), then up to
+    ``_POST_FWD_MAX_THREADS`` (160 threads at H = 1280 and 2560, the layout before the 1-D grid)."""
+    layout = _row_layout(hidden_size, _APPLY_MIX_FWD_MAX_THREADS)
+    return layout if layout[0] >= _APPLY_MIX_FWD_MAX_THREADS else _row_layout(hidden_size, _POST_FWD_MAX_THREADS)
+
+
 def _row_chunk(nv: int) -> int:
     """Vectors per thread of a ``(token, column chunk)`` CTA whose layout puts ``nv`` vectors per thread on
     the row: all of them (one chunk per token) where ``nv <= _ROW_NVC``, else one (``nv`` chunks)."""
@@ -508,7 +517,7 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    threads, nv, guarded = _row_layout(H, _APPLY_MIX_FWD_MAX_THREADS)
+    threads, nv, guarded = _apply_mix_forward_layout(H)
     nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
@@ -709,11 +718,11 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     threads, nv, guarded = _row_layout(H, _POST_FWD_MAX_THREADS)
-    # NOTE: the whole row per CTA at 2 vectors per thread (H = 4096: 256 x 2), else one vector per thread
-    # (see _ROW_NVC); 2 * (1 + m) 16-byte loads in flight per thread with the 20 scalars in 64 registers
-    # (no spill), so that 4 CTAs of 256 threads share an SM and the 512 CTAs of T = 512, H = 4096 run in
-    # one wave. Measured on the H200 against the 71-register build (3 CTAs per SM, then a 2-D grid):
-    # 11.44 vs 11.93 us at T = 512, H = 4096.
+    # NOTE: the whole row per CTA where that takes at most 2 vectors per thread (H = 4096: 256 x 2; 1280:
+    # 160 x 1), else one vector per thread (see _ROW_NVC). At 2 vectors, 2 * (1 + m) 16-byte loads are in
+    # flight per thread with the 20 scalars in 64 registers (no spill), so that 4 CTAs of 256 threads share
+    # an SM and the 512 CTAs of T = 512, H = 4096 run in one wave. Measured on the H200 against the
+    # 71-register build (3 CTAs per SM, then a 2-D grid): 11.44 vs 11.93 us at T = 512, H = 4096.
     nvc = _row_chunk(nv)
     chunks = nv // nvc
     nvec = H // _VEC
