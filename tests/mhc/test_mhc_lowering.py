@@ -96,10 +96,10 @@ def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
 
 def test_cuda_streaming_row_layouts_cover_the_row():
     """The one-token CTA layouts of the CUDA streaming kernels (apply-mix forward 128 threads where the row
-    allows, else as the post forward; post forward up to 256, apply-mix backward up to 512, post backward 128 where H % 1024 == 0) are whole
-    warps within the CTA limit and cover the row's H / 8 vectors exactly once, guarding the last slots
-    exactly when they overrun (every H % 64 == 0 up to 16384); the forwards' column chunks split a row's
-    vectors per thread evenly (all of them up to 2, else one per chunk)."""
+    allows, else as the post forward; post forward up to 256, apply-mix backward up to 512, post backward
+    128 where H % 1024 == 0) are whole warps within the CTA limit and cover the row's H / 8 vectors exactly
+    once, guarding the last slots exactly when they overrun (every H % 64 == 0 up to 16384); the forwards'
+    column chunks split a row's vectors per thread evenly (all of them up to 2, else one per chunk)."""
     from cann_ops_tilelang.kernels.cuda.mhc import streaming
 
     for hidden in range(64, 16385, 64):

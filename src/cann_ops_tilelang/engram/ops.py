@@ -23,7 +23,8 @@ __all__ = [
 
 _FAMILY = "engram"
 
-# the arguments the kernels access in 16-byte vectors (bf16 rows, fp32 weights, the TMA-loaded partials)
+# vector_args: the arguments the kernels access in 16-byte vectors (bf16 rows, fp32 weights; in the weight-
+# gradient reduction the TMA-loaded partials); masks, statistics and the fp32 gradient buffers are read per element
 _GATE_VECTORS = {"hidden_states": 16, "kv": 16, "weight_fused": 16}
 
 engram_fused_weight = declare(
@@ -53,9 +54,7 @@ def _(kernels, outs, hidden_states, kv, weight_fused, eps, clamp_value, save_for
 
 engram_gate_fwd_inplace = declare(
     "engram_gate_fwd_inplace", family=_FAMILY, mutates_args=("hidden_states",), vector_args=_GATE_VECTORS
-)(
-    fakes.engram_gate_fwd_inplace
-)
+)(fakes.engram_gate_fwd_inplace)
 
 
 @engram_gate_fwd_inplace.launch

@@ -156,11 +156,13 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
             hi = T.alloc_local((4,), bf16)
             lo = T.alloc_local((4,), bf16)
             for j in T.unroll(nv):
-                if ((bx * nv + j) * threads + tid) * 4 < M3 * K:
+                base = ((bx * nv + j) * threads + tid) * 4
+                if base < M3 * K:
                     for k in T.vectorized(4):
-                        v[j, k] = fn[(((bx * nv + j) * threads + tid) * 4 + k) // K, (((bx * nv + j) * threads + tid) * 4 + k) % K]
+                        v[j, k] = fn[(base + k) // K, (base + k) % K]
             for j in T.unroll(nv):
-                if ((bx * nv + j) * threads + tid) * 4 < M3 * K:
+                base = ((bx * nv + j) * threads + tid) * 4
+                if base < M3 * K:
                     for k in T.unroll(4):
                         # TF32: add half a TF32 ulp to the bit pattern, clear the low 13 bits (round half
                         # away); hi keeps the top 8 significand bits, lo the remaining <= 3 (both exact).
@@ -172,9 +174,9 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
                             bf16,
                         )
                     for k in T.vectorized(4):
-                        fhl[(((bx * nv + j) * threads + tid) * 4 + k) // K, (((bx * nv + j) * threads + tid) * 4 + k) % K] = hi[k]
+                        fhl[(base + k) // K, (base + k) % K] = hi[k]
                     for k in T.vectorized(4):
-                        fhl[M3 + (((bx * nv + j) * threads + tid) * 4 + k) // K, (((bx * nv + j) * threads + tid) * 4 + k) % K] = lo[k]
+                        fhl[M3 + (base + k) // K, (base + k) % K] = lo[k]
 
     return mhc_gemm_fn_split_cuda
 

@@ -343,15 +343,17 @@ def build_mhc_fn_normw_merge_forward(rows: int, cols: int):
             a = T.alloc_local((nv, 4), f32)
             w = T.alloc_local((nv, 4), f32)
             for j in T.unroll(nv):
-                if (bx * nv + j) * threads + tid < nq:
+                q = (bx * nv + j) * threads + tid  # float4 column group
+                if q < nq:
                     for k in T.vectorized(4):
-                        a[j, k] = fn[r, ((bx * nv + j) * threads + tid) * 4 + k]
+                        a[j, k] = fn[r, q * 4 + k]
                     for k in T.vectorized(4):
-                        w[j, k] = normw[((bx * nv + j) * threads + tid) * 4 + k]
+                        w[j, k] = normw[q * 4 + k]
             for j in T.unroll(nv):
-                if (bx * nv + j) * threads + tid < nq:
+                q = (bx * nv + j) * threads + tid
+                if q < nq:
                     for k in T.vectorized(4):
-                        out_fn[r, ((bx * nv + j) * threads + tid) * 4 + k] = a[j, k] * w[j, k]
+                        out_fn[r, q * 4 + k] = a[j, k] * w[j, k]
 
     return mhc_fn_normw_merge_forward_cuda
 
