@@ -5,7 +5,7 @@ and R in {1, 10, 20}, and opcheck on the device."""
 
 import pytest
 import torch
-from _plugins.device import requires_device
+from _plugins.device import requires_cuda, requires_device
 from _plugins.levels import level_choice
 from mhc_cases import OPS, make_args
 
@@ -98,6 +98,49 @@ def check(name, ours, oa, want, ra, tokens):
 def test_streaming_op_vs_reference(name, tokens, hidden, device, seed):
     args = make_args(name, tokens, hidden, seed=seed, device=device)
     check(name, *run_both(name, args), tokens)
+
+
+@pytest.mark.parametrize("hidden", [1280, 4096, 7168])
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("splits", [1, 7, 80])
+def test_gemm_forward_split_counts(splits, tokens, hidden, device, seed):
+    """Split counts other than the default 16: one split, uneven splits (7) and many splits (80: one
+    64-column block each at H = 1280). On CUDA these take both forward schedules (streaming at S = 1 and
+    at S = 7 from H = 4096; resident at S = 7, H = 1280 and at S = 80)."""
+    name = "mhc_gemm_with_sqrsum_forward"
+    args = make_args(name, tokens, hidden, seed=seed, device=device, splits=splits)
+    check(name, *run_both(name, args), tokens)
+
+
+@requires_cuda
+@pytest.mark.parametrize("hidden", [1280, 2560, 4096])
+def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
+    """The resident and streaming schedules of the CUDA GEMM forward run the same arithmetic in the same
+    order: their partials are bitwise equal (at the default 16 splits, where the launcher takes the
+    resident one), token counts with a partial last tile and with several tiles per CTA."""
+    from cann_ops_tilelang import config
+    from cann_ops_tilelang.kernels.cuda._build import jit_compile
+    from cann_ops_tilelang.kernels.cuda.mhc import gemm
+
+    k, splits = 4 * hidden, 16
+    cols, rows, _, block_k, stages = gemm._fwd_key(k, 24, splits)
+    assert stages > 0
+    resident = gemm.get_mhc_gemm_with_sqrsum_forward_kernel(cols, rows, splits, block_k, stages)
+    streaming = jit_compile("streaming", (k,), gemm.build_mhc_gemm_with_sqrsum_forward(cols, rows, splits, block_k))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fhl = torch.randn(2 * rows, cols, generator=gen, device=device).bfloat16()
+    for tokens in (1, 63, 509, 4097, 16384):
+        x = torch.randn(tokens, cols, generator=gen, device=device).bfloat16()
+        outs = []
+        for kernel in (resident, streaming):
+            parts = torch.full((splits, tokens, rows), float("nan"), device=device)
+            sq = torch.full((splits, tokens), float("nan"), device=device)
+            if kernel is resident:
+                kernel(x, fhl, parts, sq, gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(tokens, splits, config.num_sms()))
+            else:
+                kernel(x, fhl, parts, sq)
+            outs.append((parts, sq))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), tokens
 
 
 @pytest.mark.parametrize("tokens", TOKENS)

@@ -94,6 +94,36 @@ def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
     assert (bk == 128) == all(c % 2 == 0 for c in counts)
 
 
+@pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 5120, 7168, 8192])
+def test_cuda_gemm_forward_schedule_choice(hidden):
+    """The CUDA GEMM forward takes the resident schedule exactly where a split's hi / lo weights, the x
+    stages (5-7 of 128 columns, twice as many of 64) and the output tile fit in one CTA's 227 KiB, every
+    split owns a block and S <= 128; its CTAs per split fill at most one wave (at least one CTA, at most
+    one per 64-token tile)."""
+    from cann_ops_tilelang.kernels.cuda.mhc import gemm
+
+    k = 4 * hidden
+    nb = k // 64
+    for splits in sorted({1, 2, 7, 16, 24, 80, 100, 128, 129, nb}):
+        if splits > nb:
+            continue
+        _, _, _, bk, stages = gemm._fwd_key(k, 24, splits)
+        per128 = 128 // bk
+        slots = -(-nb // splits) * 64 // bk
+        fits = lambda ns: ns * 64 * bk * 2 + slots * 48 * bk * 2 + 64 * 48 * 4 <= 227 * 1024
+        if stages:
+            assert 5 * per128 <= stages <= 7 * per128 and fits(stages) and splits <= 128, (hidden, splits, stages)
+            assert stages == 7 * per128 or not fits(stages + 1), (hidden, splits, stages)
+        else:
+            assert splits > 128 or not fits(5 * per128), (hidden, splits)
+    assert gemm._fwd_key(16384, 24, 16)[4] == 7 and gemm._fwd_key(28672, 24, 16)[4] == 0
+    for tokens in (1, 63, 64, 65, 512, 8192, 100000):
+        for splits, sms in ((16, 132), (1, 132), (7, 132), (80, 132), (128, 132), (16, 8), (200, 132)):
+            c = gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(tokens, splits, sms)
+            assert 1 <= c <= -(-tokens // 64) and (splits * c <= sms or c == 1), (tokens, splits, sms, c)
+            assert c == min(sms // splits, -(-tokens // 64)) or c == 1
+
+
 def test_cuda_streaming_row_layouts_cover_the_row():
     """The one-token CTA layouts of the CUDA streaming kernels (apply-mix forward 128 threads where the row
     allows, else as the post forward; post forward up to 256, apply-mix backward up to 512, post backward

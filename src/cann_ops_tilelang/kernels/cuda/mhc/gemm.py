@@ -10,10 +10,19 @@ significand is split exactly into two bf16 values ``hi`` (top 8 bits) and ``lo``
 bits), once per call by a small preparation kernel into a ``(2 M3, K)`` bf16 workspace (rows ``j``:
 hi, ``M3 + j``: lo). ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
 and ``acc_hi + acc_lo`` is the TF32 product sum, fp32-accumulated (same precision class as a TF32
-MMA). The main CTA is one warpgroup on 64 tokens: per step of ``BK`` columns (128 where every split
-owns an even number of 64-column blocks, else 64) one ``64 x 2M3 x BK`` WGMMA over the hi/lo rows, the
-sum of squares on the CUDA cores from the same shared tile, with the x and weight tiles of the next
-steps in flight (cp.async, ``_FWD_STAGES`` deep).
+MMA). A CTA is one warpgroup on 64-token tiles: per step of ``BK`` columns (128 where every split owns
+an even number of 64-column blocks, else 64) one asynchronous ``64 x 2M3 x BK`` WGMMA over the hi/lo
+rows, the sum of squares on the CUDA cores from the same shared tile while it runs, with the x tiles of
+the next steps in flight (cp.async). Two schedules, the same arithmetic in the same order (bitwise
+equal results):
+
+* resident (where a split's hi/lo weights fit in shared memory next to at least
+  ``_RESIDENT_MIN_STAGES`` x stages: H <= 4096 at S = 16): ``S * C`` persistent CTAs, one per SM,
+  ``C = min(SMs // S, tiles)`` (at least 1; ``config.num_sms``), CTA ``b`` owning split ``b % S`` and
+  an even share of the token tiles; the split's weights are loaded into shared memory once, with the
+  first tile's steps, and the x pipeline runs on across tiles;
+* streaming (otherwise): one CTA per (split, 64-token tile), the weight tile of each step loaded with
+  its x tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
 
 Backward (``mhc_gemm_with_sqrsum_backward``): ``x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j] *
 fn[j, k] + 2 * f32(x[t, k]) * sg[t])`` (read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] *
@@ -32,13 +41,16 @@ import functools
 
 import torch
 
-from .._build import jit_compile
+from .... import config
+from .._build import jit_compile, smem_budget_bytes
 
 __all__ = [
     "build_mhc_gemm_fn_split",
     "build_mhc_gemm_with_sqrsum_backward",
     "build_mhc_gemm_with_sqrsum_backward_reduce",
     "build_mhc_gemm_with_sqrsum_forward",
+    "build_mhc_gemm_with_sqrsum_forward_main",
+    "build_mhc_gemm_with_sqrsum_forward_resident",
     "get_mhc_gemm_fn_split_kernel",
     "get_mhc_gemm_with_sqrsum_backward_kernel",
     "get_mhc_gemm_with_sqrsum_backward_reduce_kernel",
@@ -49,7 +61,9 @@ __all__ = [
     "mhc_gemm_with_sqrsum_backward_partials",
     "mhc_gemm_with_sqrsum_forward",
     "mhc_gemm_with_sqrsum_forward_block_k",
+    "mhc_gemm_with_sqrsum_forward_ctas_per_split",
     "mhc_gemm_with_sqrsum_forward_key",
+    "mhc_gemm_with_sqrsum_forward_resident_stages",
 ]
 
 _BLOCK_K = 64  # split granularity (the interface's 64-column blocks) and the K step of the forward
@@ -87,6 +101,23 @@ _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
 # one step ahead and TF32-split into the stage by the CTA itself: 92.2 / 101.4 / 107.7 us with 2 / 3 / 4
 # stages at T = 8192 (current 79.4), 11.7-12.4 us at T = 512 (current 10.7).
 _FWD_STAGES = {64: 6, 128: 3}
+# NOTE measured on the H200 (T = 8192, K = 16384, S = 16, cupti, interleaved rounds, main kernel without
+# the preparation): the sum of squares computed while the step's WGMMA runs (one wait before the stage
+# is released) 77.8 against 78.5 us (H = 7168: 127.9 against 129.0; T = 512 level). A contiguous
+# read-only kernel reaches 3.77-3.81 TB/s on this H200 (70.4-71.3 us for the 268 MB of x), so x alone
+# bounds this forward at ~70.5 us. Resident weights (no per-tile weight reads from L2) with the WGMMA
+# wait deferred one step (the wait that releases stage n - 1 comes after step n's sum of squares):
+# 76.3 / 77.0 / 83.3 us with 7 / 5 / 4 x stages; with a synchronous WGMMA 79.9-80.9 us (4-7 stages),
+# and x loaded by TMA (one mbarrier per stage) 82.8-86.9 us (3-7 stages). T = 512: 9.0 us (7 stages)
+# against 8.8 us for the streaming schedule. Converting fn in the resident kernel instead of the
+# preparation kernel (each CTA once, before its first tile): bitwise equal but 82.9-83.8 us at T = 8192
+# and 15-16 us at T = 512 (preparation + resident 78.6 / 10.8 us). The whole op (benchmark harness):
+# 77.95 / 78.89 us at T = 8192, H = 4096 in two runs (85.8 / 84.3 % of their 4233 / 4259 GB/s copy
+# ceilings; 80.67 us before), 128.3 / 130.2 us at H = 7168.
+_RESIDENT_MAX_SPLITS = 128  # resident schedule: at most one wave of S * C CTAs on an H200 (132 SMs)
+_RESIDENT_MAX_STAGES = 7  # of 128-column steps (16 KiB of x); twice as many 64-column steps
+_RESIDENT_MIN_STAGES = 5  # likewise
+_SMEM_BYTES = smem_budget_bytes("sm_90a")  # one CTA's shared memory on the H200 (227 KiB)
 # fn preparation: 128 threads of 4 float4 each. NOTE measured on the H200 (cupti, interleaved rounds):
 # 2.33 / 2.92 us against 2.47 / 3.10 us for 256 threads of one float4 at K = 16384 / 28672 (bitwise equal);
 # the whole forward at T = 8192 80.67 / 131.20 us against 80.91 / 132.51 us.
@@ -122,13 +153,36 @@ def mhc_gemm_with_sqrsum_forward_block_k(cols: int, n_splits: int) -> int:
     return 2 * _BLOCK_K if nb % n_splits == 0 and (nb // n_splits) % 2 == 0 else _BLOCK_K
 
 
-def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> tuple:
-    """Compile-time key ``(K, M3, S, block_k)`` (never the token count)."""
-    rows, cols = (int(s) for s in fn.shape)
+def mhc_gemm_with_sqrsum_forward_resident_stages(cols: int, rows: int, n_splits: int, block_k: int) -> int:
+    """x stages of the resident forward schedule at ``(K, M3, S, BK)`` (see the module docstring), or 0
+    where it does not apply: a split's hi/lo weights, the x stages and the output tile must fit in one
+    CTA's shared memory with at least ``_RESIDENT_MIN_STAGES`` stages (twice as many of 64 columns),
+    every split must own a block, and ``S <= _RESIDENT_MAX_SPLITS``."""
+    nb, g = cols // _BLOCK_K, block_k // _BLOCK_K
+    q, r = divmod(nb, n_splits)
+    if q == 0 or n_splits > _RESIDENT_MAX_SPLITS:
+        return 0
+    slots = (q + (1 if r else 0)) // g  # steps of the largest split (g > 1 only where r == 0, q % g == 0)
+    fixed = slots * 2 * rows * block_k * 2 + _FWD_BLOCK_T * 2 * rows * 4
+    per_128 = 2 * _BLOCK_K // block_k
+    stages = min(_RESIDENT_MAX_STAGES * per_128, (_SMEM_BYTES - fixed) // (_FWD_BLOCK_T * block_k * 2))
+    return stages if stages >= _RESIDENT_MIN_STAGES * per_128 else 0
+
+
+def _fwd_key(cols: int, rows: int, n_splits: int) -> tuple:
+    """:func:`mhc_gemm_with_sqrsum_forward_key` from the sizes."""
     _check("mhc_gemm_with_sqrsum_forward", rows, cols)
-    if int(n_splits) < 1:
+    if n_splits < 1:
         raise ValueError(f"mhc_gemm_with_sqrsum_forward: n_splits must be >= 1, got {n_splits}")
-    return (cols, rows, int(n_splits), mhc_gemm_with_sqrsum_forward_block_k(cols, int(n_splits)))
+    block_k = mhc_gemm_with_sqrsum_forward_block_k(cols, n_splits)
+    return (cols, rows, n_splits, block_k, mhc_gemm_with_sqrsum_forward_resident_stages(cols, rows, n_splits, block_k))
+
+
+def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> tuple:
+    """Compile-time key ``(K, M3, S, block_k, resident_stages)`` (never the token count;
+    ``resident_stages`` is 0 for the streaming schedule)."""
+    rows, cols = (int(s) for s in fn.shape)
+    return _fwd_key(cols, rows, int(n_splits))
 
 
 def build_mhc_gemm_fn_split(cols: int, rows: int):
@@ -182,7 +236,7 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
 
 
 def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, block_k: int = _BLOCK_K):
-    """Builds the split-K forward main kernel.
+    """Builds the split-K forward main kernel, streaming schedule (one CTA per split and token tile).
 
     Args:
         cols: ``K`` (multiple of 64).
@@ -254,11 +308,13 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
                     T.ptx_commit_group()
                 T.ptx_wait_group(2 * (NS - 1))
                 T.sync_threads()
-                # one 64 x 2M3 x BK product: columns 0..M3-1 take hi, M3..2M3-1 lo
-                T.gemm(x_s[kb % NS, :, :], f_s[kb % NS, :, :], acc, transpose_B=True)
+                # one 64 x 2M3 x BK product (columns 0..M3-1 take hi, M3..2M3-1 lo), asynchronous: the sum
+                # of squares of the same tile runs meanwhile; both done before the stage is released
+                T.wgmma_gemm(x_s[kb % NS, :, :], f_s[kb % NS, :, :], acc, transpose_B=True)
                 for h in T.unroll(g):
                     for i, k in T.Parallel(BT, HALF):
                         sq[i, k] += T.cast(x_s[kb % NS, i, h * HALF + k], f32) * T.cast(x_s[kb % NS, i, h * HALF + k], f32)
+                T.wait_wgmma(0)
                 T.sync_threads()
             T.reduce_sum(sq, sq_row, dim=1)
             T.copy(acc, o_s)
@@ -273,6 +329,142 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
     return mhc_gemm_with_sqrsum_forward_cuda
 
 
+def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: int, block_k: int, stages: int):
+    """Builds the split-K forward main kernel, resident schedule (see the module docstring).
+
+    Args:
+        cols: ``K`` (multiple of 64).
+        rows: ``M3`` (multiple of 8, <= 32).
+        n_splits: ``S`` (each split owns at least one 64-column block).
+        block_k: columns per pipeline step (see :func:`mhc_gemm_with_sqrsum_forward_block_k`).
+        stages: x stages (see :func:`mhc_gemm_with_sqrsum_forward_resident_stages`).
+
+    Returns:
+        ``T.prim_func(x, fhl, out_mul_part, sqrsum_part, ctas_per_split: int32)``: the buffers as in
+        :func:`build_mhc_gemm_with_sqrsum_forward`; ``ctas_per_split`` ``C >= 1`` sets the grid ``S * C``
+        (``C <= tiles``; one wave where ``S * C`` is at most the SM count).
+    """
+    from tilelang import language as T
+
+    K, M3, S = cols, rows, n_splits
+    BT, BK, NS = _FWD_BLOCK_T, block_k, stages
+    g = BK // _BLOCK_K
+    nb = K // _BLOCK_K
+    q, r = nb // S, nb % S
+    if q == 0 or (g > 1 and (r != 0 or q % g != 0)) or NS < 3:
+        raise ValueError(f"mhc_gemm_with_sqrsum_forward: no resident schedule for K={K}, S={S}, block_k={BK}, stages={NS}")
+    slots = (q + (1 if r else 0)) // g
+    HALF = 64
+    f32, bf16, i32 = T.float32, T.bfloat16, T.int32
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_gemm_with_sqrsum_forward_resident_cuda(
+        x: T.Tensor((num_tokens, K), bf16),
+        fhl: T.Tensor((2 * M3, K), bf16),
+        out_mul_part: T.Tensor((S, num_tokens, M3), f32),
+        sqrsum_part: T.Tensor((S, num_tokens), f32),
+        ctas_per_split: i32,
+    ):
+        # CTA b: split b % S, token tiles [b0, b1) of that split's ctas_per_split CTAs
+        with T.Kernel(S * ctas_per_split, threads=_FWD_THREADS) as b:
+            x_s = T.alloc_shared((NS, BT, BK), bf16)
+            w_s = T.alloc_shared((slots, 2 * M3, BK), bf16)  # the split's hi / lo weights, step by step
+            acc = T.alloc_fragment((BT, 2 * M3), f32)
+            sq = T.alloc_fragment((BT, HALF), f32)
+            sq_row = T.alloc_fragment((BT,), f32)
+            o_s = T.alloc_shared((BT, 2 * M3), f32)
+            # Per-CTA scalars, computed once (the index expressions below stay free of divisions):
+            # first and end tile, steps per tile, first 64-column block of the split; the (tile, step)
+            # of the next load to issue; the (tile, step) being consumed.
+            b0 = T.alloc_local((1,), i32)
+            b1 = T.alloc_local((1,), i32)
+            cnt = T.alloc_local((1,), i32)
+            blk0 = T.alloc_local((1,), i32)
+            ld = T.alloc_local((2,), i32)
+            cs = T.alloc_local((2,), i32)
+            tiles = T.ceildiv(num_tokens, BT)
+            b0[0] = (b // S) * tiles // ctas_per_split
+            b1[0] = (b // S + 1) * tiles // ctas_per_split
+            cnt[0] = T.if_then_else(b % S < r, q + 1, q) // g
+            blk0[0] = (b % S) * q + T.min(b % S, r)
+            ld[0] = b0[0]
+            ld[1] = 0
+            cs[0] = b0[0]
+            cs[1] = 0
+            T.clear(acc)
+            T.clear(sq)
+            # Every step commits two cp.async groups (its x tile; the weight slot during the first
+            # tile, else an empty group), so the wait below counts uniformly.
+            for st in T.unroll(NS - 1):
+                if ld[0] < b1[0]:
+                    T.async_copy(x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], x_s[st, :, :])
+                else:
+                    T.ptx_commit_group()
+                if ld[0] == b0[0] and ld[0] < b1[0]:
+                    T.async_copy(fhl[0 : 2 * M3, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], w_s[ld[1], :, :])
+                else:
+                    T.ptx_commit_group()
+                ld[1] += 1
+                if ld[1] == cnt[0]:
+                    ld[1] = 0
+                    ld[0] += 1
+            for n in T.serial((b1[0] - b0[0]) * cnt[0]):
+                T.ptx_wait_group(2 * (NS - 2))  # step n landed (steps n + 1 .. n + NS - 2 in flight)
+                T.sync_threads()
+                T.wgmma_gemm(x_s[n % NS, :, :], w_s[cs[1], :, :], acc, transpose_B=True)
+                for h in T.unroll(g):
+                    for i, k in T.Parallel(BT, HALF):
+                        sq[i, k] += T.cast(x_s[n % NS, i, h * HALF + k], f32) * T.cast(x_s[n % NS, i, h * HALF + k], f32)
+                # Step n - 1's WGMMA is done in every warp after this wait and barrier: its stage
+                # ((n - 1) % NS) takes step n + NS - 1.
+                T.wait_wgmma(1)
+                T.sync_threads()
+                if ld[0] < b1[0]:
+                    T.async_copy(
+                        x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK],
+                        x_s[(n + NS - 1) % NS, :, :],
+                    )
+                else:
+                    T.ptx_commit_group()
+                if ld[0] == b0[0]:
+                    T.async_copy(fhl[0 : 2 * M3, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], w_s[ld[1], :, :])
+                else:
+                    T.ptx_commit_group()
+                ld[1] += 1
+                if ld[1] == cnt[0]:
+                    ld[1] = 0
+                    ld[0] += 1
+                cs[1] += 1
+                if cs[1] == cnt[0]:
+                    # last step of tile cs[0]: write its partials, restart the accumulators
+                    T.wait_wgmma(0)
+                    T.reduce_sum(sq, sq_row, dim=1)
+                    T.copy(acc, o_s)
+                    T.sync_threads()
+                    for i, j in T.Parallel(BT, M3):
+                        if cs[0] * BT + i < num_tokens:
+                            out_mul_part[b % S, cs[0] * BT + i, j] = o_s[i, j] + o_s[i, M3 + j]
+                    for i in T.Parallel(BT):
+                        if cs[0] * BT + i < num_tokens:
+                            sqrsum_part[b % S, cs[0] * BT + i] = sq_row[i]
+                    T.clear(acc)
+                    T.clear(sq)
+                    cs[0] += 1
+                    cs[1] = 0
+                    T.sync_threads()
+
+    return mhc_gemm_with_sqrsum_forward_resident_cuda
+
+
+def build_mhc_gemm_with_sqrsum_forward_main(cols: int, rows: int, n_splits: int, block_k: int, resident_stages: int):
+    """The forward main kernel of a key (see :func:`mhc_gemm_with_sqrsum_forward_key`): resident schedule
+    where ``resident_stages > 0``, else streaming."""
+    if resident_stages:
+        return build_mhc_gemm_with_sqrsum_forward_resident(cols, rows, n_splits, block_k, resident_stages)
+    return build_mhc_gemm_with_sqrsum_forward(cols, rows, n_splits, block_k)
+
+
 @functools.lru_cache(maxsize=None)
 def get_mhc_gemm_fn_split_kernel(*key):
     """Compiled ``fn`` preparation for ``(K, M3)``, built once per key."""
@@ -282,7 +474,13 @@ def get_mhc_gemm_fn_split_kernel(*key):
 @functools.lru_cache(maxsize=None)
 def get_mhc_gemm_with_sqrsum_forward_kernel(*key):
     """Compiled kernel for ``key`` (see :func:`mhc_gemm_with_sqrsum_forward_key`), built once per key."""
-    return jit_compile("mhc_gemm_with_sqrsum_forward", key, build_mhc_gemm_with_sqrsum_forward(*key))
+    return jit_compile("mhc_gemm_with_sqrsum_forward", key, build_mhc_gemm_with_sqrsum_forward_main(*key))
+
+
+def mhc_gemm_with_sqrsum_forward_ctas_per_split(num_tokens: int, n_splits: int, num_sms: int) -> int:
+    """CTAs per split ``C`` of the resident forward schedule: as many as one wave of ``num_sms`` CTAs
+    allows, at most one per 64-token tile, at least one."""
+    return max(1, min(num_sms // n_splits, -(-num_tokens // _FWD_BLOCK_T)))
 
 
 def mhc_gemm_with_sqrsum_forward(
@@ -290,7 +488,7 @@ def mhc_gemm_with_sqrsum_forward(
 ) -> None:
     """Launches the split-K pre-norm GEMM forward on the current stream (inputs validated upstream):
     the ``fn`` preparation into a ``(2 M3, K)`` bf16 workspace (allocated with torch on the current
-    stream), then the main kernel.
+    stream), then the main kernel (resident schedule: ``S * C`` CTAs, ``C = min(SMs // S, tiles)``).
 
     Args:
         x: ``(T, K)`` bf16 (the residual ``(T, m, H)`` viewed flat), ``T > 0``, ``K % 64 == 0``.
@@ -303,7 +501,10 @@ def mhc_gemm_with_sqrsum_forward(
     cols, rows = key[0], key[1]
     fhl = torch.empty((2 * rows, cols), dtype=torch.bfloat16, device=fn.device)
     get_mhc_gemm_fn_split_kernel(cols, rows)(fn, fhl)
-    get_mhc_gemm_with_sqrsum_forward_kernel(*key)(x.view(x.shape[0], -1), fhl, out_mul_part, sqrsum_part)
+    args = (x.view(x.shape[0], -1), fhl, out_mul_part, sqrsum_part)
+    if key[4]:  # resident schedule: the CTAs per split, one wave
+        args += (mhc_gemm_with_sqrsum_forward_ctas_per_split(x.shape[0], key[2], config.num_sms(x.device.index)),)
+    get_mhc_gemm_with_sqrsum_forward_kernel(*key)(*args)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -516,8 +717,10 @@ def mhc_gemm_with_sqrsum_backward(
 def gemm_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     """Every GEMM kernel variant at ``hidden_size`` (``K = m * H``, ``M3 = m(m+2)``), un-compiled.
 
-    Case names: ``gemm_fwd_s16`` (CUDA default split count), ``gemm_fwd_s1``, ``gemm_fwd_s7`` (uneven
-    splits), ``gemm_bwd`` (at this K's partition count ``P``) and, where ``P > 1``, ``gemm_bwd_reduce``.
+    Case names: ``gemm_fwd_s16`` (CUDA default split count; resident schedule up to H = 4096, streaming
+    at 7168), ``gemm_fwd_s1`` (streaming), ``gemm_fwd_s7`` (uneven splits: resident at H = 1280, else
+    streaming), ``gemm_fwd_s80`` (many splits, resident with one CTA per split, 64-column steps; one block
+    per split at H = 1280), ``gemm_bwd`` (at this K's partition count ``P``) and, where ``P > 1``, ``gemm_bwd_reduce``.
 
     Returns:
         ``{case name: T.prim_func}``.
@@ -526,9 +729,10 @@ def gemm_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     P = mhc_gemm_with_sqrsum_backward_partials(K)
     cases = {
         "gemm_fn_split": build_mhc_gemm_fn_split(K, m3),
-        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward(K, m3, 16, mhc_gemm_with_sqrsum_forward_block_k(K, 16)),
-        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward(K, m3, 1, mhc_gemm_with_sqrsum_forward_block_k(K, 1)),
-        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward(K, m3, 7, mhc_gemm_with_sqrsum_forward_block_k(K, 7)),
+        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 16)),
+        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 1)),
+        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 7)),
+        "gemm_fwd_s80": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 80)),
         "gemm_bwd": build_mhc_gemm_with_sqrsum_backward(K, m3, P),
     }
     if P > 1:
