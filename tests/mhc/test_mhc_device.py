@@ -105,25 +105,26 @@ def test_streaming_op_vs_reference(name, tokens, hidden, device, seed):
 @pytest.mark.parametrize("splits", [1, 7, 80])
 def test_gemm_forward_split_counts(splits, tokens, hidden, device, seed):
     """Split counts other than the default 16: one split, uneven splits (7) and many splits (80: one
-    64-column block each at H = 1280). On CUDA these take both forward schedules (streaming at S = 1 and
-    at S = 7 from H = 4096; resident at S = 7, H = 1280 and at S = 80)."""
+    64-column block each at H = 1280). On the H200 these take both forward schedules (resident at S = 7,
+    H = 1280, with 64-column steps; else streaming)."""
     name = "mhc_gemm_with_sqrsum_forward"
     args = make_args(name, tokens, hidden, seed=seed, device=device, splits=splits)
     check(name, *run_both(name, args), tokens)
 
 
 @requires_cuda
-@pytest.mark.parametrize("hidden", [1280, 2560, 4096])
+@pytest.mark.parametrize("hidden", [1280, 2560, 4096, 5120])
 def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
     """The resident and streaming schedules of the CUDA GEMM forward run the same arithmetic in the same
     order: their partials are bitwise equal (at the default 16 splits, where the launcher takes the
-    resident one), token counts with a partial last tile and with several tiles per CTA."""
+    resident one; H = 5120 runs 5 x stages), token counts with a partial last tile and with several
+    tiles per CTA, the launcher's CTAs per split and others (1; 3, which divides no tile count here)."""
     from cann_ops_tilelang import config
     from cann_ops_tilelang.kernels.cuda._build import jit_compile
     from cann_ops_tilelang.kernels.cuda.mhc import gemm
 
     k, splits = 4 * hidden, 16
-    cols, rows, _, block_k, stages = gemm._fwd_key(k, 24, splits)
+    cols, rows, _, block_k, stages = gemm._fwd_key(k, 24, splits, config.num_sms())
     assert stages > 0
     resident = gemm.get_mhc_gemm_with_sqrsum_forward_kernel(cols, rows, splits, block_k, stages)
     streaming = jit_compile("streaming", (k,), gemm.build_mhc_gemm_with_sqrsum_forward(cols, rows, splits, block_k))
@@ -131,16 +132,14 @@ def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
     fhl = torch.randn(2 * rows, cols, generator=gen, device=device).bfloat16()
     for tokens in (1, 63, 509, 4097, 16384):
         x = torch.randn(tokens, cols, generator=gen, device=device).bfloat16()
-        outs = []
-        for kernel in (resident, streaming):
-            parts = torch.full((splits, tokens, rows), float("nan"), device=device)
-            sq = torch.full((splits, tokens), float("nan"), device=device)
-            if kernel is resident:
-                kernel(x, fhl, parts, sq, gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(tokens, splits, config.num_sms()))
-            else:
-                kernel(x, fhl, parts, sq)
-            outs.append((parts, sq))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), tokens
+        nan = float("nan")
+        want = (torch.full((splits, tokens, rows), nan, device=device), torch.full((splits, tokens), nan, device=device))
+        streaming(x, fhl, *want)
+        launcher_ctas = gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(tokens, splits, config.num_sms())
+        for ctas in sorted({launcher_ctas, 1, min(3, -(-tokens // 64))}):
+            got = (torch.full_like(want[0], nan), torch.full_like(want[1], nan))
+            resident(x, fhl, *got, ctas)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tokens, ctas)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)

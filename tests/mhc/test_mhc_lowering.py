@@ -94,34 +94,50 @@ def test_cuda_gemm_forward_step_never_straddles_a_split(hidden, splits):
     assert (bk == 128) == all(c % 2 == 0 for c in counts)
 
 
-@pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 5120, 7168, 8192])
+@pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 5120, 5632, 7168, 8192])
 def test_cuda_gemm_forward_schedule_choice(hidden):
     """The CUDA GEMM forward takes the resident schedule exactly where a split's hi / lo weights, the x
     stages (5-7 of 128 columns, twice as many of 64) and the output tile fit in one CTA's 227 KiB, every
-    split owns a block and S <= 128; its CTAs per split fill at most one wave (at least one CTA, at most
-    one per 64-token tile)."""
+    split owns a block and S * (SMs // S) CTAs keep at least 90 % of the SMs busy; its CTAs per split
+    fill at most one wave (at least one CTA, at most one per 64-token tile)."""
     from cann_ops_tilelang.kernels.cuda.mhc import gemm
 
     k = 4 * hidden
     nb = k // 64
-    for splits in sorted({1, 2, 7, 16, 24, 80, 100, 128, 129, nb}):
-        if splits > nb:
-            continue
-        _, _, _, bk, stages = gemm._fwd_key(k, 24, splits)
-        per128 = 128 // bk
-        slots = -(-nb // splits) * 64 // bk
-        fits = lambda ns: ns * 64 * bk * 2 + slots * 48 * bk * 2 + 64 * 48 * 4 <= 227 * 1024
-        if stages:
-            assert 5 * per128 <= stages <= 7 * per128 and fits(stages) and splits <= 128, (hidden, splits, stages)
-            assert stages == 7 * per128 or not fits(stages + 1), (hidden, splits, stages)
-        else:
-            assert splits > 128 or not fits(5 * per128), (hidden, splits)
-    assert gemm._fwd_key(16384, 24, 16)[4] == 7 and gemm._fwd_key(28672, 24, 16)[4] == 0
+    for sms in (132, 114, 8):
+        for splits in sorted({1, 2, 7, 16, 24, 40, 50, 80, 100, 128, 129, nb}):
+            if splits > nb:
+                continue
+            _, _, _, bk, stages = gemm._fwd_key(k, 24, splits, sms)
+            per128 = 128 // bk
+            slots = -(-nb // splits) * 64 // bk
+            fits = lambda ns: ns * 64 * bk * 2 + slots * 48 * bk * 2 + 64 * 48 * 4 <= 227 * 1024
+            busy = splits * (sms // splits) >= 0.9 * sms
+            if stages:
+                assert busy and 5 * per128 <= stages <= 7 * per128 and fits(stages), (hidden, sms, splits, stages)
+                assert stages == 7 * per128 or not fits(stages + 1), (hidden, sms, splits, stages)
+            else:
+                assert not busy or not fits(5 * per128), (hidden, sms, splits)
+    assert gemm._fwd_key(16384, 24, 16, 132)[4] == 7 and gemm._fwd_key(28672, 24, 16, 132)[4] == 0
+    assert gemm._fwd_key(16384, 24, 80, 132)[4] == 0  # 80 CTAs would leave 52 of 132 SMs idle
     for tokens in (1, 63, 64, 65, 512, 8192, 100000):
+        tiles = -(-tokens // 64)
         for splits, sms in ((16, 132), (1, 132), (7, 132), (80, 132), (128, 132), (16, 8), (200, 132)):
             c = gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(tokens, splits, sms)
-            assert 1 <= c <= -(-tokens // 64) and (splits * c <= sms or c == 1), (tokens, splits, sms, c)
-            assert c == min(sms // splits, -(-tokens // 64)) or c == 1
+            assert c == max(1, min(sms // splits, tiles)), (tokens, splits, sms, c)
+    assert gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(8192, 16, 132) == 8
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
+def test_cuda_gemm_forward_tightest_resident_case_fits():
+    """The resident GEMM forward with the least shared memory to spare at the default 16 splits (H = 5632:
+    11 weight slots of 128 columns and 5 x stages, 224 KiB) builds within the sm_90a budget."""
+    from cann_ops_tilelang.kernels.cuda.mhc import gemm
+
+    key = gemm._fwd_key(4 * 5632, 24, 16, 132)
+    assert key[3:] == (128, 5)
+    built = cuda_build.compile_cubin(gemm.build_mhc_gemm_with_sqrsum_forward_main(*key), arch="sm_90a")
+    assert built.fits and built.smem_bytes > 220 * 1024, built.smem_bytes
 
 
 def test_cuda_streaming_row_layouts_cover_the_row():

@@ -17,10 +17,11 @@ the next steps in flight (cp.async). Two schedules, the same arithmetic in the s
 equal results):
 
 * resident (where a split's hi/lo weights fit in shared memory next to at least
-  ``_RESIDENT_MIN_STAGES`` x stages: H <= 4096 at S = 16): ``S * C`` persistent CTAs, one per SM,
-  ``C = min(SMs // S, tiles)`` (at least 1; ``config.num_sms``), CTA ``b`` owning split ``b % S`` and
-  an even share of the token tiles; the split's weights are loaded into shared memory once, with the
-  first tile's steps, and the x pipeline runs on across tiles;
+  ``_RESIDENT_MIN_STAGES`` x stages, H <= 5632 at S = 16, and the splits fill at least
+  ``_RESIDENT_MIN_FILL`` of the SMs with ``SMs // S`` CTAs each): ``S * C`` persistent CTAs, at most
+  one per SM, ``C = min(SMs // S, tiles)`` (``config.num_sms``), CTA ``b`` owning split ``b % S`` and an
+  even share of the token tiles; the split's weights are loaded into shared memory once, with the first
+  tile's steps, and the x pipeline runs on across tiles (measured at H = 4096 and the H200's 132 SMs);
 * streaming (otherwise): one CTA per (split, 64-token tile), the weight tile of each step loaded with
   its x tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
 
@@ -92,7 +93,8 @@ _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
 # 73.7; with both 78.2; the main kernel 78.7 (the WGMMA costs ~0.5 us); the preparation 2.5. Longer row
 # segments (16-32 tokens x 256-512 columns per step) read x only 1-2 % faster. ncu: L2 77 % busy (the
 # weight tiles are read once per token tile, 200 MB), DRAM 67 %, 8 warps per SM.
-# Two schedules without the preparation kernel, both bitwise equal to this one and both slower:
+# Two schedules without the preparation kernel, both bitwise equal to this one and both slower (the
+# resident schedule adopted later keeps the preparation; see the NOTE below):
 # (a) the split's hi / lo weights resident in shared memory (converted by each CTA during its first
 # token tile; 96 KiB at K / S = 1024), each CTA running ceil(tiles / (SMs / S)) token tiles of one split
 # through one pipeline (no per-tile weight reads): one CTA per SM, so only 2-3 x tiles in flight per SM:
@@ -114,7 +116,8 @@ _FWD_STAGES = {64: 6, 128: 3}
 # and 15-16 us at T = 512 (preparation + resident 78.6 / 10.8 us). The whole op (benchmark harness):
 # 77.95 / 78.89 us at T = 8192, H = 4096 in two runs (85.8 / 84.3 % of their 4233 / 4259 GB/s copy
 # ceilings; 80.67 us before), 128.3 / 130.2 us at H = 7168.
-_RESIDENT_MAX_SPLITS = 128  # resident schedule: at most one wave of S * C CTAs on an H200 (132 SMs)
+_H200_SMS = 132  # the lowering cases' SM count
+_RESIDENT_MIN_FILL = 0.9  # resident schedule: S * (SMs // S) CTAs keep at least 90 % of the SMs busy
 _RESIDENT_MAX_STAGES = 7  # of 128-column steps (16 KiB of x); twice as many 64-column steps
 _RESIDENT_MIN_STAGES = 5  # likewise
 _SMEM_BYTES = smem_budget_bytes("sm_90a")  # one CTA's shared memory on the H200 (227 KiB)
@@ -153,14 +156,15 @@ def mhc_gemm_with_sqrsum_forward_block_k(cols: int, n_splits: int) -> int:
     return 2 * _BLOCK_K if nb % n_splits == 0 and (nb // n_splits) % 2 == 0 else _BLOCK_K
 
 
-def mhc_gemm_with_sqrsum_forward_resident_stages(cols: int, rows: int, n_splits: int, block_k: int) -> int:
-    """x stages of the resident forward schedule at ``(K, M3, S, BK)`` (see the module docstring), or 0
-    where it does not apply: a split's hi/lo weights, the x stages and the output tile must fit in one
-    CTA's shared memory with at least ``_RESIDENT_MIN_STAGES`` stages (twice as many of 64 columns),
-    every split must own a block, and ``S <= _RESIDENT_MAX_SPLITS``."""
+def mhc_gemm_with_sqrsum_forward_resident_stages(cols: int, rows: int, n_splits: int, block_k: int, num_sms: int) -> int:
+    """x stages of the resident forward schedule at ``(K, M3, S, BK)`` on a GPU of ``num_sms`` SMs (see
+    the module docstring), or 0 where it does not apply: a split's hi/lo weights, the x stages and the
+    output tile must fit in one CTA's shared memory with at least ``_RESIDENT_MIN_STAGES`` stages (twice
+    as many of 64 columns), every split must own a block, and ``S * (num_sms // S)`` CTAs must keep at
+    least ``_RESIDENT_MIN_FILL`` of the SMs busy (else the streaming schedule fills the GPU better)."""
     nb, g = cols // _BLOCK_K, block_k // _BLOCK_K
     q, r = divmod(nb, n_splits)
-    if q == 0 or n_splits > _RESIDENT_MAX_SPLITS:
+    if q == 0 or n_splits * (num_sms // n_splits) < _RESIDENT_MIN_FILL * num_sms:
         return 0
     slots = (q + (1 if r else 0)) // g  # steps of the largest split (g > 1 only where r == 0, q % g == 0)
     fixed = slots * 2 * rows * block_k * 2 + _FWD_BLOCK_T * 2 * rows * 4
@@ -169,20 +173,21 @@ def mhc_gemm_with_sqrsum_forward_resident_stages(cols: int, rows: int, n_splits:
     return stages if stages >= _RESIDENT_MIN_STAGES * per_128 else 0
 
 
-def _fwd_key(cols: int, rows: int, n_splits: int) -> tuple:
-    """:func:`mhc_gemm_with_sqrsum_forward_key` from the sizes."""
+def _fwd_key(cols: int, rows: int, n_splits: int, num_sms: int) -> tuple:
+    """:func:`mhc_gemm_with_sqrsum_forward_key` from the sizes and the SM count."""
     _check("mhc_gemm_with_sqrsum_forward", rows, cols)
     if n_splits < 1:
         raise ValueError(f"mhc_gemm_with_sqrsum_forward: n_splits must be >= 1, got {n_splits}")
     block_k = mhc_gemm_with_sqrsum_forward_block_k(cols, n_splits)
-    return (cols, rows, n_splits, block_k, mhc_gemm_with_sqrsum_forward_resident_stages(cols, rows, n_splits, block_k))
+    stages = mhc_gemm_with_sqrsum_forward_resident_stages(cols, rows, n_splits, block_k, num_sms)
+    return (cols, rows, n_splits, block_k, stages)
 
 
 def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> tuple:
-    """Compile-time key ``(K, M3, S, block_k, resident_stages)`` (never the token count;
-    ``resident_stages`` is 0 for the streaming schedule)."""
+    """Compile-time key ``(K, M3, S, block_k, resident_stages)`` on ``x``'s CUDA device (never the token
+    count; ``resident_stages`` is 0 for the streaming schedule)."""
     rows, cols = (int(s) for s in fn.shape)
-    return _fwd_key(cols, rows, int(n_splits))
+    return _fwd_key(cols, rows, int(n_splits), config.num_sms(x.device.index))
 
 
 def build_mhc_gemm_fn_split(cols: int, rows: int):
@@ -358,6 +363,24 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
     f32, bf16, i32 = T.float32, T.bfloat16, T.int32
     num_tokens = T.dynamic("num_tokens")
 
+    @T.macro
+    def issue_next(x, fhl, x_s, w_s, ld, b0, b1, cnt, blk0, stage):
+        # The loads of step ld = (tile, step) into x stage ``stage`` as two cp.async groups (the x tile,
+        # an empty group past the CTA's last tile; the step's weight slot during the first tile, else an
+        # empty group: the waits count uniformly), then ld advances.
+        if ld[0] < b1[0]:
+            T.async_copy(x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], x_s[stage, :, :])
+        else:
+            T.ptx_commit_group()
+        if ld[0] == b0[0]:
+            T.async_copy(fhl[0 : 2 * M3, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], w_s[ld[1], :, :])
+        else:
+            T.ptx_commit_group()
+        ld[1] += 1
+        if ld[1] == cnt[0]:
+            ld[1] = 0
+            ld[0] += 1
+
     @T.prim_func
     def mhc_gemm_with_sqrsum_forward_resident_cuda(
         x: T.Tensor((num_tokens, K), bf16),
@@ -394,21 +417,8 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
             cs[1] = 0
             T.clear(acc)
             T.clear(sq)
-            # Every step commits two cp.async groups (its x tile; the weight slot during the first
-            # tile, else an empty group), so the wait below counts uniformly.
             for st in T.unroll(NS - 1):
-                if ld[0] < b1[0]:
-                    T.async_copy(x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], x_s[st, :, :])
-                else:
-                    T.ptx_commit_group()
-                if ld[0] == b0[0] and ld[0] < b1[0]:
-                    T.async_copy(fhl[0 : 2 * M3, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], w_s[ld[1], :, :])
-                else:
-                    T.ptx_commit_group()
-                ld[1] += 1
-                if ld[1] == cnt[0]:
-                    ld[1] = 0
-                    ld[0] += 1
+                issue_next(x, fhl, x_s, w_s, ld, b0, b1, cnt, blk0, st)
             for n in T.serial((b1[0] - b0[0]) * cnt[0]):
                 T.ptx_wait_group(2 * (NS - 2))  # step n landed (steps n + 1 .. n + NS - 2 in flight)
                 T.sync_threads()
@@ -420,21 +430,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
                 # ((n - 1) % NS) takes step n + NS - 1.
                 T.wait_wgmma(1)
                 T.sync_threads()
-                if ld[0] < b1[0]:
-                    T.async_copy(
-                        x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK],
-                        x_s[(n + NS - 1) % NS, :, :],
-                    )
-                else:
-                    T.ptx_commit_group()
-                if ld[0] == b0[0]:
-                    T.async_copy(fhl[0 : 2 * M3, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], w_s[ld[1], :, :])
-                else:
-                    T.ptx_commit_group()
-                ld[1] += 1
-                if ld[1] == cnt[0]:
-                    ld[1] = 0
-                    ld[0] += 1
+                issue_next(x, fhl, x_s, w_s, ld, b0, b1, cnt, blk0, (n + NS - 1) % NS)
                 cs[1] += 1
                 if cs[1] == cnt[0]:
                     # last step of tile cs[0]: write its partials, restart the accumulators
@@ -488,7 +484,8 @@ def mhc_gemm_with_sqrsum_forward(
 ) -> None:
     """Launches the split-K pre-norm GEMM forward on the current stream (inputs validated upstream):
     the ``fn`` preparation into a ``(2 M3, K)`` bf16 workspace (allocated with torch on the current
-    stream), then the main kernel (resident schedule: ``S * C`` CTAs, ``C = min(SMs // S, tiles)``).
+    stream), then the main kernel of the key's schedule (resident: ``S * C`` CTAs, ``C = min(SMs // S,
+    tiles)``).
 
     Args:
         x: ``(T, K)`` bf16 (the residual ``(T, m, H)`` viewed flat), ``T > 0``, ``K % 64 == 0``.
@@ -717,10 +714,10 @@ def mhc_gemm_with_sqrsum_backward(
 def gemm_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     """Every GEMM kernel variant at ``hidden_size`` (``K = m * H``, ``M3 = m(m+2)``), un-compiled.
 
-    Case names: ``gemm_fwd_s16`` (CUDA default split count; resident schedule up to H = 4096, streaming
-    at 7168), ``gemm_fwd_s1`` (streaming), ``gemm_fwd_s7`` (uneven splits: resident at H = 1280, else
-    streaming), ``gemm_fwd_s80`` (many splits, resident with one CTA per split, 64-column steps; one block
-    per split at H = 1280), ``gemm_bwd`` (at this K's partition count ``P``) and, where ``P > 1``, ``gemm_bwd_reduce``.
+    Case names (forward schedules as on the H200's 132 SMs): ``gemm_fwd_s16`` (CUDA default split count;
+    resident up to H = 5632, streaming at 7168), ``gemm_fwd_s1`` (streaming), ``gemm_fwd_s7`` (uneven
+    splits: resident at H = 1280, else streaming), ``gemm_fwd_s80`` (many splits, streaming; one block per
+    split at H = 1280), ``gemm_bwd`` (at this K's partition count ``P``) and, where ``P > 1``, ``gemm_bwd_reduce``.
 
     Returns:
         ``{case name: T.prim_func}``.
@@ -729,10 +726,10 @@ def gemm_lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     P = mhc_gemm_with_sqrsum_backward_partials(K)
     cases = {
         "gemm_fn_split": build_mhc_gemm_fn_split(K, m3),
-        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 16)),
-        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 1)),
-        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 7)),
-        "gemm_fwd_s80": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 80)),
+        "gemm_fwd_s16": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 16, _H200_SMS)),
+        "gemm_fwd_s1": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 1, _H200_SMS)),
+        "gemm_fwd_s7": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 7, _H200_SMS)),
+        "gemm_fwd_s80": build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(K, m3, 80, _H200_SMS)),
         "gemm_bwd": build_mhc_gemm_with_sqrsum_backward(K, m3, P),
     }
     if P > 1:
