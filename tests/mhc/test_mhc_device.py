@@ -118,7 +118,10 @@ def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
     """The resident and streaming schedules of the CUDA GEMM forward run the same arithmetic in the same
     order: their partials are bitwise equal (at the default 16 splits, where the launcher takes the
     resident one; H = 5120 runs 5 x stages), token counts with a partial last tile and with several
-    tiles per CTA, the launcher's CTAs per split and others (1; 3, which divides no tile count here)."""
+    tiles per CTA, the launcher's CTAs per split and others (1; 3, which divides no tile count here).
+    The resident kernel converts ``fn`` itself, the streaming one takes the preparation kernel's hi / lo
+    split, so this also holds the two conversions equal (signed zeros, a subnormal and values that round
+    up across a TF32 binade among the weights)."""
     from cann_ops_tilelang import config
     from cann_ops_tilelang.kernels.cuda._build import jit_compile
     from cann_ops_tilelang.kernels.cuda.mhc import gemm
@@ -129,7 +132,10 @@ def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
     resident = gemm.get_mhc_gemm_with_sqrsum_forward_kernel(cols, rows, splits, block_k, stages)
     streaming = jit_compile("streaming", (k,), gemm.build_mhc_gemm_with_sqrsum_forward(cols, rows, splits, block_k))
     gen = torch.Generator(device=device).manual_seed(seed)
-    fhl = torch.randn(2 * rows, cols, generator=gen, device=device).bfloat16()
+    fn = torch.randn(rows, cols, generator=gen, device=device)
+    fn[0, :6] = torch.tensor([0.0, -0.0, 1e-40, 3.0000002, -7.999999, 1.9999999], device=device)
+    fhl = torch.empty(2 * rows, cols, dtype=torch.bfloat16, device=device)
+    gemm.get_mhc_gemm_fn_split_kernel(cols, rows)(fn, fhl)
     for tokens in (1, 63, 509, 4097, 16384):
         x = torch.randn(tokens, cols, generator=gen, device=device).bfloat16()
         nan = float("nan")
@@ -138,7 +144,7 @@ def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
         launcher_ctas = gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(tokens, splits, config.num_sms())
         for ctas in sorted({launcher_ctas, 1, min(3, -(-tokens // 64))}):
             got = (torch.full_like(want[0], nan), torch.full_like(want[1], nan))
-            resident(x, fhl, *got, ctas)
+            resident(x, fn, *got, ctas)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tokens, ctas)
 
 

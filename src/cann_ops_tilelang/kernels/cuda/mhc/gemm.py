@@ -7,8 +7,7 @@ blocks (``nb = K / 64``), split ``s`` owning ``nb // S`` blocks plus one for ``s
 TF32 products on bf16 tensor cores: ``fn`` is rounded to TF32 (add half a TF32 ulp to the int32 bit
 pattern, clear the low 13 bits: round-half-away, as the old TileKernels path) and the 11-bit TF32
 significand is split exactly into two bf16 values ``hi`` (top 8 bits) and ``lo`` (the remaining <= 3
-bits), once per call by a small preparation kernel into a ``(2 M3, K)`` bf16 workspace (rows ``j``:
-hi, ``M3 + j``: lo). ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
+bits), weight rows ``j`` (hi) and ``M3 + j`` (lo) of the GEMM's B operand. ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
 and ``acc_hi + acc_lo`` is the TF32 product sum, fp32-accumulated (same precision class as a TF32
 MMA). A CTA is one warpgroup on 64-token tiles: per step of ``BK`` columns (128 where every split owns
 an even number of 64-column blocks, else 64) one asynchronous ``64 x 2M3 x BK`` WGMMA over the hi/lo
@@ -20,10 +19,12 @@ equal results):
   ``_RESIDENT_MIN_STAGES`` x stages, H <= 5632 at S = 16, and the splits fill at least
   ``_RESIDENT_MIN_FILL`` of the SMs with ``SMs // S`` CTAs each): ``S * C`` persistent CTAs, at most
   one per SM, ``C = min(SMs // S, tiles)`` (``config.num_sms``), CTA ``b`` owning split ``b % S`` and an
-  even share of the token tiles; the split's weights are loaded into shared memory once, with the first
-  tile's steps, and the x pipeline runs on across tiles (measured at H = 4096 and the H200's 132 SMs);
-* streaming (otherwise): one CTA per (split, 64-token tile), the weight tile of each step loaded with
-  its x tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
+  even share of the token tiles; the split's f32 weights are loaded into shared memory once, with the
+  first tile's steps, and converted to hi / lo in place there (no preparation kernel), and the x pipeline
+  runs on across tiles (measured at H = 4096 and the H200's 132 SMs);
+* streaming (otherwise): a small preparation kernel converts ``fn`` once per call into a ``(2 M3, K)``
+  bf16 workspace; one CTA per (split, 64-token tile), the weight tile of each step loaded with its x
+  tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
 
 Backward (``mhc_gemm_with_sqrsum_backward``): ``x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j] *
 fn[j, k] + 2 * f32(x[t, k]) * sg[t])`` (read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] *
@@ -116,6 +117,18 @@ _FWD_STAGES = {64: 6, 128: 3}
 # and 15-16 us at T = 512 (preparation + resident 78.6 / 10.8 us). The whole op (benchmark harness):
 # 77.95 / 78.89 us at T = 8192, H = 4096 in two runs (85.8 / 84.3 % of their 4233 / 4259 GB/s copy
 # ceilings; 80.67 us before), 128.3 / 130.2 us at H = 7168.
+# NOTE converting fn inside the resident kernel (H200, T = 8192 / 512, H = 4096, interleaved cupti rounds,
+# each bitwise equal to preparation + resident at H in {2560, 4096, 5120}, T in {1, 63, 509, 512, 4097,
+# 8192}, 1 / 3 / the launcher's CTAs per split): the f32 weights of each step cp.async'd into their own
+# hi / lo slot (the same 12 KiB) and converted in place during the first tile, two extra barriers per
+# first-tile step: 78.97 / 78.38 / 78.91 against 79.16 / 78.80 / 79.04 us in three runs (main kernel
+# alone 77.5 / 76.9 / 77.3, preparation 2.4-2.5), 9.70 / 9.78 / 9.76 against 10.74 / 10.84 / 10.77 us at
+# T = 512: adopted. Not adopted: register loads of the f32 weights two steps ahead (78.99 / 11.68 us;
+# preparation + resident 79.05 / 10.79), a separate f32 staging ring of 4 slots next to 5 x stages
+# (80.06 / 9.35 against 78.96 / 10.81), each thread staging the f32 bytes exactly where its own hi / lo
+# go (no barrier between reads and writes): with 8-byte copies 78.63 / 11.78, 16-byte 81.21 / 13.64 us.
+# The whole op after it (benchmark harness, two runs on one H200 whose copy ceiling was 4260 GB/s):
+# 79.16 / 78.70 us at T = 8192, H = 4096 (84.0 / 84.4 % of it), 9.80 / 9.83 us at T = 512 (10.66 before).
 _H200_SMS = 132  # the lowering cases' SM count
 _RESIDENT_MIN_FILL = 0.9  # resident schedule: S * (SMs // S) CTAs keep at least 90 % of the SMs busy
 _RESIDENT_MAX_STAGES = 7  # of 128-column steps (16 KiB of x); twice as many 64-column steps
@@ -190,12 +203,32 @@ def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits
     return _fwd_key(cols, rows, int(n_splits), config.num_sms(x.device.index))
 
 
+def _tf32_split_macro():
+    """``T.macro(v, rb, hi, lo, k)``: rounds the f32 value ``v`` to TF32 and splits it exactly into
+    ``hi[k] + lo[k]`` (bf16; ``rb``: a uint32 local scratch, element ``k``), the one conversion of both
+    forward schedules (see the module docstring)."""
+    from tilelang import language as T
+
+    f32, bf16, u32 = T.float32, T.bfloat16, T.uint32
+
+    @T.macro
+    def tf32_split(v, rb, hi, lo, k):
+        # TF32: add half a TF32 ulp to the bit pattern, clear the low 13 bits (round half away); hi keeps
+        # the top 8 significand bits, lo the remaining <= 3 (both exact).
+        rb[k] = T.reinterpret(v, u32) + T.cast(0x1000, u32)
+        hi[k] = T.cast(T.reinterpret(rb[k] & T.cast(0xFFFF0000, u32), f32), bf16)
+        lo[k] = T.cast(T.reinterpret(rb[k] & T.cast(0xFFFFE000, u32), f32) - T.reinterpret(rb[k] & T.cast(0xFFFF0000, u32), f32), bf16)
+
+    return tf32_split
+
+
 def build_mhc_gemm_fn_split(cols: int, rows: int):
     """Builds the ``fn`` preparation of the forward: ``fhl[j] = hi(tf32(fn[j]))`` and
     ``fhl[M3 + j] = lo(tf32(fn[j]))`` (see the module docstring), ``(2 * M3, K)`` bf16.
 
-    One pass over the ``M3 x K`` weight (1.5 MiB at K = 16384) so that the GEMM CTAs, which read each
-    weight block once per token tile, load ready bf16 operands and need no conversion step.
+    One pass over the ``M3 x K`` weight (1.5 MiB at K = 16384) so that the streaming schedule's CTAs,
+    which read each weight block once per token tile, load ready bf16 operands and need no conversion
+    step (the resident schedule converts its split's weights itself, once per CTA).
     """
     from tilelang import language as T
 
@@ -203,6 +236,7 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
     f32, bf16, u32 = T.float32, T.bfloat16, T.uint32
     threads, nv = _SPLIT_THREADS, _SPLIT_VECS
     per_cta = threads * nv * 4
+    tf32_split = _tf32_split_macro()
 
     @T.prim_func
     def mhc_gemm_fn_split_cuda(fn: T.Tensor((M3, K), f32), fhl: T.Tensor((2 * M3, K), bf16)):
@@ -223,15 +257,7 @@ def build_mhc_gemm_fn_split(cols: int, rows: int):
                 base = ((bx * nv + j) * threads + tid) * 4
                 if base < M3 * K:
                     for k in T.unroll(4):
-                        # TF32: add half a TF32 ulp to the bit pattern, clear the low 13 bits (round half
-                        # away); hi keeps the top 8 significand bits, lo the remaining <= 3 (both exact).
-                        rb[k] = T.reinterpret(v[j, k], u32) + T.cast(0x1000, u32)
-                        hi[k] = T.cast(T.reinterpret(rb[k] & T.cast(0xFFFF0000, u32), f32), bf16)
-                        lo[k] = T.cast(
-                            T.reinterpret(rb[k] & T.cast(0xFFFFE000, u32), f32)
-                            - T.reinterpret(rb[k] & T.cast(0xFFFF0000, u32), f32),
-                            bf16,
-                        )
+                        tf32_split(v[j, k], rb, hi, lo, k)
                     for k in T.vectorized(4):
                         fhl[(base + k) // K, (base + k) % K] = hi[k]
                     for k in T.vectorized(4):
@@ -335,7 +361,8 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
 
 
 def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: int, block_k: int, stages: int):
-    """Builds the split-K forward main kernel, resident schedule (see the module docstring).
+    """Builds the split-K forward main kernel, resident schedule (see the module docstring): it takes
+    ``fn`` itself and converts the split's weights once per CTA, with no preparation kernel.
 
     Args:
         cols: ``K`` (multiple of 64).
@@ -345,14 +372,14 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         stages: x stages (see :func:`mhc_gemm_with_sqrsum_forward_resident_stages`).
 
     Returns:
-        ``T.prim_func(x, fhl, out_mul_part, sqrsum_part, ctas_per_split: int32)``: the buffers as in
-        :func:`build_mhc_gemm_with_sqrsum_forward`; ``ctas_per_split`` ``C >= 1`` sets the grid ``S * C``
-        (``C <= tiles``; one wave where ``S * C`` is at most the SM count).
+        ``T.prim_func(x, fn, out_mul_part, sqrsum_part, ctas_per_split: int32)``: ``fn`` ``(M3, K)`` f32,
+        the other buffers as in :func:`build_mhc_gemm_with_sqrsum_forward`; ``ctas_per_split`` ``C >= 1``
+        sets the grid ``S * C`` (``C <= tiles``; one wave where ``S * C`` is at most the SM count).
     """
     from tilelang import language as T
 
     K, M3, S = cols, rows, n_splits
-    BT, BK, NS = _FWD_BLOCK_T, block_k, stages
+    BT, BK, NS, TH = _FWD_BLOCK_T, block_k, stages, _FWD_THREADS
     g = BK // _BLOCK_K
     nb = K // _BLOCK_K
     q, r = nb // S, nb % S
@@ -360,43 +387,72 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         raise ValueError(f"mhc_gemm_with_sqrsum_forward: no resident schedule for K={K}, S={S}, block_k={BK}, stages={NS}")
     slots = (q + (1 if r else 0)) // g
     HALF = 64
-    f32, bf16, i32 = T.float32, T.bfloat16, T.int32
+    CH = BK // 4  # 16-byte (4 x f32) chunks per fn row of a step
+    NV = M3 * BK // (4 * TH)  # chunks of a step per thread (M3 % 8 == 0: whole)
+    f32, bf16, i32, u32 = T.float32, T.bfloat16, T.int32, T.uint32
     num_tokens = T.dynamic("num_tokens")
+    tf32_split = _tf32_split_macro()
 
     @T.macro
-    def issue_next(x, fhl, x_s, w_s, ld, b0, b1, cnt, blk0, stage):
+    def issue_next(x, fn, x_s, w_f, ld, b0, b1, cnt, blk0, stage, tid):
         # The loads of step ld = (tile, step) into x stage ``stage`` as two cp.async groups (the x tile,
-        # an empty group past the CTA's last tile; the step's weight slot during the first tile, else an
-        # empty group: the waits count uniformly), then ld advances.
+        # an empty group past the CTA's last tile; during the first tile the step's f32 weights into
+        # their own slot, else an empty group: the waits count uniformly), then ld advances.
         if ld[0] < b1[0]:
             T.async_copy(x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], x_s[stage, :, :])
         else:
             T.ptx_commit_group()
         if ld[0] == b0[0]:
-            T.async_copy(fhl[0 : 2 * M3, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], w_s[ld[1], :, :])
-        else:
-            T.ptx_commit_group()
+            for i in T.unroll(NV):
+                T.ptx_cp_async(
+                    T.access_ptr(w_f[ld[1], (i * TH + tid) // CH, (i * TH + tid) % CH * 4], "w", 4),
+                    T.access_ptr(fn[(i * TH + tid) // CH, blk0[0] * 64 + ld[1] * BK + (i * TH + tid) % CH * 4], "r", 4),
+                    4,
+                )
+        T.ptx_commit_group()
         ld[1] += 1
         if ld[1] == cnt[0]:
             ld[1] = 0
             ld[0] += 1
 
+    @T.macro
+    def convert(w_f, w_s, wr, rb, hi, lo, s, tid):
+        # Slot s holds the step's f32 weights (landed and visible): every thread reads its chunks, then
+        # (after the barrier: the bf16 layout overlays other threads' f32 chunks) writes their hi / lo.
+        for i in T.unroll(NV):
+            for c in T.vectorized(4):
+                wr[i, c] = w_f[s, (i * TH + tid) // CH, (i * TH + tid) % CH * 4 + c]
+        T.sync_threads()
+        for i in T.unroll(NV):
+            for c in T.unroll(4):
+                tf32_split(wr[i, c], rb, hi, lo, c)
+            for c in T.vectorized(4):
+                w_s[s, (i * TH + tid) // CH, (i * TH + tid) % CH * 4 + c] = hi[c]
+            for c in T.vectorized(4):
+                w_s[s, M3 + (i * TH + tid) // CH, (i * TH + tid) % CH * 4 + c] = lo[c]
+
     @T.prim_func
     def mhc_gemm_with_sqrsum_forward_resident_cuda(
         x: T.Tensor((num_tokens, K), bf16),
-        fhl: T.Tensor((2 * M3, K), bf16),
+        fn: T.Tensor((M3, K), f32),
         out_mul_part: T.Tensor((S, num_tokens, M3), f32),
         sqrsum_part: T.Tensor((S, num_tokens), f32),
         ctas_per_split: i32,
     ):
         # CTA b: split b % S, token tiles [b0, b1) of that split's ctas_per_split CTAs
-        with T.Kernel(S * ctas_per_split, threads=_FWD_THREADS) as b:
+        with T.Kernel(S * ctas_per_split, threads=TH) as b:
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             w_s = T.alloc_shared((slots, 2 * M3, BK), bf16)  # the split's hi / lo weights, step by step
+            # the same bytes as f32: slot s receives the step's fn columns, converted into hi / lo in place
+            w_f = T.view(w_s, shape=(slots, M3, BK), dtype=f32)
             acc = T.alloc_fragment((BT, 2 * M3), f32)
             sq = T.alloc_fragment((BT, HALF), f32)
             sq_row = T.alloc_fragment((BT,), f32)
             o_s = T.alloc_shared((BT, 2 * M3), f32)
+            wr = T.alloc_local((NV, 4), f32)
+            rb = T.alloc_local((4,), u32)
+            hi = T.alloc_local((4,), bf16)
+            lo = T.alloc_local((4,), bf16)
             # Per-CTA scalars, computed once (the index expressions below stay free of divisions):
             # first and end tile, steps per tile, first 64-column block of the split; the (tile, step)
             # of the next load to issue; the (tile, step) being consumed.
@@ -406,6 +462,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
             blk0 = T.alloc_local((1,), i32)
             ld = T.alloc_local((2,), i32)
             cs = T.alloc_local((2,), i32)
+            tid = T.get_thread_binding()
             tiles = T.ceildiv(num_tokens, BT)
             b0[0] = (b // S) * tiles // ctas_per_split
             b1[0] = (b // S + 1) * tiles // ctas_per_split
@@ -418,10 +475,15 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
             T.clear(acc)
             T.clear(sq)
             for st in T.unroll(NS - 1):
-                issue_next(x, fhl, x_s, w_s, ld, b0, b1, cnt, blk0, st)
+                issue_next(x, fn, x_s, w_f, ld, b0, b1, cnt, blk0, st, tid)
             for n in T.serial((b1[0] - b0[0]) * cnt[0]):
                 T.ptx_wait_group(2 * (NS - 2))  # step n landed (steps n + 1 .. n + NS - 2 in flight)
                 T.sync_threads()
+                if cs[0] == b0[0]:
+                    # first tile: convert the step's weight slot; the WGMMA reads it through the async proxy
+                    convert(w_f, w_s, wr, rb, hi, lo, cs[1], tid)
+                    T.fence_proxy_async()
+                    T.sync_threads()
                 T.wgmma_gemm(x_s[n % NS, :, :], w_s[cs[1], :, :], acc, transpose_B=True)
                 for h in T.unroll(g):
                     for i, k in T.Parallel(BT, HALF):
@@ -430,7 +492,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
                 # ((n - 1) % NS) takes step n + NS - 1.
                 T.wait_wgmma(1)
                 T.sync_threads()
-                issue_next(x, fhl, x_s, w_s, ld, b0, b1, cnt, blk0, (n + NS - 1) % NS)
+                issue_next(x, fn, x_s, w_f, ld, b0, b1, cnt, blk0, (n + NS - 1) % NS, tid)
                 cs[1] += 1
                 if cs[1] == cnt[0]:
                     # last step of tile cs[0]: write its partials, restart the accumulators
@@ -483,9 +545,9 @@ def mhc_gemm_with_sqrsum_forward(
     x: torch.Tensor, fn: torch.Tensor, n_splits: int, out_mul_part: torch.Tensor, sqrsum_part: torch.Tensor
 ) -> None:
     """Launches the split-K pre-norm GEMM forward on the current stream (inputs validated upstream):
-    the ``fn`` preparation into a ``(2 M3, K)`` bf16 workspace (allocated with torch on the current
-    stream), then the main kernel of the key's schedule (resident: ``S * C`` CTAs, ``C = min(SMs // S,
-    tiles)``).
+    the key's schedule, resident (one kernel on ``fn`` itself, ``S * C`` CTAs, ``C = min(SMs // S,
+    tiles)``) or streaming (the ``fn`` preparation into a ``(2 M3, K)`` bf16 workspace, allocated with
+    torch on the current stream, then the main kernel).
 
     Args:
         x: ``(T, K)`` bf16 (the residual ``(T, m, H)`` viewed flat), ``T > 0``, ``K % 64 == 0``.
@@ -496,12 +558,14 @@ def mhc_gemm_with_sqrsum_forward(
     """
     key = mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits)
     cols, rows = key[0], key[1]
+    x2 = x.view(x.shape[0], -1)
+    if key[4]:  # resident schedule: fn itself, the CTAs per split (one wave)
+        ctas = mhc_gemm_with_sqrsum_forward_ctas_per_split(x.shape[0], key[2], config.num_sms(x.device.index))
+        get_mhc_gemm_with_sqrsum_forward_kernel(*key)(x2, fn, out_mul_part, sqrsum_part, ctas)
+        return
     fhl = torch.empty((2 * rows, cols), dtype=torch.bfloat16, device=fn.device)
     get_mhc_gemm_fn_split_kernel(cols, rows)(fn, fhl)
-    args = (x.view(x.shape[0], -1), fhl, out_mul_part, sqrsum_part)
-    if key[4]:  # resident schedule: the CTAs per split, one wave
-        args += (mhc_gemm_with_sqrsum_forward_ctas_per_split(x.shape[0], key[2], config.num_sms(x.device.index)),)
-    get_mhc_gemm_with_sqrsum_forward_kernel(*key)(*args)
+    get_mhc_gemm_with_sqrsum_forward_kernel(*key)(x2, fhl, out_mul_part, sqrsum_part)
 
 
 # ----------------------------------------------------------------------------------------------------
