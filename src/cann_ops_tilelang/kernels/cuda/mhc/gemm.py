@@ -129,6 +129,12 @@ _FWD_STAGES = {64: 6, 128: 3}
 # go (no barrier between reads and writes): with 8-byte copies 78.63 / 11.78, 16-byte 81.21 / 13.64 us.
 # The whole op after it (benchmark harness, two runs on one H200 whose copy ceiling was 4260 GB/s):
 # 79.16 / 78.70 us at T = 8192, H = 4096 (84.0 / 84.4 % of it), 9.80 / 9.83 us at T = 512 (10.66 before).
+# Then each step's f32 weights staged one slot over (the last step's in the output tile), so that the
+# conversion's reads and writes never touch the same bytes and need no barrier between them (one extra
+# barrier per first-tile step instead of two; bitwise equal to the in-place kernel at H = 4096, S = 16
+# and H = 1280, S = 7, T in {1, 63, 509, 512, 4097, 8192}, 1 / 3 / the launcher's CTAs per split):
+# 78.09 against 78.55 us at T = 8192, 10.15 against 10.09 us at T = 512 (8 interleaved rounds); with each
+# chunk's read, split and writes interleaved instead 78.18 / 10.48 (78.75 / 10.05 in place).
 _H200_SMS = 132  # the lowering cases' SM count
 _RESIDENT_MIN_FILL = 0.9  # resident schedule: S * (SMs // S) CTAs keep at least 90 % of the SMs busy
 _RESIDENT_MAX_STAGES = 7  # of 128-column steps (16 KiB of x); twice as many 64-column steps
@@ -394,21 +400,29 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
     tf32_split = _tf32_split_macro()
 
     @T.macro
-    def issue_next(x, fn, x_s, w_f, ld, b0, b1, cnt, blk0, stage, tid):
+    def issue_next(x, fn, x_s, w_f, o_f, ld, b0, b1, cnt, blk0, stage, tid):
         # The loads of step ld = (tile, step) into x stage ``stage`` as two cp.async groups (the x tile,
-        # an empty group past the CTA's last tile; during the first tile the step's f32 weights into
-        # their own slot, else an empty group: the waits count uniformly), then ld advances.
+        # an empty group past the CTA's last tile; during the first tile the step's f32 weights into the
+        # next slot's bytes, the last step's into o_s, else an empty group: the waits count uniformly),
+        # then ld advances.
         if ld[0] < b1[0]:
             T.async_copy(x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], x_s[stage, :, :])
         else:
             T.ptx_commit_group()
         if ld[0] == b0[0]:
             for i in T.unroll(NV):
-                T.ptx_cp_async(
-                    T.access_ptr(w_f[ld[1], (i * TH + tid) // CH, (i * TH + tid) % CH * 4], "w", 4),
-                    T.access_ptr(fn[(i * TH + tid) // CH, blk0[0] * 64 + ld[1] * BK + (i * TH + tid) % CH * 4], "r", 4),
-                    4,
-                )
+                if ld[1] + 1 < cnt[0]:
+                    T.ptx_cp_async(
+                        T.access_ptr(w_f[ld[1] + 1, (i * TH + tid) // CH, (i * TH + tid) % CH * 4], "w", 4),
+                        T.access_ptr(fn[(i * TH + tid) // CH, blk0[0] * 64 + ld[1] * BK + (i * TH + tid) % CH * 4], "r", 4),
+                        4,
+                    )
+                else:
+                    T.ptx_cp_async(
+                        T.access_ptr(o_f[(i * TH + tid) // CH, (i * TH + tid) % CH * 4], "w", 4),
+                        T.access_ptr(fn[(i * TH + tid) // CH, blk0[0] * 64 + ld[1] * BK + (i * TH + tid) % CH * 4], "r", 4),
+                        4,
+                    )
         T.ptx_commit_group()
         ld[1] += 1
         if ld[1] == cnt[0]:
@@ -416,13 +430,16 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
             ld[0] += 1
 
     @T.macro
-    def convert(w_f, w_s, wr, rb, hi, lo, s, tid):
-        # Slot s holds the step's f32 weights (landed and visible): every thread reads its chunks, then
-        # (after the barrier: the bf16 layout overlays other threads' f32 chunks) writes their hi / lo.
+    def convert(w_f, o_f, w_s, wr, rb, hi, lo, s, cnt, tid):
+        # Slot s's f32 weights (landed and visible) sit one slot over (the last slot's in o_s): every
+        # thread reads its chunks, then writes their hi / lo into slot s, whose bytes no thread reads here.
         for i in T.unroll(NV):
-            for c in T.vectorized(4):
-                wr[i, c] = w_f[s, (i * TH + tid) // CH, (i * TH + tid) % CH * 4 + c]
-        T.sync_threads()
+            if s + 1 < cnt[0]:
+                for c in T.vectorized(4):
+                    wr[i, c] = w_f[s + 1, (i * TH + tid) // CH, (i * TH + tid) % CH * 4 + c]
+            else:
+                for c in T.vectorized(4):
+                    wr[i, c] = o_f[(i * TH + tid) // CH, (i * TH + tid) % CH * 4 + c]
         for i in T.unroll(NV):
             for c in T.unroll(4):
                 tf32_split(wr[i, c], rb, hi, lo, c)
@@ -443,12 +460,15 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         with T.Kernel(S * ctas_per_split, threads=TH) as b:
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             w_s = T.alloc_shared((slots, 2 * M3, BK), bf16)  # the split's hi / lo weights, step by step
-            # the same bytes as f32: slot s receives the step's fn columns, converted into hi / lo in place
-            w_f = T.view(w_s, shape=(slots, M3, BK), dtype=f32)
             acc = T.alloc_fragment((BT, 2 * M3), f32)
             sq = T.alloc_fragment((BT, HALF), f32)
             sq_row = T.alloc_fragment((BT,), f32)
             o_s = T.alloc_shared((BT, 2 * M3), f32)
+            # The same bytes as f32 (a slot's 2 M3 x BK bf16 = M3 x BK f32): during the first tile, step s's
+            # fn columns land in slot s + 1 (the last step's in the output tile, free until the first
+            # tile's end) and are converted from there into slot s's hi / lo.
+            w_f = T.view(w_s, shape=(slots, M3, BK), dtype=f32)
+            o_f = T.view(o_s, shape=(M3, 2 * BT), dtype=f32)
             wr = T.alloc_local((NV, 4), f32)
             rb = T.alloc_local((4,), u32)
             hi = T.alloc_local((4,), bf16)
@@ -475,13 +495,13 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
             T.clear(acc)
             T.clear(sq)
             for st in T.unroll(NS - 1):
-                issue_next(x, fn, x_s, w_f, ld, b0, b1, cnt, blk0, st, tid)
+                issue_next(x, fn, x_s, w_f, o_f, ld, b0, b1, cnt, blk0, st, tid)
             for n in T.serial((b1[0] - b0[0]) * cnt[0]):
                 T.ptx_wait_group(2 * (NS - 2))  # step n landed (steps n + 1 .. n + NS - 2 in flight)
                 T.sync_threads()
                 if cs[0] == b0[0]:
                     # first tile: convert the step's weight slot; the WGMMA reads it through the async proxy
-                    convert(w_f, w_s, wr, rb, hi, lo, cs[1], tid)
+                    convert(w_f, o_f, w_s, wr, rb, hi, lo, cs[1], cnt, tid)
                     T.fence_proxy_async()
                     T.sync_threads()
                 T.wgmma_gemm(x_s[n % NS, :, :], w_s[cs[1], :, :], acc, transpose_B=True)
@@ -492,7 +512,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
                 # ((n - 1) % NS) takes step n + NS - 1.
                 T.wait_wgmma(1)
                 T.sync_threads()
-                issue_next(x, fn, x_s, w_f, ld, b0, b1, cnt, blk0, (n + NS - 1) % NS, tid)
+                issue_next(x, fn, x_s, w_f, o_f, ld, b0, b1, cnt, blk0, (n + NS - 1) % NS, tid)
                 cs[1] += 1
                 if cs[1] == cnt[0]:
                     # last step of tile cs[0]: write its partials, restart the accumulators
