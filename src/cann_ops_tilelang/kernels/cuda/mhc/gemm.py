@@ -7,21 +7,22 @@ blocks (``nb = K / 64``), split ``s`` owning ``nb // S`` blocks plus one for ``s
 TF32 products on bf16 tensor cores: ``fn`` is rounded to TF32 (add half a TF32 ulp to the int32 bit
 pattern, clear the low 13 bits: round-half-away, as the old TileKernels path) and the 11-bit TF32
 significand is split exactly into two bf16 values ``hi`` (top 8 bits) and ``lo`` (the remaining <= 3
-bits), weight rows ``j`` (hi) and ``M3 + j`` (lo) of the GEMM's B operand. ``x`` is bf16, so ``x * hi`` and ``x * lo`` are exact in the fp32 accumulator
-and ``acc_hi + acc_lo`` is the TF32 product sum, fp32-accumulated (same precision class as a TF32
-MMA). A CTA is one warpgroup on 64-token tiles: per step of ``BK`` columns (128 where every split owns
-an even number of 64-column blocks, else 64) one asynchronous ``64 x 2M3 x BK`` WGMMA over the hi/lo
-rows, the sum of squares on the CUDA cores from the same shared tile while it runs, with the x tiles of
-the next steps in flight (cp.async). Two schedules, the same arithmetic in the same order (bitwise
-equal results):
+bits), weight rows ``j`` (hi) and ``M3 + j`` (lo) of the GEMM's B operand. ``x`` is bf16, so ``x * hi``
+and ``x * lo`` are exact in the fp32 accumulator and ``acc_hi + acc_lo`` is the TF32 product sum,
+fp32-accumulated (same precision class as a TF32 MMA). A CTA is one warpgroup on 64-token tiles: per
+step of ``BK`` columns (128 where every split owns an even number of 64-column blocks, else 64) one
+asynchronous ``64 x 2M3 x BK`` WGMMA over the hi/lo rows, the sum of squares on the CUDA cores from the
+same shared tile while it runs, with the x tiles of the next steps in flight (cp.async). Two schedules,
+the same arithmetic in the same order (bitwise equal results):
 
 * resident (where a split's hi/lo weights fit in shared memory next to at least
   ``_RESIDENT_MIN_STAGES`` x stages, H <= 5632 at S = 16, and the splits fill at least
   ``_RESIDENT_MIN_FILL`` of the SMs with ``SMs // S`` CTAs each): ``S * C`` persistent CTAs, at most
   one per SM, ``C = min(SMs // S, tiles)`` (``config.num_sms``), CTA ``b`` owning split ``b % S`` and an
   even share of the token tiles; the split's f32 weights are loaded into shared memory once, with the
-  first tile's steps, and converted to hi / lo in place there (no preparation kernel), and the x pipeline
-  runs on across tiles (measured at H = 4096 and the H200's 132 SMs);
+  first tile's steps (each step's into the next step's hi / lo slot), and converted there into the
+  step's slot (no preparation kernel), and the x pipeline runs on across tiles (measured at H = 4096
+  and the H200's 132 SMs);
 * streaming (otherwise): a small preparation kernel converts ``fn`` once per call into a ``(2 M3, K)``
   bf16 workspace; one CTA per (split, 64-token tile), the weight tile of each step loaded with its x
   tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
@@ -95,7 +96,7 @@ _FWD_BLOCK_T = 64  # tokens per forward CTA (one WGMMA M = 64 warpgroup)
 # segments (16-32 tokens x 256-512 columns per step) read x only 1-2 % faster. ncu: L2 77 % busy (the
 # weight tiles are read once per token tile, 200 MB), DRAM 67 %, 8 warps per SM.
 # Two schedules without the preparation kernel, both bitwise equal to this one and both slower (the
-# resident schedule adopted later keeps the preparation; see the NOTE below):
+# resident schedule adopted later converts fn itself, differently; see the NOTEs below):
 # (a) the split's hi / lo weights resident in shared memory (converted by each CTA during its first
 # token tile; 96 KiB at K / S = 1024), each CTA running ceil(tiles / (SMs / S)) token tiles of one split
 # through one pipeline (no per-tile weight reads): one CTA per SM, so only 2-3 x tiles in flight per SM:
@@ -119,22 +120,23 @@ _FWD_STAGES = {64: 6, 128: 3}
 # ceilings; 80.67 us before), 128.3 / 130.2 us at H = 7168.
 # NOTE converting fn inside the resident kernel (H200, T = 8192 / 512, H = 4096, interleaved cupti rounds,
 # each bitwise equal to preparation + resident at H in {2560, 4096, 5120}, T in {1, 63, 509, 512, 4097,
-# 8192}, 1 / 3 / the launcher's CTAs per split): the f32 weights of each step cp.async'd into their own
-# hi / lo slot (the same 12 KiB) and converted in place during the first tile, two extra barriers per
-# first-tile step: 78.97 / 78.38 / 78.91 against 79.16 / 78.80 / 79.04 us in three runs (main kernel
-# alone 77.5 / 76.9 / 77.3, preparation 2.4-2.5), 9.70 / 9.78 / 9.76 against 10.74 / 10.84 / 10.77 us at
-# T = 512: adopted. Not adopted: register loads of the f32 weights two steps ahead (78.99 / 11.68 us;
-# preparation + resident 79.05 / 10.79), a separate f32 staging ring of 4 slots next to 5 x stages
-# (80.06 / 9.35 against 78.96 / 10.81), each thread staging the f32 bytes exactly where its own hi / lo
-# go (no barrier between reads and writes): with 8-byte copies 78.63 / 11.78, 16-byte 81.21 / 13.64 us.
-# The whole op after it (benchmark harness, two runs on one H200 whose copy ceiling was 4260 GB/s):
-# 79.16 / 78.70 us at T = 8192, H = 4096 (84.0 / 84.4 % of it), 9.80 / 9.83 us at T = 512 (10.66 before).
+# 8192}, 1 / 3 / the launcher's CTAs per split): the f32 weights of each step cp.async'd into their own hi
+# / lo slot (the same 12 KiB) and converted in place during the first tile, two extra barriers per
+# first-tile step: 78.97 / 78.38 / 78.91 against 79.16 / 78.80 / 79.04 us in three runs (main kernel alone
+# 77.5 / 76.9 / 77.3, preparation 2.4-2.5), 9.70 / 9.78 / 9.76 against 10.74 / 10.84 / 10.77 us at T =
+# 512: adopted, then replaced by the staging one slot over below. Not adopted: register loads of the f32
+# weights two steps ahead (78.99 / 11.68 us; preparation + resident 79.05 / 10.79), a separate f32 staging
+# ring of 4 slots next to 5 x stages (80.06 / 9.35 against 78.96 / 10.81), each thread staging the f32
+# bytes exactly where its own hi / lo go (no barrier between reads and writes): with 8-byte copies 78.63 /
+# 11.78, 16-byte 81.21 / 13.64 us.
+# The whole op after it (benchmark harness, two runs on one H200 whose copy ceiling was 4260 GB/s): 79.16
+# / 78.70 us at T = 8192, H = 4096 (84.0 / 84.4 % of it), 9.80 / 9.83 us at T = 512 (10.66 before).
 # Then each step's f32 weights staged one slot over (the last step's in the output tile), so that the
 # conversion's reads and writes never touch the same bytes and need no barrier between them (one extra
-# barrier per first-tile step instead of two; bitwise equal to the in-place kernel at H = 4096, S = 16
-# and H = 1280, S = 7, T in {1, 63, 509, 512, 4097, 8192}, 1 / 3 / the launcher's CTAs per split):
-# 78.09 against 78.55 us at T = 8192, 10.15 against 10.09 us at T = 512 (8 interleaved rounds); with each
-# chunk's read, split and writes interleaved instead 78.18 / 10.48 (78.75 / 10.05 in place).
+# barrier per first-tile step instead of two; bitwise equal to the in-place kernel at H = 4096, S = 16 and
+# H = 1280, S = 7, T in {1, 63, 509, 512, 4097, 8192}, 1 / 3 / the launcher's CTAs per split): 78.09
+# against 78.55 us at T = 8192, 10.15 against 10.09 us at T = 512 (8 interleaved rounds); with each
+# chunk's read, split and writes interleaved instead 78.18 / 10.48 (78.75 / 10.05 in place). Adopted.
 _H200_SMS = 132  # the lowering cases' SM count
 _RESIDENT_MIN_FILL = 0.9  # resident schedule: S * (SMs // S) CTAs keep at least 90 % of the SMs busy
 _RESIDENT_MAX_STAGES = 7  # of 128-column steps (16 KiB of x); twice as many 64-column steps
