@@ -22,7 +22,8 @@ the same arithmetic in the same order (bitwise equal results):
   even share of the token tiles; the split's f32 weights are loaded into shared memory once, with the
   first tile's steps (each step's into the next step's hi / lo slot), and converted there into the
   step's slot (no preparation kernel), and the x pipeline runs on across tiles (measured at H = 4096
-  and the H200's 132 SMs);
+  and the H200's 132 SMs); the x tiles are issued as raw-offset 16-byte cp.async checked against the
+  token count only (the SMs' instruction issue, not DRAM, bounds this schedule);
 * streaming (otherwise): a small preparation kernel converts ``fn`` once per call into a ``(2 M3, K)``
   bf16 workspace; one CTA per (split, 64-token tile), the weight tile of each step loaded with its x
   tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
@@ -137,7 +138,29 @@ _FWD_STAGES = {64: 6, 128: 3}
 # H = 1280, S = 7, T in {1, 63, 509, 512, 4097, 8192}, 1 / 3 / the launcher's CTAs per split): 78.09
 # against 78.55 us at T = 8192, 10.15 against 10.09 us at T = 512 (8 interleaved rounds); with each
 # chunk's read, split and writes interleaved instead 78.18 / 10.48 (78.75 / 10.05 in place). Adopted.
+# NOTE what bounds the resident schedule (H200, T = 8192, H = 4096, cupti): the SMs, not DRAM. With 4 / 6 / 7
+# / 8 CTAs per split (64-128 SMs) it took 140.0 / 98.2 / 86.3 / 77.5 us, nearly proportional to 1 / CTAs,
+# while a read-only cp.async (or TMA) ring over the same tiles reads x in 69 us from 64 SMs as from 128
+# (60 GB/s per SM against the GEMM's 30). ncu: one warp per scheduler issuing every 2.3 cycles, ~390
+# instructions per warp and step, of which ~115 issued the step's 8 x cp.async (TileLang's bounds predicate on
+# both dimensions, per chunk) and ~170 the sum of squares. The x loads are now raw-offset cp.async with only
+# the token bound (``ops_cp_async16``): 76.57 against 77.94 us (8 interleaved rounds), bitwise equal at
+# H in {1280 (S = 7), 2560, 4096, 5120}, T in {1, 63, 509, 512, 4097, 8192}, 1 / 3 / the launcher's CTAs
+# per split; T = 512 and H = 5120 unchanged. Whole op (harness, copy ceiling 4259 / 4260 GB/s): 77.60 /
+# 77.21 us (85.7 / 86.1 %), 78.59 / 78.97 us (84.6 / 84.2 %) before on the same machine. Not adopted: two
+# warpgroups (256 threads; TileLang splits the 64 x 48 WGMMA into 64 x 8 pieces per warpgroup): 125 us.
 _H200_SMS = 132  # the lowering cases' SM count
+# A 16-byte cp.async of the x tile: ``gmem + offset`` bytes into ``smem`` where ``pred`` holds (else
+# nothing is copied: rows past the token count are never stored). Raw offsets keep TileLang's bounds
+# predicate (both dimensions, per chunk) out of the load issue.
+_CP_ASYNC_PRELUDE = r"""
+__device__ __forceinline__ void ops_cp_async16(void* smem, const void* gmem, long long offset, bool pred) {
+  unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  const char* src = static_cast<const char*>(gmem) + offset;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+               :: "r"(dst), "l"(src), "r"(static_cast<int>(pred)) : "memory");
+}
+"""
 _RESIDENT_MIN_FILL = 0.9  # resident schedule: S * (SMs // S) CTAs keep at least 90 % of the SMs busy
 _RESIDENT_MAX_STAGES = 7  # of 128-column steps (16 KiB of x); twice as many 64-column steps
 _RESIDENT_MIN_STAGES = 5  # likewise
@@ -397,6 +420,9 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
     HALF = 64
     CH = BK // 4  # 16-byte (4 x f32) chunks per fn row of a step
     NV = M3 * BK // (4 * TH)  # chunks of a step per thread (M3 % 8 == 0: whole)
+    XC = BK // 8  # 16-byte (8 x bf16) chunks per x row of a step
+    XR = TH // XC  # x rows covered by one chunk per thread
+    XV = BT // XR  # x chunks of a step per thread
     f32, bf16, i32, u32 = T.float32, T.bfloat16, T.int32, T.uint32
     num_tokens = T.dynamic("num_tokens")
     tf32_split = _tf32_split_macro()
@@ -408,9 +434,18 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         # next slot's bytes, the last step's into o_s, else an empty group: the waits count uniformly),
         # then ld advances.
         if ld[0] < b1[0]:
-            T.async_copy(x[ld[0] * BT : ld[0] * BT + BT, blk0[0] * 64 + ld[1] * BK : blk0[0] * 64 + ld[1] * BK + BK], x_s[stage, :, :])
-        else:
-            T.ptx_commit_group()
+            # each thread's XV 16-byte chunks (rows XR apart, one column chunk): only the token bound is
+            # checked (rows past it are not loaded; their results are never stored)
+            for i in T.unroll(XV):
+                T.call_extern(
+                    "void",
+                    "ops_cp_async16",
+                    T.address_of(x_s[stage, i * XR + tid // XC, tid % XC * 8]),
+                    T.address_of(x[0, 0]),
+                    (T.cast(ld[0] * BT + i * XR + tid // XC, T.int64) * K + blk0[0] * 64 + ld[1] * BK + tid % XC * 8) * 2,
+                    ld[0] * BT + i * XR + tid // XC < num_tokens,
+                )
+        T.ptx_commit_group()
         if ld[0] == b0[0]:
             for i in T.unroll(NV):
                 if ld[1] + 1 < cnt[0]:
@@ -459,7 +494,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         ctas_per_split: i32,
     ):
         # CTA b: split b % S, token tiles [b0, b1) of that split's ctas_per_split CTAs
-        with T.Kernel(S * ctas_per_split, threads=TH) as b:
+        with T.Kernel(S * ctas_per_split, threads=TH, prelude=_CP_ASYNC_PRELUDE) as b:
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             w_s = T.alloc_shared((slots, 2 * M3, BK), bf16)  # the split's hi / lo weights, step by step
             acc = T.alloc_fragment((BT, 2 * M3), f32)
