@@ -26,7 +26,7 @@ the same arithmetic in the same order (bitwise equal results):
   token count only (the SMs' instruction issue, not DRAM, bounds this schedule);
 * streaming (otherwise): a small preparation kernel converts ``fn`` once per call into a ``(2 M3, K)``
   bf16 workspace; one CTA per (split, 64-token tile), the weight tile of each step loaded with its x
-  tile (``_FWD_STAGES`` deep, 2 CTAs per SM).
+  tile (``_FWD_STAGES`` deep, 2 CTAs per SM; the x tiles issued as in the resident schedule).
 
 Backward (``mhc_gemm_with_sqrsum_backward``): ``x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j] *
 fn[j, k] + 2 * f32(x[t, k]) * sg[t])`` (read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] *
@@ -149,6 +149,11 @@ _FWD_STAGES = {64: 6, 128: 3}
 # per split; T = 512 and H = 5120 unchanged. Whole op (harness, copy ceiling 4259 / 4260 GB/s): 77.60 /
 # 77.21 us (85.7 / 86.1 %), 78.59 / 78.97 us (84.6 / 84.2 %) before on the same machine. Not adopted: two
 # warpgroups (256 threads; TileLang splits the 64 x 48 WGMMA into 64 x 8 pieces per warpgroup): 125 us.
+# The streaming schedule loads its x tiles the same way (one macro, ``_x_tile_macro``; the weight tiles need
+# no bounds check): bitwise equal at H = 7168 (S = 16), 1280 (S = 80) and 4096 (S = 1), T in {1, 63, 509,
+# 512, 4097, 8192}; main kernel at H = 7168 126.77 against 127.10 us (T = 8192), 13.66 / 13.65 (T = 512).
+# Harness on another H200 (copy ceiling 4232 GB/s): 76.75 us at T = 8192, H = 4096 (87.2 %), 128.37 us at
+# H = 7168 (89.4 %).
 _H200_SMS = 132  # the lowering cases' SM count
 # A 16-byte cp.async of the x tile: ``gmem + offset`` bytes into ``smem`` where ``pred`` holds (else
 # nothing is copied: rows past the token count are never stored). Raw offsets keep TileLang's bounds
@@ -253,6 +258,34 @@ def _tf32_split_macro():
     return tf32_split
 
 
+def _x_tile_macro(cols: int, block_k: int, num_tokens):
+    """``T.macro(x, x_s, stage, tile, col, tid)``: one step's ``BT x block_k`` x tile (tokens from
+    ``tile * BT``, columns from ``col``) into ``x_s[stage]``, the x loads of both forward schedules. Each
+    thread issues its 16-byte chunks (rows ``TH / (block_k / 8)`` apart, one column chunk) by raw-offset
+    cp.async (``ops_cp_async16``, the kernel needs ``_CP_ASYNC_PRELUDE``), checked against the token count
+    only: rows past it are not loaded (their results are never stored). Commits no group."""
+    from tilelang import language as T
+
+    K, BT, BK, TH = cols, _FWD_BLOCK_T, block_k, _FWD_THREADS
+    XC = BK // 8  # chunks per x row of a step
+    XR = TH // XC  # rows covered by one chunk per thread
+    XV = BT // XR  # chunks of a step per thread
+
+    @T.macro
+    def load_x(x, x_s, stage, tile, col, tid):
+        for i in T.unroll(XV):
+            T.call_extern(
+                "void",
+                "ops_cp_async16",
+                T.address_of(x_s[stage, i * XR + tid // XC, tid % XC * 8]),
+                T.address_of(x[0, 0]),
+                (T.cast(tile * BT + i * XR + tid // XC, T.int64) * K + col + tid % XC * 8) * 2,
+                tile * BT + i * XR + tid // XC < num_tokens,
+            )
+
+    return load_x
+
+
 def build_mhc_gemm_fn_split(cols: int, rows: int):
     """Builds the ``fn`` preparation of the forward: ``fhl[j] = hi(tf32(fn[j]))`` and
     ``fhl[M3 + j] = lo(tf32(fn[j]))`` (see the module docstring), ``(2 * M3, K)`` bf16.
@@ -324,6 +357,7 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
     HALF = 64  # the sum of squares is kept per (token, column mod 64)
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
+    load_x = _x_tile_macro(K, BK, num_tokens)
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_forward_cuda(
@@ -333,7 +367,8 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
         sqrsum_part: T.Tensor((S, num_tokens), f32),
     ):
         # split-major grid: the S CTAs of one token tile are launched together and read whole rows of x
-        with T.Kernel(S, T.ceildiv(num_tokens, BT), threads=_FWD_THREADS) as (s, bt):
+        with T.Kernel(S, T.ceildiv(num_tokens, BT), threads=_FWD_THREADS, prelude=_CP_ASYNC_PRELUDE) as (s, bt):
+            tid = T.get_thread_binding()
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             f_s = T.alloc_shared((NS, 2 * M3, BK), bf16)
             acc = T.alloc_fragment((BT, 2 * M3), f32)
@@ -348,7 +383,8 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
             # that the group count below stays uniform).
             for st in T.unroll(NS - 1):
                 if st < cnt:
-                    T.async_copy(x[bt * BT : bt * BT + BT, col0 + st * BK : col0 + st * BK + BK], x_s[st, :, :])
+                    load_x(x, x_s, st, bt, col0 + st * BK, tid)
+                    T.ptx_commit_group()
                     T.async_copy(fhl[0 : 2 * M3, col0 + st * BK : col0 + st * BK + BK], f_s[st, :, :])
                 else:
                     T.ptx_commit_group()
@@ -357,10 +393,8 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
                 # Step kb + NS - 1 goes into the stage consumed at kb - 1 (released by the barrier that
                 # closed iteration kb - 1).
                 if kb + NS - 1 < cnt:
-                    T.async_copy(
-                        x[bt * BT : bt * BT + BT, col0 + (kb + NS - 1) * BK : col0 + (kb + NS - 1) * BK + BK],
-                        x_s[(kb + NS - 1) % NS, :, :],
-                    )
+                    load_x(x, x_s, (kb + NS - 1) % NS, bt, col0 + (kb + NS - 1) * BK, tid)
+                    T.ptx_commit_group()
                     T.async_copy(
                         fhl[0 : 2 * M3, col0 + (kb + NS - 1) * BK : col0 + (kb + NS - 1) * BK + BK],
                         f_s[(kb + NS - 1) % NS, :, :],
@@ -420,12 +454,10 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
     HALF = 64
     CH = BK // 4  # 16-byte (4 x f32) chunks per fn row of a step
     NV = M3 * BK // (4 * TH)  # chunks of a step per thread (M3 % 8 == 0: whole)
-    XC = BK // 8  # 16-byte (8 x bf16) chunks per x row of a step
-    XR = TH // XC  # x rows covered by one chunk per thread
-    XV = BT // XR  # x chunks of a step per thread
     f32, bf16, i32, u32 = T.float32, T.bfloat16, T.int32, T.uint32
     num_tokens = T.dynamic("num_tokens")
     tf32_split = _tf32_split_macro()
+    load_x = _x_tile_macro(K, BK, num_tokens)
 
     @T.macro
     def issue_next(x, fn, x_s, w_f, o_f, ld, b0, b1, cnt, blk0, stage, tid):
@@ -434,17 +466,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         # next slot's bytes, the last step's into o_s, else an empty group: the waits count uniformly),
         # then ld advances.
         if ld[0] < b1[0]:
-            # each thread's XV 16-byte chunks (rows XR apart, one column chunk): only the token bound is
-            # checked (rows past it are not loaded; their results are never stored)
-            for i in T.unroll(XV):
-                T.call_extern(
-                    "void",
-                    "ops_cp_async16",
-                    T.address_of(x_s[stage, i * XR + tid // XC, tid % XC * 8]),
-                    T.address_of(x[0, 0]),
-                    (T.cast(ld[0] * BT + i * XR + tid // XC, T.int64) * K + blk0[0] * 64 + ld[1] * BK + tid % XC * 8) * 2,
-                    ld[0] * BT + i * XR + tid // XC < num_tokens,
-                )
+            load_x(x, x_s, stage, ld[0], blk0[0] * 64 + ld[1] * BK, tid)
         T.ptx_commit_group()
         if ld[0] == b0[0]:
             for i in T.unroll(NV):
