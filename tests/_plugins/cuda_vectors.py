@@ -2,7 +2,8 @@
 
 ``vector_accesses(source)`` maps each kernel parameter to the widest access the source makes to it, in
 bytes: a vector cast ``*(uint4*)(param + ...)`` (16 bytes for ``uint4``, 8 for ``float2``...), a
-``cp.async`` copy from it (``cp_async_gs<16>(dst, &(param[...]))``) or a TMA load through its descriptor
+``cp.async`` copy from it (``cp_async_gs<16>(dst, &(param[...]))``, or the GEMM forward's
+``ops_cp_async16(dst, &(param[0]), ...)``) or a TMA load through its descriptor
 (``param_desc``: 16 bytes, the TMA alignment of global addresses). ``KERNEL_OPS`` says which ops launch a
 lowering case and under which argument names its parameters arrive; the lowering tests check with
 :func:`undeclared` that every op declares (``declare(..., vector_args=...)``) at least the width its
@@ -91,6 +92,9 @@ def vector_accesses(source: str) -> dict[str, int]:
             raise ValueError(f"unknown vector type {ty!r} in an access to {name!r}")
         note(name, _WIDTH[ty])
     for width, name in re.findall(r"cp_async_gs(?:_conditional)?<(\d+)>\([^;]*?\)\),\s*\(&\((\w+)\[", source):
+        note(name, int(width))
+    # the package's own raw-offset helper (ops_cp_async16(dst, &(param[0]), byte offset, predicate))
+    for width, name in re.findall(r"ops_cp_async(\d+)\([^;]*?\)\),\s*\(&\((\w+)\[", source):
         note(name, int(width))
     for name in re.findall(r"tma_load\(\s*(\w+)\s*,", source):
         note(name, 16)

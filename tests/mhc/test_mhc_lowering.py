@@ -44,6 +44,24 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
     assert not undeclared(name, built.source, declared_vector_args())
 
 
+@pytest.mark.parametrize("case", ["gemm/gemm_fwd_s16", "gemm/gemm_fwd_s1"])
+def test_gemm_forward_x_loads_are_seen_by_the_vector_check(case):
+    """Both GEMM forward schedules (resident at S = 16, streaming at S = 1 on the H200's 132 SMs) load x
+    through the package's raw-offset cp.async helper; the source reading behind the alignment declarations
+    sees those 16-byte loads, and reports x if the op declared it narrower."""
+    from _plugins.cuda_vectors import vector_accesses
+
+    source = cuda_build.lower_source(cuda_mhc.lowering_cases(4096)[case])
+    assert "ops_cp_async16(" in source
+    assert vector_accesses(source).get("x") == 16
+    declared = declared_vector_args()
+    assert not undeclared(case, source, declared)
+    declared["mhc_gemm_with_sqrsum_forward"]["vector_args"] = {"x": 8, "fn": 16}
+    assert undeclared(case, source, declared) == [
+        f"{case}: mhc_gemm_with_sqrsum_forward argument 'x' is accessed in 16-byte vectors, declared 8"
+    ]
+
+
 @pytest.mark.parametrize("module", [ascend_mhc, cuda_mhc], ids=["ascend", "cuda"])
 def test_every_op_has_a_launcher_with_its_schema(module):
     """The op layer calls ``launcher(*op arguments, *new outputs)``: names and arity must match."""

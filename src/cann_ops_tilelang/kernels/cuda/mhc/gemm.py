@@ -157,7 +157,8 @@ _FWD_STAGES = {64: 6, 128: 3}
 _H200_SMS = 132  # the lowering cases' SM count
 # A 16-byte cp.async of the x tile: ``gmem + offset`` bytes into ``smem`` where ``pred`` holds (else
 # nothing is copied: rows past the token count are never stored). Raw offsets keep TileLang's bounds
-# predicate (both dimensions, per chunk) out of the load issue.
+# predicate out of the load issue (in the resident schedule its async_copy checked both dimensions per
+# chunk and zero-filled; the streaming schedule's checked the token bound only, so there it saves little).
 _CP_ASYNC_PRELUDE = r"""
 __device__ __forceinline__ void ops_cp_async16(void* smem, const void* gmem, long long offset, bool pred) {
   unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
