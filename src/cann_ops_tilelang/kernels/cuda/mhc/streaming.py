@@ -18,7 +18,8 @@ Schedules:
   the same rows; a thread loads its token's scalars once (uniform loads, broadcast);
 * per-token reductions (apply-mix backward, post backward) run one CTA per token (up to 512 threads
   for the apply-mix backward; the post backward with 128 threads where ``H % 1024 == 0``, see
-  ``_post_backward_layout``): each thread keeps
+  ``_post_backward_layout``, its next vectors staged by a thread-private cp.async ring where the
+  layout is unguarded, see ``_POST_BWD_STAGES``): each thread keeps
   fp32 partial sums of its columns, the CTA reduces them with warp shuffles and one shared-memory
   step in a fixed order (deterministic, no atomics);
 * the (M3, K) fp32 merge backward splits the rows over thread groups, parks the rounded products in
@@ -99,6 +100,15 @@ _ROW_NVC = 2  # ... and the whole row in one CTA where that takes at most _ROW_N
 # (previous 224 x 2: 18.61 / 256.50, peer 19.33 / 256.59); at H = 4096 the whole row per CTA (256 x 2)
 # stays best: 11.36 / 144.69 against 11.68 / 144.68 for 256 x 1.
 _RED_MAX_THREADS = 256  # upper bound of the post backward's one-token CTA where H % 1024 != 0
+# Post backward (unguarded layouts, >= 2 vectors per thread): depth of the thread-private cp.async ring of
+# the next vectors (0 = plain register loads). NOTE measured on the H200 (cupti, 5 interleaved rounds,
+# bitwise equal to the plain loads at T in {1, 509, 8192}): T = 512 17.63 / 28.43 us (3 stages) against
+# 18.05 / 28.92 (2) and 18.38 / 29.22 (plain loads) at H = 4096 / 7168, the peer 18.04 / 28.88; T = 8192
+# 222.7 / 389.9 against 223.5 / 390.5 (plain), the peer 225.1 / 393.6 (before the barrier that keeps
+# ``red`` off the ring was added); harness after it, T = 512: 16.65 / 27.08 us, the peer 17.35 / 27.93.
+# With plain loads nvcc keeps about one vector's 9 loads in flight per thread (127 registers); the ring
+# keeps three (55 KiB of shared memory per 128-thread CTA, 4 CTAs per SM, 113-121 registers).
+_POST_BWD_STAGES = 3
 # NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): the apply-mix backward with CTAs of up
 # to 512 threads (1-2 vectors per thread) at 2 CTAs per SM, against up to 256 threads at the register
 # budget of 3 CTAs (which spilled at H = 5120 / 7168): T = 512 15.80 / 18.84 / 25.33 us vs 15.85 /
@@ -845,11 +855,26 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     threads, nv, guarded = _post_backward_layout(H)
+    stages = _POST_BWD_STAGES if not guarded and nv > 1 else 0
     nwarps = threads // 32
     nred = m + m * m  # d_post (m) then d_comb (m*m, row-major [i, o])
+    nrows = 2 * m + 1  # one vector's rows in the ring: d_o (m), x, residual (m)
     nvec = H // _VEC
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
+
+    @T.macro
+    def stage_vector(d_o, x, residual, ring, j, slot, t, tid):
+        # cp.async of this thread's vector j (d_o, x, residual rows) into ring slot ``slot``; one group.
+        for o in T.unroll(m):
+            T.ptx_cp_async(T.access_ptr(ring[slot, o, tid * _VEC], "w", _VEC),
+                           T.access_ptr(d_o[t, o, (j * threads + tid) * _VEC], "r", _VEC), _VEC)
+        T.ptx_cp_async(T.access_ptr(ring[slot, m, tid * _VEC], "w", _VEC),
+                       T.access_ptr(x[t, (j * threads + tid) * _VEC], "r", _VEC), _VEC)
+        for i in T.unroll(m):
+            T.ptx_cp_async(T.access_ptr(ring[slot, m + 1 + i, tid * _VEC], "w", _VEC),
+                           T.access_ptr(residual[t, i, (j * threads + tid) * _VEC], "r", _VEC), _VEC)
+        T.ptx_commit_group()
 
     @T.prim_func
     def mhc_post_backward_cuda(
@@ -864,9 +889,11 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
         d_comb: T.Tensor((num_tokens, m, m), f32),
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
-            # NOTE: vectors processed one at a time (9 x 16-byte loads each, the next vector's loads
-            # hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per thread: ~128
-            # registers, 4 token CTAs of 128 threads (2-3 of 160-256) per SM overlap reductions with loads.
+            # NOTE: vectors processed one at a time (9 x 16-byte loads each: staged ``stages - 1``
+            # vectors ahead by cp.async where the layout is unguarded, else loaded directly with the next
+            # vector's loads hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per
+            # thread: <= 128 registers, 4 token CTAs of 128 threads (2-3 of 160-256) per SM overlap
+            # reductions with loads.
             T.annotate_min_blocks_per_sm(_min_blocks(threads, 128))
             tid = T.get_thread_binding()
             lane = tid % 32
@@ -882,6 +909,8 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
             acc = T.alloc_local((_VEC,), f32)
             part = T.alloc_local((nred,), f32)
             red = T.alloc_shared((nred, nwarps), f32)
+            # thread-private cp.async ring of the next vectors (each thread reads only its own 16-byte slots)
+            ring = T.alloc_shared((stages, nrows, threads * _VEC), bf16) if stages else None
             for o in T.unroll(m):
                 pr[o] = post_layer_mix[t, o]
             for i in T.unroll(m):
@@ -889,16 +918,39 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                     cr[i, o] = comb_res_mix[t, i, o]
             for r in T.unroll(nred):
                 part[r] = 0.0
+            if stages:
+                for j in range(stages - 1):
+                    stage_vector(d_o, x, residual, ring, j, j % stages, t, tid)
             for j in T.unroll(nv):
                 if (not guarded) or (j * threads + tid < nvec):
-                    for o in T.unroll(m):
+                    if stages:
+                        # vector j + stages - 1 into the slot vector j - 1 left; wait for vector j's group.
+                        # __syncwarp: a compiler memory barrier (TileLang's cp.async and wait asm carry no
+                        # "memory" clobber), so that no slot read moves across the issue or the wait.
+                        T.call_extern("void", "__syncwarp")
+                        if j + stages - 1 < nv:
+                            stage_vector(d_o, x, residual, ring, j + stages - 1, (j + stages - 1) % stages, t, tid)
+                        else:
+                            T.ptx_commit_group()
+                        T.ptx_wait_group(stages - 1)
+                        T.call_extern("void", "__syncwarp")
+                        for o in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                gr[o, k] = ring[j % stages, o, tid * _VEC + k]
                         for k in T.vectorized(_VEC):
-                            gr[o, k] = d_o[t, o, (j * threads + tid) * _VEC + k]
-                    for k in T.vectorized(_VEC):
-                        xr[k] = x[t, (j * threads + tid) * _VEC + k]
-                    for i in T.unroll(m):
+                            xr[k] = ring[j % stages, m, tid * _VEC + k]
+                        for i in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                rr[i, k] = ring[j % stages, m + 1 + i, tid * _VEC + k]
+                    else:
+                        for o in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                gr[o, k] = d_o[t, o, (j * threads + tid) * _VEC + k]
                         for k in T.vectorized(_VEC):
-                            rr[i, k] = residual[t, i, (j * threads + tid) * _VEC + k]
+                            xr[k] = x[t, (j * threads + tid) * _VEC + k]
+                        for i in T.unroll(m):
+                            for k in T.vectorized(_VEC):
+                                rr[i, k] = residual[t, i, (j * threads + tid) * _VEC + k]
                     for o in T.unroll(m):
                         for k in T.unroll(_VEC):
                             gf[o, k] = T.cast(gr[o, k], f32)
@@ -932,6 +984,10 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                                 part[m + i * m + o] += rf[i, k] * gf[o, k]
             for r in T.unroll(nred):
                 part[r] = T.warp_reduce_sum(part[r])
+            if stages:
+                # TileLang places ``red`` over the ring (their lifetimes do not overlap within a thread):
+                # every warp must be done with its ring slots before any warp writes ``red``
+                T.sync_threads()
             if lane == 0:
                 for r in T.unroll(nred):
                     red[r, wid] = part[r]
