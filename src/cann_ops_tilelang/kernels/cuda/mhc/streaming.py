@@ -855,7 +855,8 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     threads, nv, guarded = _post_backward_layout(H)
-    stages = _POST_BWD_STAGES if not guarded and nv > 1 else 0
+    # (at most nv + 1 slots: the prologue stages ``stages - 1`` vectors and never past the row's end)
+    stages = min(_POST_BWD_STAGES, nv + 1) if not guarded and nv > 1 else 0
     nwarps = threads // 32
     nred = m + m * m  # d_post (m) then d_comb (m*m, row-major [i, o])
     nrows = 2 * m + 1  # one vector's rows in the ring: d_o (m), x, residual (m)
