@@ -187,3 +187,26 @@ def test_cuda_streaming_row_layouts_cover_the_row():
             nv = layouts[name][1]
             nvc = streaming._row_chunk(nv)
             assert nv % nvc == 0 and (nvc == nv if nv <= 2 else nvc == 1), (hidden, name, nv, nvc)
+
+
+def test_cuda_post_backward_ring_fits_its_annotated_occupancy():
+    """The post backward's cp.async ring (every H % 64 == 0 up to 16384): used exactly where the layout is
+    unguarded with >= 2 vectors per thread, never staging past the row (stages - 1 <= nv), and the CTAs
+    per SM annotated on the kernel fit the SM's shared memory with the ring (1 KiB reserved per CTA) and
+    the 128-register budget; at H = 2560 / 4096 the lowered kernel's shared memory is the ring's."""
+    from cann_ops_tilelang.kernels.cuda._build import compile_cubin
+    from cann_ops_tilelang.kernels.cuda.mhc import streaming
+
+    m = 4
+    for hidden in range(64, 16385, 64):
+        threads, nv, guarded, stages, slots, blocks = streaming._post_backward_schedule(hidden, m)
+        assert (stages > 0) == (not guarded and nv > 1), (hidden, stages)
+        ring = slots * (2 * m + 1) * threads * 8 * 2
+        if stages:
+            assert 2 <= stages <= nv + 1 and slots == min(stages, nv), (hidden, stages, slots, nv)
+        assert 1 <= blocks <= streaming._min_blocks(threads, 128), (hidden, blocks)
+        assert blocks * (ring + 1024) <= 228 * 1024, (hidden, blocks, ring)
+    for hidden in (2560, 4096):
+        threads, nv, _, _, slots, _ = streaming._post_backward_schedule(hidden, m)
+        build = compile_cubin(streaming.build_mhc_post_backward(hidden, m), arch="sm_90a")
+        assert build.smem_bytes == slots * (2 * m + 1) * threads * 8 * 2, (hidden, build.smem_bytes)

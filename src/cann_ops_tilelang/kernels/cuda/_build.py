@@ -30,8 +30,9 @@ def _pass_configs() -> dict[str, Any]:
     import tilelang
 
     # The kernels schedule their own loads and place every barrier explicitly (shared memory that
-    # several threads touch is fenced by T.sync_threads(); thread-private shared tiles need none), so
-    # TileLang's warp specialization and automatic barrier insertion are both off.
+    # several threads touch is fenced by T.sync_threads(); thread-private shared tiles need none, unless
+    # TileLang's planner overlays them with a buffer other warps share: then a barrier separates the
+    # two), so TileLang's warp specialization and automatic barrier insertion are both off.
     return {
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,

@@ -110,7 +110,8 @@ def _u32(v):
 
 
 def _sigmoid(z, zero, one):
-    """sigma(z) = 1/(1 + exp(0 - z)) (the formulation shared by every mHC kernel of the package)."""
+    """sigma(z) = 1/(1 + exp(0 - z)) (the formulation of every Ascend mHC kernel; the CUDA head-mix
+    forward alone uses the MUFU exp and reciprocal)."""
     return S.vdiv(one, S.vadds(S.vexpdif(zero, z), 1.0))
 
 

@@ -19,7 +19,7 @@ Schedules:
 * per-token reductions (apply-mix backward, post backward) run one CTA per token (up to 512 threads
   for the apply-mix backward; the post backward with 128 threads where ``H % 1024 == 0``, see
   ``_post_backward_layout``, its next vectors staged by a thread-private cp.async ring where the
-  layout is unguarded, see ``_POST_BWD_STAGES``): each thread keeps
+  layout is unguarded with >= 2 vectors per thread, see ``_post_backward_schedule``): each thread keeps
   fp32 partial sums of its columns, the CTA reduces them with warp shuffles and one shared-memory
   step in a fixed order (deterministic, no atomics);
 * the (M3, K) fp32 merge backward splits the rows over thread groups, parks the rounded products in
@@ -107,8 +107,9 @@ _RED_MAX_THREADS = 256  # upper bound of the post backward's one-token CTA where
 # 222.7 / 389.9 against 223.5 / 390.5 (plain), the peer 225.1 / 393.6 (before the barrier that keeps
 # ``red`` off the ring was added); harness after it, T = 512: 16.65 / 27.08 us, the peer 17.35 / 27.93.
 # With plain loads nvcc keeps about one vector's 9 loads in flight per thread (127 registers); the ring
-# keeps three (55 KiB of shared memory per 128-thread CTA, 4 CTAs per SM, 113-121 registers).
+# keeps three (54 KiB of shared memory per 128-thread CTA, 4 CTAs per SM, 113-121 registers).
 _POST_BWD_STAGES = 3
+_SM_SMEM_BYTES = 228 * 1024  # shared memory of one H200 SM (sm_90); every resident CTA also reserves 1 KiB
 # NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): the apply-mix backward with CTAs of up
 # to 512 threads (1-2 vectors per thread) at 2 CTAs per SM, against up to 256 threads at the register
 # budget of 3 CTAs (which spilled at H = 5120 / 7168): T = 512 15.80 / 18.84 / 25.33 us vs 15.85 /
@@ -833,6 +834,25 @@ def _post_backward_layout(hidden_size: int) -> tuple[int, int, bool]:
     return _row_layout(hidden_size, _RED_MAX_THREADS)
 
 
+def _post_backward_schedule(hidden_size: int, hc_mult: int = 4) -> tuple[int, int, bool, int, int, int]:
+    """Schedule ``(threads, nv, guarded, stages, slots, blocks)`` of the post backward at ``H``.
+
+    ``stages``: depth of the thread-private cp.async ring (``stages - 1`` vectors staged ahead), at most
+    ``nv + 1`` (0: plain loads, for guarded layouts and one vector per thread); ``slots``: ring slots
+    allocated (``min(stages, nv)``: with ``stages = nv + 1`` the whole row is staged up front and slot
+    ``nv`` is never used); ``blocks``: resident CTAs per SM annotated on the kernel, the register budget
+    (128 per thread) or what the ring's shared memory leaves, whichever is smaller.
+    """
+    threads, nv, guarded = _post_backward_layout(hidden_size)
+    stages = min(_POST_BWD_STAGES, nv + 1) if not guarded and nv > 1 else 0
+    slots = min(stages, nv)
+    blocks = _min_blocks(threads, 128)
+    if slots:
+        ring_bytes = slots * (2 * hc_mult + 1) * threads * _VEC * 2  # bf16; the reduction buffer shares it
+        blocks = min(blocks, _SM_SMEM_BYTES // (ring_bytes + 1024))
+    return threads, nv, guarded, stages, slots, blocks
+
+
 def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     """Builds the mHC post backward (one CTA per token).
 
@@ -854,9 +874,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     from tilelang import language as T
 
     H, m = hidden_size, hc_mult
-    threads, nv, guarded = _post_backward_layout(H)
-    # (at most nv + 1 slots: the prologue stages ``stages - 1`` vectors and never past the row's end)
-    stages = min(_POST_BWD_STAGES, nv + 1) if not guarded and nv > 1 else 0
+    threads, nv, guarded, stages, slots, blocks = _post_backward_schedule(H, m)
     nwarps = threads // 32
     nred = m + m * m  # d_post (m) then d_comb (m*m, row-major [i, o])
     nrows = 2 * m + 1  # one vector's rows in the ring: d_o (m), x, residual (m)
@@ -891,11 +909,11 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
             # NOTE: vectors processed one at a time (9 x 16-byte loads each: staged ``stages - 1``
-            # vectors ahead by cp.async where the layout is unguarded, else loaded directly with the next
-            # vector's loads hoisted by nvcc under __restrict__), 20 fp32 partials + 20 scalars per
-            # thread: <= 128 registers, 4 token CTAs of 128 threads (2-3 of 160-256) per SM overlap
-            # reductions with loads.
-            T.annotate_min_blocks_per_sm(_min_blocks(threads, 128))
+            # vectors ahead by cp.async where the layout is unguarded with >= 2 vectors per thread, else
+            # loaded directly with the next vector's loads hoisted by nvcc under __restrict__), 20 fp32
+            # partials + 20 scalars per thread: <= 128 registers, 4 token CTAs of 128 threads (2-3 of
+            # 160-256) per SM overlap reductions with loads.
+            T.annotate_min_blocks_per_sm(blocks)
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
@@ -911,7 +929,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
             part = T.alloc_local((nred,), f32)
             red = T.alloc_shared((nred, nwarps), f32)
             # thread-private cp.async ring of the next vectors (each thread reads only its own 16-byte slots)
-            ring = T.alloc_shared((stages, nrows, threads * _VEC), bf16) if stages else None
+            ring = T.alloc_shared((slots, nrows, threads * _VEC), bf16) if stages else None
             for o in T.unroll(m):
                 pr[o] = post_layer_mix[t, o]
             for i in T.unroll(m):
