@@ -18,8 +18,9 @@ or in a shared-memory tile that only it touches. Per token:
 3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
 
 Where the split's shared memory has room for a second x/k buffer, the key also compiles a token-pipelined
-variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``; bitwise the same
-results), which the launcher takes for at most ``_PIPE_MAX_PER`` tokens per worker.
+variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``; the x/k of a
+worker's first token travels with its go/v; bitwise the same results), which the launcher takes for at
+most ``_PIPE_MAX_PER`` tokens per worker.
 
 Latency hiding (compile-time, by register and shared-memory budget, see :func:`bwd_plan`): each
 thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
@@ -175,6 +176,24 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     (T <= 2112 at P = 132). Both paths in one kernel with a run-time switch spilled (128 registers at
     448 threads); one pipeline over the cluster's two workers (row flush inside it) instead of one per
     worker: 51.4 us at T = 512, no gain.
+    The pipelined kernel's loads after the cluster arrive (2026-12; 7 rotated rounds, H = 7168, bitwise
+    equal to the unpipelined kernel at T in {1, 3, 133, 264, 509, 512, 2112}, masks on and off,
+    H in {5120, 7168}): the arrive's release fence is a MEMBAR.ALL.GPU, which waits for the thread's
+    outstanding memory operations. Issuing token t+1's x/k staging and token t+2's go/v prefetch after
+    the arrive instead of before phase 1: T = 512 / 1024 / 2048 / 8192 49.95 / 92.51 / 174.70 / 665.2 us
+    against 51.12 / 92.67 / 173.36 / 667.9 (peer 48.88 / 90.06 / 172.04 / 660.8). With the ramp below
+    (both adopted): 49.88 / 91.72 / 173.69 / 661.2 us. Not adopted: the value-gradient stores after the
+    arrive, alone 52.2 / 96.5 / 183.3 / 714.9 us, with the ramp 51.6 / 95.7 / 185.1 / 719.4 us, with the
+    loads 50.2 / 92.7 / 175.6 / 672.0 us.
+    The ramp: the x/k of a worker's first token staged in the prologue (with its go/v; the wait of the
+    cluster's start barrier after both instead of before) or by the previous worker after its last
+    phase 2 (in flight during the row flush), the first phase 1 peeled so that it waits only for go/v:
+    alone 50.58 / 50.64 us against 51.02 / 51.12 us at T = 512 (two runs), adopted with the loads after
+    the arrive (above). Not adopted: wf
+    committed after the first x/k (49.89 against 49.79 us), x/k staged one token ahead across the worker
+    boundary inside the loop (51.3 / 688 us against 51.0 / 669 us at T = 512 / 8192), one pipeline over
+    both workers again (49.83 / 668.4 against 49.78 / 663.9 us). A 2-CTA cluster launch costs 0.1 us and
+    its start barrier 0.33 us over a plain 132-CTA launch (trivial kernel, 204 KB of shared memory).
     """
     H, m = hidden_size, hc_mult
     if num_partials is None:
@@ -210,9 +229,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         num_partials: ``P``, the number of workers / rows of ``grad_w_partial``.
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
         pipelined: The token-pipelined variant of the split schedule (only where ``bwd_plan(...)["pipe"]``):
-            iteration ``t`` stages token ``t+1``'s x/k, runs its phase 1 and sends its dL/dg partials, then
-            runs phase 2 of token ``t``, then waits for the cluster, so that the exchange and the x/k loads
-            overlap a phase 2. Same arithmetic in the same order (bitwise-equal outputs).
+            iteration ``t`` runs phase 1 of token ``t+1`` and sends its dL/dg partials, stages its x/k and
+            prefetches the go/v of token ``t+2`` (after the cluster arrive), runs phase 2 of token ``t``,
+            then waits for the cluster, so that the exchange and the loads overlap a phase 2. Same
+            arithmetic in the same order (bitwise-equal outputs).
 
     Returns:
         ``T.prim_func(go, x, kv, wf, dot, gate, rstd_x, rstd_k, [mask], clamp: f32, grad_x, grad_kv,
@@ -521,10 +541,12 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
-    def pipe_phase1(go, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, red, scs, gon, vr, vf, gv, gl, acc, sc,
-                    parity, t, t_stop, tid, lane, wid, rank, c0):
-        # Phase 1 of token t (split schedule, go/v in gov_s): go into gon, the value gradient, the next
-        # token's go/v prefetch, this CTA's dL/dg partials into every CTA of the cluster; then arrive.
+    def pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf, gv, gl,
+                    acc, sc, parity, t, t_stop, tid, lane, wid, rank, c0, stage_xk=True):
+        # Phase 1 of token t (split schedule, go/v in gov_s): go into gon, the value gradient, this CTA's
+        # dL/dg partials into every CTA of the cluster; the arrive; then token t's x/k staging (unless
+        # staged before) and token t+1's go/v prefetch. The loads go after the arrive, whose release fence
+        # (MEMBAR.ALL.GPU) waits for the thread's outstanding memory operations.
         load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid)
         for h in T.unroll(m):
             acc[h] = 0.0
@@ -535,12 +557,14 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             for k in T.vectorized(_VEC):
                 vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
             phase1_vec(gon, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
-        prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
         publish_scalars(scs, sc, parity, clamp, tid)
         for h in T.unroll(m):
             acc[h] = T.warp_reduce_sum(acc[h])
         send_partials(red, acc, parity, lane, wid, rank)
         T.cluster_arrive()
+        if stage_xk:
+            stage(x, kv, xk_s, t % 2, t, tid, c0)
+        prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
 
     @T.macro
     def pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, b, t, tid, c0):
@@ -556,36 +580,49 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 phase2_vec(grad_x, grad_kv, gwr, None, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
+    def pipe_take(red, scs, gl, acc, beta, ax, ak, parity, lane, gor, gon):
+        # After the exchange of the token whose phase 1 ran last: its betas, and its go becomes the current.
+        T.cluster_wait()
+        betas(red, scs, gl, acc, beta, ax, ak, parity, lane)
+        for i in T.unroll(nc):
+            for h in T.unroll(m):
+                for k in T.vectorized(_VEC):
+                    gor[i, h, k] = gon[i, h, k]
+
+    @T.macro
     def tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s, gov_s, wf_s, red, scs,
                     gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak, sc, parity,
                     t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
-        # Tokens [t_lo, t_hi) of one worker, software-pipelined by one token: iteration t stages token
-        # t+1's x/k, runs its phase 1 and sends its dL/dg partials, then runs phase 2 of token t (whose
-        # exchange completed in the previous iteration), then waits for token t+1's exchange. The cluster
-        # barrier and the x/k latency thus overlap phase 2 of the previous token. Per token the same
-        # arithmetic in the same order as the unpipelined loop (bitwise-equal results).
-        for t in T.serial(t_lo - 1, t_hi):
-            # token t's x/k (staged one iteration ago) and token t+1's go/v (prefetched)
+        # Tokens [t_lo, t_hi) of one worker, software-pipelined by one token: iteration t runs phase 1 of
+        # token t+1 (sending its dL/dg partials, then staging its x/k and prefetching token t+2's go/v),
+        # then phase 2 of token t (whose exchange completed in the previous iteration), then waits for token
+        # t+1's exchange. The cluster barrier and the loads thus overlap phase 2 of the previous token. Per
+        # token the same arithmetic in the same order as the unpipelined loop (bitwise-equal results).
+        # Phase 1 of token t_lo, peeled: its go/v arrived; its x/k, staged before (in the prologue, or
+        # by the previous worker after its last phase 2) as the last group committed, may stay in flight.
+        T.ptx_wait_group(1)
+        if t_lo < t_hi:
+            if has_mask and mask[t_lo]:
+                image_token(go, kv, gov_s, grad_x, grad_kv, cp, t_lo, t_stop, tid, c0)
+            else:
+                pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf, gv,
+                            gl, acc, sc, parity, t_lo, t_stop, tid, lane, wid, rank, c0, False)
+                pipe_take(red, scs, gl, acc, beta, ax, ak, parity, lane, gor, gon)
+        for t in T.serial(t_lo, t_hi):
+            # token t's x/k and token t+1's go/v
             T.ptx_wait_group(0)
             if t + 1 < t_hi:
                 if has_mask and mask[t + 1]:
                     image_token(go, kv, gov_s, grad_x, grad_kv, cp, t + 1, t_stop, tid, c0)
                 else:
-                    stage(x, kv, xk_s, (t + 1) % 2, t + 1, tid, c0)
-                    pipe_phase1(go, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, red, scs, gon, vr, vf, gv, gl,
-                                acc, sc, parity, t + 1, t_stop, tid, lane, wid, rank, c0)
-            if t >= t_lo:
-                if not (has_mask and mask[t]):
-                    pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t % 2, t, tid, c0)
+                    pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf,
+                                gv, gl, acc, sc, parity, t + 1, t_stop, tid, lane, wid, rank, c0)
+            if not (has_mask and mask[t]):
+                pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t % 2, t, tid, c0)
             if t + 1 < t_hi:
                 if not (has_mask and mask[t + 1]):
                     # token t's phase 2 is done: its go and scalars make room for token t+1's
-                    T.cluster_wait()
-                    betas(red, scs, gl, acc, beta, ax, ak, parity, lane)
-                    for i in T.unroll(nc):
-                        for h in T.unroll(m):
-                            for k in T.vectorized(_VEC):
-                                gor[i, h, k] = gon[i, h, k]
+                    pipe_take(red, scs, gl, acc, beta, ax, ak, parity, lane, gor, gon)
 
     @T.macro
     def body(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, grad_w):
@@ -649,9 +686,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             t_begin = T.min(per * w0, num_tokens)
             t_stop = T.min(per * w0 + per * S, num_tokens)
             if S > 1:
-                # the partner CTA is running (its shared memory may be written) once this returns
+                # the partner CTA is running (its shared memory may be written) once the wait returns
                 T.cluster_arrive()
-                T.cluster_wait()
+                if not pipe:
+                    T.cluster_wait()
             if wf_smem:
                 if t_begin < t_stop:
                     for i in T.unroll(nc):
@@ -665,6 +703,12 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     T.ptx_commit_group()
             if pre_gov:
                 prefetch(go, kv, gov_s, t_begin, t_stop, tid, c0)
+            if pipe:
+                # the first token's x/k travels with its go/v (committed last); the wait of the start barrier
+                # overlaps them
+                if t_begin < t_stop:
+                    stage(x, kv, xk_s, t_begin % 2, t_begin, tid, c0)
+                T.cluster_wait()
             if scalars_ahead:
                 if t_begin < t_stop:
                     for h in T.unroll(m):
@@ -681,6 +725,11 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s,
                                 gov_s, wf_s, red, scs, gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak,
                                 sc, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0)
+                    # the next worker's first x/k (buffer t_hi % 2 is free: its last reader, token t_hi - 2,
+                    # is done), in flight during the row flush
+                    if j + 1 < S:
+                        if t_hi < t_stop:
+                            stage(x, kv, xk_s, t_hi % 2, t_hi, tid, c0)
                 else:
                     tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
                            gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
