@@ -16,6 +16,7 @@ from engram_gate_ref import (
 )
 
 import cann_ops_tilelang as ops
+from cann_ops_tilelang import config
 from cann_ops_tilelang.modeling import EngramGate, engram_gate
 
 pytestmark = requires_device
@@ -104,8 +105,9 @@ def test_gate_fwd(tokens, hidden, masked, device, seed):
 # --- engram_gate_bwd ----------------------------------------------------------------------------------
 
 
-def check_gate_bwd(tokens, hidden, masked, device, seed):
-    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+def check_gate_bwd(tokens, hidden, masked, device, seed, mask=None):
+    x, kv, wh, we, drawn = inputs(tokens, hidden, masked, device, seed)
+    mask = drawn if mask is None else mask.to(device)
     wf = fused_weight_ref(wh, we)
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
     _, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
@@ -147,6 +149,23 @@ def test_gate_bwd_other_schedules(tokens, hidden, masked, device, seed):
     T = 509, 4 tokens per worker, the other one at T = 4001, 31 per worker) and the untuned one-warp
     schedule of H / 256 prime (H = 7424: 29 column vectors per thread)."""
     check_gate_bwd(tokens, hidden, masked, device, seed)
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "hidden", [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in (5120, 7168)]
+)
+@pytest.mark.parametrize("tokens", [509, 2112])
+def test_gate_bwd_image_tokens_at_worker_edges(tokens, hidden, device, seed):
+    """Image tokens where the token-pipelined split kernel hands its staged loads on (CUDA, two workers
+    of ``per`` tokens per cluster): in cluster c, by c % 5, the first token of the first worker, its
+    second, its last, the first of the second worker, or none; at T = 509 and 2112, 4 and 16 tokens per
+    worker at P = 132."""
+    per = -(-tokens // config.grad_w_partials("cuda"))
+    t = torch.arange(tokens)
+    cluster, at = t // (2 * per), t % (2 * per)
+    edge = torch.tensor([0, 1, per - 1, per, -1])[cluster % 5]
+    check_gate_bwd(tokens, hidden, False, device, seed, mask=at == edge)
 
 
 def test_gate_bwd_is_deterministic(device, seed):

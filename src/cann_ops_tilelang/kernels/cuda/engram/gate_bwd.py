@@ -18,12 +18,12 @@ or in a shared-memory tile that only it touches. Per token:
 3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
 
 Where the split's shared memory has room for a second x/k buffer, the key also compiles a token-pipelined
-variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``; the x/k of a
-worker's first token travels with its go/v; bitwise the same results), which the launcher takes for at
-most ``_PIPE_MAX_PER`` tokens per worker.
+variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``, its loads
+issued after the exchange's arrive; a worker's first x/k is staged before its first phase 1; bitwise the
+same results), which the launcher takes for at most ``_PIPE_MAX_PER`` tokens per worker.
 
-Latency hiding (compile-time, by register and shared-memory budget, see :func:`bwd_plan`): each
-thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
+Latency hiding of the unpipelined kernel (compile-time, by register and shared-memory budget, see
+:func:`bwd_plan`): each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
 they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
 ``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4 and P even: both at
 H <= 4096 and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to
@@ -179,15 +179,16 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     The pipelined kernel's loads after the cluster arrive (2026-12; 7 rotated rounds, H = 7168, bitwise
     equal to the unpipelined kernel at T in {1, 3, 133, 264, 509, 512, 2112}, masks on and off,
     H in {5120, 7168}): the arrive's release fence is a MEMBAR.ALL.GPU, which waits for the thread's
-    outstanding memory operations. Issuing token t+1's x/k staging and token t+2's go/v prefetch after
-    the arrive instead of before phase 1: T = 512 / 1024 / 2048 / 8192 49.95 / 92.51 / 174.70 / 665.2 us
+    outstanding memory operations. Issuing token t+1's x/k staging (before: ahead of its phase 1) and
+    token t+2's go/v prefetch (before: after the go/v reads, ahead of the exchange) after the arrive: T = 512 / 1024 / 2048 / 8192 49.95 / 92.51 / 174.70 / 665.2 us
     against 51.12 / 92.67 / 173.36 / 667.9 (peer 48.88 / 90.06 / 172.04 / 660.8). With the ramp below
     (both adopted): 49.88 / 91.72 / 173.69 / 661.2 us. Not adopted: the value-gradient stores after the
     arrive, alone 52.2 / 96.5 / 183.3 / 714.9 us, with the ramp 51.6 / 95.7 / 185.1 / 719.4 us, with the
     loads 50.2 / 92.7 / 175.6 / 672.0 us.
     The ramp: the x/k of a worker's first token staged in the prologue (with its go/v; the wait of the
     cluster's start barrier after both instead of before) or by the previous worker after its last
-    phase 2 (in flight during the row flush), the first phase 1 peeled so that it waits only for go/v:
+    phase 2 (in flight during the row flush), the first phase 1 peeled so that it does not wait for the
+    x/k (in the first worker it waits for wf, committed before the go/v):
     alone 50.58 / 50.64 us against 51.02 / 51.12 us at T = 512 (two runs), adopted with the loads after
     the arrive (above). Not adopted: wf
     committed after the first x/k (49.89 against 49.79 us), x/k staged one token ahead across the worker
@@ -247,6 +248,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     if pipelined and not plan["pipe"]:
         raise ValueError(f"engram_gate_bwd: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
     pipe = pipelined  # implies S > 1, x/k staging, the go/v prefetch, wf in shared memory, tile in registers
+    assert not pipe or (plan["split"] > 1 and stage_xk and pre_gov and wf_smem and gw_regs), plan
     if threads % 32 != 0:
         # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
         raise ValueError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
@@ -542,10 +544,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
 
     @T.macro
     def pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf, gv, gl,
-                    acc, sc, parity, t, t_stop, tid, lane, wid, rank, c0, stage_xk=True):
+                    acc, sc, parity, t, t_stop, tid, lane, wid, rank, c0, with_xk=True):
         # Phase 1 of token t (split schedule, go/v in gov_s): go into gon, the value gradient, this CTA's
-        # dL/dg partials into every CTA of the cluster; the arrive; then token t's x/k staging (unless
-        # staged before) and token t+1's go/v prefetch. The loads go after the arrive, whose release fence
+        # dL/dg partials into every CTA of the cluster; the arrive; then token t's x/k staging (with_xk:
+        # unless staged before) and token t+1's go/v prefetch. The loads go after the arrive, whose release fence
         # (MEMBAR.ALL.GPU) waits for the thread's outstanding memory operations.
         load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid)
         for h in T.unroll(m):
@@ -562,7 +564,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             acc[h] = T.warp_reduce_sum(acc[h])
         send_partials(red, acc, parity, lane, wid, rank)
         T.cluster_arrive()
-        if stage_xk:
+        if with_xk:
             stage(x, kv, xk_s, t % 2, t, tid, c0)
         prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
 
