@@ -205,7 +205,7 @@ def test_cuda_post_backward_ring_fits_its_annotated_occupancy():
         if stages:
             assert 2 <= stages <= nv + 1 and slots == min(stages, nv), (hidden, stages, slots, nv)
         assert 1 <= blocks <= streaming._min_blocks(threads, 128), (hidden, blocks)
-        assert blocks * (ring + 1024) <= 228 * 1024, (hidden, blocks, ring)
+        assert blocks * (ring + 1024) <= streaming._SM_SMEM_BYTES == 228 * 1024, (hidden, blocks, ring)
     for hidden in (2560, 4096):
         threads, nv, _, _, slots, _ = streaming._post_backward_schedule(hidden, m)
         build = compile_cubin(streaming.build_mhc_post_backward(hidden, m), arch="sm_90a")

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .._build import jit_compile
+from .._build import jit_compile, smem_budget_bytes
 
 __all__ = [
     "bwd_plan",
@@ -53,7 +53,7 @@ _WF_SMEM = True  # keep the thread's wf columns in shared memory where it fits (
 _GW_REGS = True  # weight-gradient accumulators in registers where the thread's share is small
 _GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers take
 _WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream) step ahead
-_SMEM_BYTES = 227 * 1024
+_SMEM_BYTES = smem_budget_bytes("sm_90a")  # one CTA's shared memory on the H200
 _SPLIT = 2  # cluster size of the column split (where only the split schedule holds grad_wf in registers)
 _PIPE = True  # split schedule: a second kernel whose phase 1 of the next token overlaps phase 2 of this one
 _PIPE_MAX_PER = 16  # ... launched for at most this many tokens per worker (more: the unpipelined kernel)

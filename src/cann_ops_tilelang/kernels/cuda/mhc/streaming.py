@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .._build import jit_compile
+from .._build import jit_compile, smem_budget_bytes
 
 __all__ = [
     "build_expand_to_mhc_backward",
@@ -109,7 +109,8 @@ _RED_MAX_THREADS = 256  # upper bound of the post backward's one-token CTA where
 # With plain loads nvcc keeps about one vector's 9 loads in flight per thread (127 registers); the ring
 # keeps three (54 KiB of shared memory per 128-thread CTA, 4 CTAs per SM, 113-121 registers).
 _POST_BWD_STAGES = 3
-_SM_SMEM_BYTES = 228 * 1024  # shared memory of one H200 SM (sm_90); every resident CTA also reserves 1 KiB
+# shared memory of one H200 SM (sm_90): one CTA's largest opt-in plus the 1 KiB every resident CTA reserves
+_SM_SMEM_BYTES = smem_budget_bytes("sm_90a") + 1024
 # NOTE measured on the H200 (cupti, cold L2, 3 interleaved rounds): the apply-mix backward with CTAs of up
 # to 512 threads (1-2 vectors per thread) at 2 CTAs per SM, against up to 256 threads at the register
 # budget of 3 CTAs (which spilled at H = 5120 / 7168): T = 512 15.80 / 18.84 / 25.33 us vs 15.85 /
