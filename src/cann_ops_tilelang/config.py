@@ -34,16 +34,24 @@ __all__ = [
 
 logger = logging.getLogger("cann_ops_tilelang")
 
-# Number of per-worker partial rows of `engram_gate_bwd`'s weight gradient, per device type. It is
-# a fixed number (not the device's core count) so that fake tensors, which never query a device,
-# get the same shape as the real kernel. NOTE tuned for H200 (132 SMs, one worker per SM) and for
-# Ascend 950 (64 vector cores: 16 partial rows x 4 streams).
+# Workers behind the per-worker partial rows of `engram_gate_bwd`'s weight gradient, per device type. It
+# is a fixed number (not the device's core count) so that fake tensors, which never query a device,
+# get the same shape as the real kernel. NOTE tuned for H200 (132 SMs: one worker per SM, or per
+# cluster where the CUDA backward splits the columns, see `grad_w_partials`) and for Ascend 950
+# (64 vector cores: 16 partial rows x 4 streams).
 GRAD_W_PARTIALS = {"cuda": 132, "privateuseone": 16, "npu": 16}
 
 
-def grad_w_partials(device_type: str) -> int:
-    """Rows ``P`` of the weight-gradient partials written by ``engram_gate_bwd`` on a device type."""
-    return GRAD_W_PARTIALS.get(device_type, GRAD_W_PARTIALS["cuda"])
+def grad_w_partials(device_type: str, hidden_size: int, hc_mult: int = 4) -> int:
+    """Rows ``P`` of the weight-gradient partials written by ``engram_gate_bwd`` on a device type at
+    ``(H, m)``: ``GRAD_W_PARTIALS`` of the type on Ascend; on CUDA (and any other type) 132 divided by the
+    backward's cluster split at ``(H, m)`` (66 at H = 7168: one worker per 2-CTA cluster, 132 at H = 4096)."""
+    workers = GRAD_W_PARTIALS.get(device_type, GRAD_W_PARTIALS["cuda"])
+    if device_type in ("npu", "privateuseone"):
+        return workers
+    from .kernels.cuda.engram.gate_bwd import num_partials
+
+    return num_partials(hidden_size, hc_mult, workers)
 
 
 def env_flag(name: str, default: bool = False) -> bool:

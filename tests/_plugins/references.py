@@ -20,7 +20,6 @@ for family in _FAMILY_DIRS:
         sys.path.insert(0, path)
 
 import cann_ops_tilelang as ops  # noqa: E402
-from cann_ops_tilelang import config  # noqa: E402
 import mhc_ref  # noqa: E402
 from engram_gate_ref import (  # noqa: E402
     fused_weight_ref,
@@ -42,7 +41,7 @@ def _copy_all(outputs, results):
 
 
 def _gate_bwd(outputs, *args):
-    res = gate_bwd_ref(*args, partials=config.grad_w_partials("cpu"))
+    res = gate_bwd_ref(*args, partials=outputs[2].shape[0])  # the partition the prepare step allocated
     _copy_all(outputs, res)
 
 

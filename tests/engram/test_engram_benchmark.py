@@ -90,7 +90,7 @@ def test_bench_gate_bwd(bench, device, tokens, hidden):
         import tile_kernels
 
         peer = lambda: tile_kernels.engram.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP)  # noqa: E731
-    partials = config.grad_w_partials("cuda")
+    partials = config.grad_w_partials("cuda", hidden)
     ref_c = compiled(gate_bwd_ref)
     io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + partials * 4 * hidden * 4
     bench.side_by_side(f"gate_bwd-T{tokens}-H{hidden}", {
@@ -104,7 +104,7 @@ def test_bench_gate_bwd(bench, device, tokens, hidden):
 
 @pytest.mark.parametrize("hidden", [4096, 7168])
 def test_bench_grad_w_reduce(bench, device, hidden):
-    partials = config.grad_w_partials("cuda")
+    partials = config.grad_w_partials("cuda", hidden)
     part = torch.randn(partials, 4, hidden, device=device)
     wh = torch.randn(4, hidden, device=device).bfloat16()
     we = torch.randn(4, hidden, device=device).bfloat16()

@@ -50,7 +50,8 @@ def test_fakes_match_references(tokens, masked, save, seed):
         "fwd": list(gate_fwd_ref(x, kv, wf, EPS, CLAMP, save, mask)),
     }
     stats = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
-    real["bwd"] = list(gate_bwd_ref(x, x, kv, wf, *stats[1:], CLAMP, mask, partials=config.grad_w_partials("cpu")))
+    partials = config.grad_w_partials("cpu", HIDDEN)
+    real["bwd"] = list(gate_bwd_ref(x, x, kv, wf, *stats[1:], CLAMP, mask, partials=partials))
     mode = FakeTensorMode()
     with mode:
         fx, fkv, fwh, fwe, fwf = (mode.from_tensor(t) for t in (x, kv, wh, we, wf))
@@ -220,7 +221,7 @@ def test_autograd_wrapper_main_grad(seed):
     # the expected increment: the reference partials reduced in order, as grad_w_reduce does
     out, dot, g, rx, rk = gate_fwd_ref(x, kv, fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
     _, _, part = gate_bwd_ref(go, x, kv, fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
-                              partials=config.grad_w_partials("cpu"))
+                              partials=config.grad_w_partials("cpu", HIDDEN))
     want_h, want_e = prior_h.clone(), prior_e.clone()
     grad_w_reduce_ref(part, wh, we, want_h, want_e)
     assert torch.equal(module.weight_hidden.main_grad, want_h)

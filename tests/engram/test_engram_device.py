@@ -157,14 +157,14 @@ def test_gate_bwd_other_schedules(tokens, hidden, masked, device, seed):
 )
 @pytest.mark.parametrize("tokens", [509, 2112])
 def test_gate_bwd_image_tokens_at_worker_edges(tokens, hidden, device, seed):
-    """Image tokens where the token-pipelined split kernel hands its staged loads on (CUDA, two workers
-    of ``per`` tokens per cluster): in cluster c, by c % 5, the first token of the first worker, its
-    second, its last, the first of the second worker, or none; at T = 509 and 2112, 4 and 16 tokens per
-    worker at P = 132."""
-    per = -(-tokens // config.grad_w_partials("cuda"))
+    """Image tokens where the token-pipelined split kernel changes how it loads (CUDA, one worker of
+    ``per`` tokens per cluster): in worker w, by w % 5, its first token (go/v and x/k loaded before the
+    loop), its second (go/v in its x/k buffer), its third (the first from the prefetched go/v rows), its
+    last, or none; at T = 509 and 2112, 8 and 32 tokens per worker at P = 66."""
+    per = -(-tokens // config.grad_w_partials("cuda", hidden))
     t = torch.arange(tokens)
-    cluster, at = t // (2 * per), t % (2 * per)
-    edge = torch.tensor([0, 1, per - 1, per, -1])[cluster % 5]
+    worker, at = t // per, t % per
+    edge = torch.tensor([0, 1, 2, per - 1, -1])[worker % 5]
     check_gate_bwd(tokens, hidden, False, device, seed, mask=at == edge)
 
 

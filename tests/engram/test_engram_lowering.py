@@ -140,13 +140,14 @@ def test_gate_fwd_layout():
 
 def test_gate_bwd_split_schedule():
     """The CUDA backward splits the columns over a 2-CTA cluster exactly where the full width cannot
-    keep the weight-gradient accumulators in registers, and only where the split is possible (P even,
-    H / 2 a multiple of 256); the split kernel is launched as clusters and exchanges the dL/dg partials
-    through distributed shared memory."""
+    keep the weight-gradient accumulators in registers, and only where the split is possible (H / 2 a
+    multiple of 256); the split kernel is launched as clusters, one worker (row of the partials) per
+    cluster, and exchanges the dL/dg partials through distributed shared memory."""
+    from cann_ops_tilelang import config
     from cann_ops_tilelang.kernels.cuda.engram import gate_bwd
 
     for hidden in range(512, 8193, 256):
-        plan = gate_bwd.bwd_plan(hidden, 4, 132)
+        plan = gate_bwd.bwd_plan(hidden, 4)
         whole = gate_bwd._column_plan(hidden, 4)
         if plan["split"] == 1:
             assert plan == {**whole, "split": 1}
@@ -154,30 +155,33 @@ def test_gate_bwd_split_schedule():
         else:
             assert plan["split"] == 2 and not whole["gw_regs"] and hidden % 512 == 0, hidden
             assert plan["gw_regs"] and plan["threads"] * 2 == hidden // 8, (hidden, plan)
-    assert gate_bwd.bwd_plan(7168, 4, 132)["split"] == 2
-    assert gate_bwd.bwd_plan(4096, 4, 132)["split"] == 1
+        # P: one row per worker, 132 SMs on CUDA (the fakes' device-free count), 16 on Ascend
+        assert config.grad_w_partials("cuda", hidden) == 132 // plan["split"], hidden
+        assert config.grad_w_partials("meta", hidden) == 132 // plan["split"], hidden
+        assert config.grad_w_partials("npu", hidden) == 16
+    assert gate_bwd.bwd_plan(7168, 4)["split"] == 2 and config.grad_w_partials("cuda", 7168) == 66
+    assert gate_bwd.bwd_plan(4096, 4)["split"] == 1 and config.grad_w_partials("cuda", 4096) == 132
     # the token-pipelined variant: every split schedule whose second x/k buffer fits (all but H = 8192)
-    pipelined = [h for h in range(512, 8193, 256) if gate_bwd.bwd_plan(h, 4, 132)["pipe"]]
+    pipelined = [h for h in range(512, 8193, 256) if gate_bwd.bwd_plan(h, 4)["pipe"]]
     assert pipelined == [h for h in range(4608, 8192, 512)], pipelined
     with pytest.raises(ValueError, match="no pipelined schedule at hidden_size 4096"):
         gate_bwd.build_engram_gate_bwd(4096, 4, 132, False, pipelined=True)
     assert {"gate_bwd_pipelined_mask", "gate_bwd_pipelined_nomask"} <= set(cuda_engram.lowering_cases(7168))
-    assert gate_bwd.bwd_plan(7168, 4, 131)["split"] == 1  # an odd worker count cannot pair workers
-    source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(7168, 4, 132, False))
+    source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(7168, 4, 66, False))
     assert "cluster_arrive" in source and "st.shared::cluster" in source
     source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(4096, 4, 132, False))
     assert "cluster" not in source.split("engram_gate_bwd_cuda_kernel", 1)[1]
 
 
 @pytest.mark.parametrize("hidden,partials,tokens,expected", [
-    (7168, 132, 1, "pipelined"), (7168, 132, 2112, "pipelined"), (7168, 132, 2113, "plain"),
-    (7168, 132, 8192, "plain"), (7168, 66, 1056, "pipelined"), (7168, 66, 1057, "plain"),
-    (4096, 132, 512, "plain"), (8192, 132, 512, "plain"), (7168, 131, 512, "plain"),
+    (7168, 66, 1, "pipelined"), (7168, 66, 2112, "pipelined"), (7168, 66, 2113, "plain"),
+    (7168, 66, 8192, "plain"), (7168, 132, 4224, "pipelined"), (7168, 132, 4225, "plain"),
+    (4096, 132, 512, "plain"), (8192, 66, 512, "plain"), (7168, 131, 512, "pipelined"),
 ])
 def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monkeypatch, hidden, partials, tokens,
                                                                            expected):
     """The CUDA backward launcher takes the token-pipelined kernel of its key where the key has one and a
-    worker gets at most ``_PIPE_MAX_PER`` (16) tokens, else the plain one; the kernels come from one
+    worker gets at most ``_PIPE_MAX_PER`` (32) tokens, else the plain one; the kernels come from one
     compile per key, whatever the token count."""
     from cann_ops_tilelang.kernels.cuda.engram import gate_bwd
 
@@ -187,7 +191,7 @@ def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monke
         keys.append(key)
         plain = lambda *args: calls.append("plain")  # noqa: E731
         pipelined = lambda *args: calls.append("pipelined")  # noqa: E731
-        return plain, (pipelined if gate_bwd.bwd_plan(key[0], key[1], key[2])["pipe"] else None)
+        return plain, (pipelined if gate_bwd.bwd_plan(key[0], key[1])["pipe"] else None)
 
     monkeypatch.setattr(gate_bwd, "get_engram_gate_bwd_kernel", fake_kernels)
     meta = dict(device="meta")
@@ -204,11 +208,12 @@ def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monke
 def test_cuda_grad_w_reduce_chunks_sum_every_row_once_in_order(partials):
     """The TMA chunks of the CUDA weight-gradient reduction (boxes of ``rows`` rows, the last one starting at
     ``P - rows`` and skipping what the one before summed) visit rows 0 .. P-1 exactly once, ascending, with
-    every box inside the tensor, at most 128 rows per box and the buffers in flight within shared memory."""
+    every box inside the tensor, at most 128 rows per box, at least two boxes (the sum of one overlaps the
+    load of the next) and the buffers in flight within shared memory."""
     from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as gwr
 
     chunks, rows, nbuf = gwr.chunk_plan(partials)
-    assert 1 <= rows <= 128 and 1 <= nbuf <= min(chunks, 3)
+    assert 1 <= rows <= 128 and 1 <= nbuf <= min(chunks, 3) and chunks >= min(2, partials)
     assert nbuf * rows * 128 * 4 <= 227 * 1024
     order = []
     for c in range(chunks):

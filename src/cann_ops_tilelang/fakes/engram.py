@@ -124,13 +124,14 @@ def engram_gate_bwd(
     Returns:
         ``(grad_hidden_states (T, m, H) bf16, grad_kv (T, m + 1, H) bf16,
         grad_w_partial (P, m, H) fp32)``; ``grad_w_partial`` holds per-worker partial sums of the
-        gradient of ``weight_fused`` (P is fixed per device type: ``config.GRAD_W_PARTIALS``);
+        gradient of ``weight_fused`` (P is fixed per device type and ``(H, m)``:
+        ``config.grad_w_partials``);
         reduce it with ``engram_grad_w_reduce``.
     """
     check_engram_gate_bwd(
         grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value, image_token_mask
     )
-    partials = config.grad_w_partials(grad_out.device.type)
+    partials = config.grad_w_partials(grad_out.device.type, grad_out.shape[2], grad_out.shape[1])
     grad_x = grad_out.new_empty(grad_out.shape)
     grad_kv = kv.new_empty(kv.shape)
     grad_w_partial = weight_fused.new_empty((partials, *weight_fused.shape))

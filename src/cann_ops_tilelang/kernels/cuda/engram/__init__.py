@@ -50,22 +50,22 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     ``gate_bwd_{mask,nomask}`` (plus ``gate_bwd_pipelined_{mask,nomask}`` where the backward has that
     variant) and ``grad_w_reduce``, the Ascend backend's names without its
     ``save``/``nosave`` part (the CUDA forward always writes the statistics, see
-    :func:`engram_gate_fwd`); the last two at the CUDA partial count ``P`` of ``config.GRAD_W_PARTIALS``.
+    :func:`engram_gate_fwd`); the last two at the CUDA partial count ``P`` of ``config.grad_w_partials``.
 
     Returns:
         ``{case name: T.prim_func}``.
     """
     from ....config import grad_w_partials
 
-    num_partials = grad_w_partials("cuda")
     H, m = hidden_size, hc_mult
+    num_partials = grad_w_partials("cuda", H, m)
     cases = {"fused_weight": build_engram_fused_weight(m * H)}
     for mask in (False, True):
         cases[f"gate_fwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_fwd(H, m, mask, False)
     cases["gate_fwd_mask_inplace"] = build_engram_gate_fwd(H, m, True, True)
     for mask in (False, True):
         cases[f"gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(H, m, num_partials, mask)
-        if bwd_plan(H, m, num_partials)["pipe"]:
+        if bwd_plan(H, m)["pipe"]:
             cases[f"gate_bwd_pipelined_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(
                 H, m, num_partials, mask, pipelined=True
             )

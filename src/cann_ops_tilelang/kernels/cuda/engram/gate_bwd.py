@@ -1,12 +1,12 @@
 """CUDA kernel of ``engram_gate_bwd`` (OPS.md B.1.3).
 
-Schedule: a persistent grid of ``P`` CTAs (``P = grad_w_partial.shape[0]``). Worker ``w`` owns the fixed
-token range ``[w*ceil(T/P), min((w+1)*ceil(T/P), T))`` and writes row ``w`` of the weight-gradient
-partials (zeros when its range is empty), so the result is deterministic without atomics. Where the
-whole width fits one CTA's budget (see :func:`bwd_plan`), CTA ``p`` is worker ``p``. Otherwise
-(``split = S > 1``, e.g. H = 7168 at m = 4) the CTAs form clusters of ``S``: cluster ``c`` serves the
-``S`` consecutive workers ``c*S .. c*S + S - 1`` (one contiguous token range, a row flush between
-workers) and CTA rank ``r`` owns the columns ``[r*H/S, (r+1)*H/S)`` of every token. Each thread owns
+Schedule: ``P`` persistent workers (``P = grad_w_partial.shape[0]``). Worker ``w`` owns the fixed token
+range ``[w*ceil(T/P), min((w+1)*ceil(T/P), T))`` and writes row ``w`` of the weight-gradient partials
+(zeros when its range is empty), so the result is deterministic without atomics. Where the whole width
+fits one CTA's budget (see :func:`bwd_plan`), CTA ``p`` of a grid of ``P`` is worker ``p``. Otherwise
+(``split = S > 1``, e.g. H = 7168 at m = 4) a grid of ``S * P`` CTAs forms clusters of ``S``: cluster
+``w`` is worker ``w``, and its CTA rank ``r`` owns the columns ``[r*H/S, (r+1)*H/S)`` of every token
+(hence ``P = #SMs / S``, see :func:`num_partials`: 66 rows at H = 7168 on the H200). Each thread owns
 ``nc`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf`` lives in registers
 or in a shared-memory tile that only it touches. Per token:
 
@@ -18,15 +18,15 @@ or in a shared-memory tile that only it touches. Per token:
 3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
 
 Where the split's shared memory has room for a second x/k buffer, the key also compiles a token-pipelined
-variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``, its loads
-issued after the exchange's arrive; a worker's first x/k is staged before its first phase 1; bitwise the
-same results), which the launcher takes for at most ``_PIPE_MAX_PER`` tokens per worker.
+variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``, its loads and
+the scalars of token ``t+2`` issued after the exchange's arrive; the worker's first x/k and second go/v
+are loaded with its first go/v; bitwise the same results), which the launcher takes for at most
+``_PIPE_MAX_PER`` tokens per worker.
 
 Latency hiding of the unpipelined kernel (compile-time, by register and shared-memory budget, see
 :func:`bwd_plan`): each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
 they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
-``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4 and P even: both at
-H <= 4096 and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to
+``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4: both at H <= 4096 and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to
 7168 (H = 4352, 4864, ...), whose weight-gradient tile stays in shared memory). Every staged element is
 written and read by the same thread, so only ``cp.async.wait_group`` is needed, no barrier.
 """
@@ -56,7 +56,8 @@ _WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream
 _SMEM_BYTES = smem_budget_bytes("sm_90a")  # one CTA's shared memory on the H200
 _SPLIT = 2  # cluster size of the column split (where only the split schedule holds grad_wf in registers)
 _PIPE = True  # split schedule: a second kernel whose phase 1 of the next token overlaps phase 2 of this one
-_PIPE_MAX_PER = 16  # ... launched for at most this many tokens per worker (more: the unpipelined kernel)
+_PIPE_MAX_PER = 32  # ... launched for at most this many tokens per worker (more: the unpipelined kernel)
+_PIPE_SCALARS_AHEAD = True  # pipelined kernel: the per-stream scalars of token t+2 loaded with its go/v
 
 _PRELUDE = r"""
 __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float value) {
@@ -103,7 +104,19 @@ def _pipe_fits(columns: int, hc_mult: int, plan: dict) -> bool:
     return all(plan[k] for k in ("gw_regs", "stage_xk", "pre_gov", "wf_smem")) and need <= _SMEM_BYTES
 
 
-def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None) -> dict:
+@functools.lru_cache(maxsize=None)
+def _plan(hidden_size: int, hc_mult: int) -> dict:
+    return bwd_plan(hidden_size, hc_mult)
+
+
+def num_partials(hidden_size: int, hc_mult: int, workers: int) -> int:
+    """``P``, the rows of ``grad_w_partial`` on a device with ``workers`` SMs: one worker per SM, or per
+    cluster of ``split`` SMs where :func:`bwd_plan` splits the columns (``workers // split``, at least 1).
+    ``H`` and ``m`` may be symbolic sizes of a traced graph; they are read as ints (a guard on them)."""
+    return max(1, workers // _plan(int(hidden_size), int(hc_mult))["split"])
+
+
+def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     """The backward's compile-time schedule at ``(H, m)``.
 
     Keys: ``split`` (a cluster of ``split`` CTAs shares each token, CTA ``r`` owning the columns
@@ -119,8 +132,9 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     threads so that the phase-2 loads of several vectors stay in the 128-register budget); the tile
     moves to registers where the thread's share is at most ``_GW_REGS_MAX`` floats at <= 512 threads
     (128 registers per thread); the shared memory left goes to wf, then to the go/v prefetch. Where the
-    tile stays in shared memory at full width, ``P`` is even and ``H / 2`` a multiple of 256, the same
-    steps at ``H / 2`` columns per CTA are taken instead if they put the tile in registers (``split`` 2).
+    tile stays in shared memory at full width and ``H / 2`` is a multiple of 256, the same steps at
+    ``H / 2`` columns per CTA are taken instead if they put the tile in registers (``split`` 2; one worker
+    per cluster, ``P = #SMs / 2``).
 
     NOTE tuned for H200 (cupti, cold L2; peer = DeepSeek TileKernels in the same run):
     H = 4096 (512 threads): tile in shared memory, x/k staged, wf in shared memory: 34.1 us (T = 512),
@@ -172,9 +186,9 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     H = 7168 T = 512 / 1024 / 2048 / 4096 / 8192: 51.3 / 93.0 / 174.3 / 338.6 / 669.7 us against 54.5 /
     94.6 / 175.5 / 338.4 / 667.8 (peer 48.9 / 90.6 / 172.6 / 334.2 / 666.1); H = 5120 T = 512 / 8192:
     40.3 / 539.3 against 41.5 / 499.5 (peer 38.8 / 520.2); H = 6144 46.5 / 621.2 against 47.2 / 572.4
-    (peer 43.5 / 574.4). Hence the pipelined kernel for at most ``_PIPE_MAX_PER`` = 16 tokens per worker
-    (T <= 2112 at P = 132). Both paths in one kernel with a run-time switch spilled (128 registers at
-    448 threads); one pipeline over the cluster's two workers (row flush inside it) instead of one per
+    (peer 43.5 / 574.4). Hence the pipelined kernel for at most 16 tokens per worker (T <= 2112 at
+    P = 132; 32 per worker since P = 66, below). Both paths in one kernel with a run-time switch spilled
+    (128 registers at 448 threads); one pipeline over the cluster's two workers (row flush inside it) instead of one per
     worker: 51.4 us at T = 512, no gain.
     The pipelined kernel's loads after the cluster arrive (2026-12; 7 rotated rounds, H = 7168, bitwise
     equal to the unpipelined kernel at T in {1, 3, 133, 264, 509, 512, 2112}, masks on and off,
@@ -195,16 +209,24 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4, num_partials: int | None = None
     boundary inside the loop (51.3 / 688 us against 51.0 / 669 us at T = 512 / 8192), one pipeline over
     both workers again (49.83 / 668.4 against 49.78 / 663.9 us). A 2-CTA cluster launch costs 0.1 us and
     its start barrier 0.33 us over a plain 132-CTA launch (trivial kernel, 204 KB of shared memory).
+    2026-12 (7 rotated rounds, H = 7168, T = 512 / 1024 / 2048 / 8192, the pipelined kernel at every T;
+    bitwise equal to the unpipelined kernel at T in {1, 2, 3, 66, 67, 133, 264, 265, 509, 512, 1000, 2112,
+    2113}, masks on and off, H in {5120, 7168}): one worker per 2-CTA cluster (P = 66; before, a cluster
+    served two workers of P = 132 one after the other, with a row flush and a pipeline fill between them),
+    with the worker's second go/v loaded into its free x/k buffer with the first go/v and the scalars of
+    token t+2 loaded after the arrive: 46.9 / 88.6 / 171.1 / 661.7 us against 49.7 / 91.6 / 174.2 / 662.6
+    (peer 48.7 / 89.9 / 172.3 / 659.6, writing 132 partial rows); the unpipelined kernel at P = 66 173.0 /
+    662.1 us at T = 2048 / 8192 (at P = 132 175.7 / 660.4), hence the pipelined kernel up to 32 tokens per
+    worker (T <= 2112) as before. The second go/v alone: 49.7 against 49.9 us at T = 512, with the scalars
+    ahead 49.7 / 91.2 / 172.7 / 663.0 us. Not adopted: the streamed inputs read with an L2 evict-first
+    policy (createpolicy + cp.async.L2::cache_hint): 51.3 / 95.5 / 182.7 / 702.4 us (the unpipelined
+    kernel 717.2 against 663.7 us at T = 8192).
     """
     H, m = hidden_size, hc_mult
-    if num_partials is None:
-        from ....config import grad_w_partials
-
-        num_partials = grad_w_partials("cuda")
     plan = _column_plan(H, m)
     split = 1
     S = _SPLIT
-    if S > 1 and not plan["gw_regs"] and num_partials % S == 0 and H % (256 * S) == 0:
+    if S > 1 and not plan["gw_regs"] and H % (256 * S) == 0:
         # S CTAs of a cluster per token, H / S columns each: the narrower schedule keeps grad_wf in
         # registers and has room for the x/k staging, wf and the go/v prefetch.
         part = _column_plan(H // S, m)
@@ -242,7 +264,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     from tilelang import language as T
 
     H, m, P = hidden_size, hc_mult, num_partials
-    plan = bwd_plan(H, m, P)
+    plan = bwd_plan(H, m)
     S, threads, nc = plan["split"], plan["threads"], plan["nc"]
     gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
     if pipelined and not plan["pipe"]:
@@ -253,6 +275,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
         raise ValueError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
     wf_pipe = _WF_PIPE and not wf_smem
+    sc_ahead = pipe and _PIPE_SCALARS_AHEAD
+    gov0 = 4 * m if pipe else 0  # first go/v row of the go/v buffer (in the pipelined kernel, after the x/k buffers)
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
     # the split schedule, where it measured slower (see the NOTE of bwd_plan).
     scalars_ahead = S == 1
@@ -265,22 +289,20 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     num_tokens = T.dynamic("num_tokens")
 
     @T.macro
-    def prefetch(go, kv, gov_s, t, t_stop, tid, c0):
-        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t (if t < t_stop);
-        # the group is committed either way, so that a fixed wait_group count covers the staging after it.
+    def cp16(dst, row, col, src, t, h, c):
+        # One thread's 16-byte cp.async of the 8 bf16 src[t, h, c:c+8] into dst[row, col:col+8].
+        T.ptx_cp_async(T.access_ptr(dst[row, col], "w", _VEC), T.access_ptr(src[t, h, c], "r", _VEC), _VEC)
+
+    @T.macro
+    def prefetch(go, kv, dst, r0, t, t_stop, tid, c0):
+        # Thread-private cp.async of the thread's own go (m rows) and v columns of token t (if t < t_stop)
+        # into rows r0 .. r0 + m of dst; the group is committed either way, so that a fixed wait_group
+        # count covers the groups after it.
         if t < t_stop:
             for i in T.unroll(nc):
                 for h in T.unroll(m):
-                    T.ptx_cp_async(
-                        T.access_ptr(gov_s[h, (i * threads + tid) * _VEC], "w", _VEC),
-                        T.access_ptr(go[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
-                        _VEC,
-                    )
-                T.ptx_cp_async(
-                    T.access_ptr(gov_s[m, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(kv[t, m, c0 + (i * threads + tid) * _VEC], "r", _VEC),
-                    _VEC,
-                )
+                    cp16(dst, r0 + h, (i * threads + tid) * _VEC, go, t, h, c0 + (i * threads + tid) * _VEC)
+                cp16(dst, r0 + m, (i * threads + tid) * _VEC, kv, t, m, c0 + (i * threads + tid) * _VEC)
         T.ptx_commit_group()
 
     @T.macro
@@ -294,26 +316,18 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 vr[i, k] = kv[t, m, c0 + (i * threads + tid) * _VEC + k]
 
     @T.macro
-    def stage(x, kv, xk_s, b, t, tid, c0):
+    def stage(x, kv, dst, r0, t, tid, c0):
         # Thread-private cp.async of the thread's own x and k columns (all m streams) of token t into
-        # buffer b (xk_s[2b] = x, xk_s[2b + 1] = k).
+        # rows r0 .. r0 + 2m of dst (x, then k).
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                T.ptx_cp_async(
-                    T.access_ptr(xk_s[2 * b, h, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(x[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
-                    _VEC,
-                )
-                T.ptx_cp_async(
-                    T.access_ptr(xk_s[2 * b + 1, h, (i * threads + tid) * _VEC], "w", _VEC),
-                    T.access_ptr(kv[t, h, c0 + (i * threads + tid) * _VEC], "r", _VEC),
-                    _VEC,
-                )
+                cp16(dst, r0 + h, (i * threads + tid) * _VEC, x, t, h, c0 + (i * threads + tid) * _VEC)
+                cp16(dst, r0 + m + h, (i * threads + tid) * _VEC, kv, t, h, c0 + (i * threads + tid) * _VEC)
         T.ptx_commit_group()
 
     @T.macro
-    def flush(grad_w, gwr, gw_s, wr, wo, row, tid, lane, wid, c0, reset):
-        # Row ``row`` of the partials, this CTA's columns; ``reset`` zeroes the accumulators after.
+    def flush(grad_w, gwr, gw_s, wr, wo, row, tid, lane, wid, c0):
+        # Row ``row`` of the partials, this CTA's columns.
         # Lane l holds the 8 columns [8l, 8l+8) of its warp's 256; stored as they are, each 16-byte
         # store would half-fill 32 sectors. Instead the warp stores the two contiguous 512-byte halves:
         # lane l writes columns 4l .. 4l+3 (+128 for the second half), from lane l / 2 (+16).
@@ -333,12 +347,6 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         wo[e] = T.if_then_else(lane % 2 == 0, wo[e], wo[4 + e])
                     for e in T.vectorized(4):
                         grad_w[row, h, c0 + (i * threads + wid * 32) * _VEC + half * 128 + lane * 4 + e] = wo[e]
-                if reset:
-                    for k in T.unroll(_VEC):
-                        if gw_regs:
-                            gwr[i, h, k] = 0.0
-                        else:
-                            gw_s[h, k, i * threads + tid] = 0.0
 
     @T.macro
     def load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid):
@@ -351,21 +359,31 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             gl[h] = gate[t, h]
 
     @T.macro
-    def image_token(go, kv, gov_s, grad_x, grad_kv, cp, t, t_stop, tid, c0):
-        # Image token t: grad_x = go (bit copy, from the prefetched go/v where there is one, which then
-        # fetches token t+1), grad_kv = 0, no weight-gradient contribution.
+    def take_scalars(gl, sc, gln, scn, tid):
+        # The scalars loaded one token ahead (gln, scn) become the current token's (gl, sc).
+        for h in T.unroll(m):
+            gl[h] = gln[h]
+        if tid < m:
+            for q in T.unroll(3):
+                sc[q] = scn[q]
+
+    @T.macro
+    def image_token(go, kv, gov_s, r0, grad_x, grad_kv, cp, t, t_pf, t_stop, tid, c0):
+        # Image token t: grad_x = go (bit copy, from the prefetched go/v in rows r0 .. r0 + m of gov_s where
+        # there is one; then token t_pf's go/v, if t_pf < t_stop, into the go/v rows), grad_kv = 0, no
+        # weight-gradient contribution.
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 if pre_gov:
                     for k in T.vectorized(_VEC):
-                        cp[k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                        cp[k] = gov_s[r0 + h, (i * threads + tid) * _VEC + k]
                 else:
                     for k in T.vectorized(_VEC):
                         cp[k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
                 for k in T.vectorized(_VEC):
                     grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
         if pre_gov:
-            prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+            prefetch(go, kv, gov_s, gov0, t_pf, t_stop, tid, c0)
         for i in T.unroll(nc):
             for h in T.unroll(m + 1):
                 for k in T.vectorized(_VEC):
@@ -448,19 +466,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     @T.macro
     def tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
                gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
-               ax, ak, sc, gln, scn, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
-        # Tokens [t_lo, t_hi) of one worker; prefetches run up to t_stop (the end of the CTA's range).
+               ax, ak, sc, gln, scn, parity, t_lo, t_hi, tid, lane, wid, rank, c0):
+        # The worker's tokens [t_lo, t_hi).
         for t in T.serial(t_lo, t_hi):
             if pre_gov:
                 T.ptx_wait_group(0)
             if scalars_ahead:
                 # this token's scalars were loaded during the previous one; load the next token's now
-                for h in T.unroll(m):
-                    gl[h] = gln[h]
-                if tid < m:
-                    for q in T.unroll(3):
-                        sc[q] = scn[q]
-                if t + 1 < t_stop:
+                take_scalars(gl, sc, gln, scn, tid)
+                if t + 1 < t_hi:
                     for h in T.unroll(m):
                         gln[h] = gate[t + 1, h]
                     if tid < m:
@@ -468,7 +482,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         scn[1] = rstd_x[t + 1, tid]
                         scn[2] = rstd_k[t + 1, tid]
             if has_mask and mask[t]:
-                image_token(go, kv, gov_s, grad_x, grad_kv, cp, t, t_stop, tid, c0)
+                image_token(go, kv, gov_s, 0, grad_x, grad_kv, cp, t, t + 1, t_hi, tid, c0)
             else:
                 if stage_xk:
                     stage(x, kv, xk_s, 0, t, tid, c0)
@@ -492,7 +506,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     phase1_vec(gor, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
                 # The staging buffer is consumed: fetch the next token while this one finishes.
                 if pre_gov:
-                    prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+                    prefetch(go, kv, gov_s, 0, t + 1, t_hi, tid, c0)
                 publish_scalars(scs, sc, parity, clamp, tid)
                 if wf_pipe:
                     # phase 2's first wf vector, issued before the reduction (independent of it)
@@ -518,9 +532,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     for h in T.unroll(m):
                         if stage_xk:
                             for k in T.vectorized(_VEC):
-                                xr[k] = xk_s[0, h, (i * threads + tid) * _VEC + k]
+                                xr[k] = xk_s[h, (i * threads + tid) * _VEC + k]
                             for k in T.vectorized(_VEC):
-                                kr[k] = xk_s[1, h, (i * threads + tid) * _VEC + k]
+                                kr[k] = xk_s[m + h, (i * threads + tid) * _VEC + k]
                         else:
                             for k in T.vectorized(_VEC):
                                 xr[k] = x[t, h, c0 + (i * threads + tid) * _VEC + k]
@@ -543,21 +557,26 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
-    def pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf, gv, gl,
-                    acc, sc, parity, t, t_stop, tid, lane, wid, rank, c0, with_xk=True):
-        # Phase 1 of token t (split schedule, go/v in gov_s): go into gon, the value gradient, this CTA's
-        # dL/dg partials into every CTA of the cluster; the arrive; then token t's x/k staging (with_xk:
-        # unless staged before) and token t+1's go/v prefetch. The loads go after the arrive, whose release fence
-        # (MEMBAR.ALL.GPU) waits for the thread's outstanding memory operations.
-        load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid)
+    def pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, sb, red, scs, gon, vr, vf, gv, gl,
+                    acc, sc, gln, scn, parity, r0, t, t_pf, t_stop, tid, lane, wid, rank, c0, with_xk=True,
+                    loaded=False):
+        # Phase 1 of token t (split schedule, its go/v in rows r0 .. r0 + m of sb): go into gon, the value
+        # gradient, this CTA's dL/dg partials into every CTA of the cluster; the arrive; then token t's x/k
+        # staging into its buffer (with_xk: unless staged before) and token t_pf's go/v prefetch into the
+        # go/v rows (if t_pf < t_stop). The loads go after the arrive, whose release fence (MEMBAR.ALL.GPU)
+        # waits for the thread's outstanding memory operations. loaded: token t's scalars are in gln / scn.
+        if loaded:
+            take_scalars(gl, sc, gln, scn, tid)
+        else:
+            load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid)
         for h in T.unroll(m):
             acc[h] = 0.0
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 for k in T.vectorized(_VEC):
-                    gon[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
+                    gon[i, h, k] = sb[r0 + h, (i * threads + tid) * _VEC + k]
             for k in T.vectorized(_VEC):
-                vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
+                vr[i, k] = sb[r0 + m, (i * threads + tid) * _VEC + k]
             phase1_vec(gon, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
         publish_scalars(scs, sc, parity, clamp, tid)
         for h in T.unroll(m):
@@ -565,18 +584,18 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         send_partials(red, acc, parity, lane, wid, rank)
         T.cluster_arrive()
         if with_xk:
-            stage(x, kv, xk_s, t % 2, t, tid, c0)
-        prefetch(go, kv, gov_s, t + 1, t_stop, tid, c0)
+            stage(x, kv, sb, 2 * m * (t % 2), t, tid, c0)
+        prefetch(go, kv, sb, gov0, t_pf, t_stop, tid, c0)
 
     @T.macro
-    def pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, b, t, tid, c0):
-        # Phase 2 of token t from x/k buffer b: grad_x, grad_k, the weight-gradient registers.
+    def pipe_phase2(grad_x, grad_kv, sb, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t, tid, c0):
+        # Phase 2 of token t from its x/k buffer (t % 2): grad_x, grad_k, the weight-gradient registers.
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 for k in T.vectorized(_VEC):
-                    xr[k] = xk_s[2 * b, h, (i * threads + tid) * _VEC + k]
+                    xr[k] = sb[2 * m * (t % 2) + h, (i * threads + tid) * _VEC + k]
                 for k in T.vectorized(_VEC):
-                    kr[k] = xk_s[2 * b + 1, h, (i * threads + tid) * _VEC + k]
+                    kr[k] = sb[2 * m * (t % 2) + m + h, (i * threads + tid) * _VEC + k]
                 for k in T.vectorized(_VEC):
                     wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
                 phase2_vec(grad_x, grad_kv, gwr, None, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
@@ -592,51 +611,84 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     gor[i, h, k] = gon[i, h, k]
 
     @T.macro
-    def tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s, gov_s, wf_s, red, scs,
-                    gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak, sc, parity,
-                    t_lo, t_hi, t_stop, tid, lane, wid, rank, c0):
-        # Tokens [t_lo, t_hi) of one worker, software-pipelined by one token: iteration t runs phase 1 of
-        # token t+1 (sending its dL/dg partials, then staging its x/k and prefetching token t+2's go/v),
+    def tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, sb, wf_s, red, scs,
+                    gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak, sc, gln, scn, parity,
+                    t_lo, t_hi, tid, lane, wid, rank, c0):
+        # The worker's tokens [t_lo, t_hi), software-pipelined by one token: iteration t runs phase 1 of
+        # token t+1 (sending its dL/dg partials, then staging its x/k and loading token t+2's go/v and scalars),
         # then phase 2 of token t (whose exchange completed in the previous iteration), then waits for token
         # t+1's exchange. The cluster barrier and the loads thus overlap phase 2 of the previous token. Per
         # token the same arithmetic in the same order as the unpipelined loop (bitwise-equal results).
-        # Phase 1 of token t_lo, peeled: its go/v arrived; its x/k, staged before (in the prologue, or
-        # by the previous worker after its last phase 2) as the last group committed, may stay in flight.
-        T.ptx_wait_group(1)
+        # On entry (loaded in the prologue by pipe_entry, the last two groups committed): token t_lo's go/v
+        # in the go/v rows and its x/k in its buffer, and token t_lo+1's go/v (if it is this worker's) in
+        # the x/k buffer of that token, which is free until its x/k is staged. So the go/v rows take token
+        # t_lo+2's next, two tokens ahead.
+        # Phase 1 of token t_lo, peeled: it waits for its go/v only.
+        T.ptx_wait_group(2)
         if t_lo < t_hi:
+            t_pf = T.min(t_lo + 2, t_hi)  # the first token whose go/v is not fetched yet
             if has_mask and mask[t_lo]:
-                image_token(go, kv, gov_s, grad_x, grad_kv, cp, t_lo, t_stop, tid, c0)
+                image_token(go, kv, sb, gov0, grad_x, grad_kv, cp, t_lo, t_pf, t_hi, tid, c0)
             else:
-                pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf, gv,
-                            gl, acc, sc, parity, t_lo, t_stop, tid, lane, wid, rank, c0, False)
+                pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, sb, red, scs, gon, vr, vf, gv,
+                            gl, acc, sc, gln, scn, parity, gov0, t_lo, t_pf, t_hi, tid, lane, wid, rank, c0, False)
+            if sc_ahead:
+                # token t_lo+1's scalars, in flight during the exchange (after the arrive)
+                if t_lo + 1 < t_hi:
+                    load_scalars(dot, gate, rstd_x, rstd_k, scn, gln, t_lo + 1, tid)
+            if not (has_mask and mask[t_lo]):
                 pipe_take(red, scs, gl, acc, beta, ax, ak, parity, lane, gor, gon)
         for t in T.serial(t_lo, t_hi):
             # token t's x/k and token t+1's go/v
             T.ptx_wait_group(0)
             if t + 1 < t_hi:
+                # token t_lo+1's go/v in its x/k buffer, no prefetch with it (the go/v rows hold t_lo+2's)
+                r0 = gov0 - T.cast(t == t_lo, T.int32) * (gov0 - 2 * m * ((t + 1) % 2))
+                pf_stop = T.min(t_hi, T.if_then_else(t == t_lo, t_lo, t_hi))  # min: provably in bounds
                 if has_mask and mask[t + 1]:
-                    image_token(go, kv, gov_s, grad_x, grad_kv, cp, t + 1, t_stop, tid, c0)
+                    image_token(go, kv, sb, r0, grad_x, grad_kv, cp, t + 1, t + 2, pf_stop, tid, c0)
                 else:
-                    pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, gov_s, xk_s, red, scs, gon, vr, vf,
-                                gv, gl, acc, sc, parity, t + 1, t_stop, tid, lane, wid, rank, c0)
+                    pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, sb, red, scs, gon, vr, vf,
+                                gv, gl, acc, sc, gln, scn, parity, r0, t + 1, t + 2, pf_stop, tid, lane, wid, rank, c0,
+                                True, sc_ahead)
+                if sc_ahead:
+                    # token t+2's scalars, in flight during phase 2 of token t (after the arrive)
+                    if t + 2 < t_hi:
+                        load_scalars(dot, gate, rstd_x, rstd_k, scn, gln, t + 2, tid)
             if not (has_mask and mask[t]):
-                pipe_phase2(grad_x, grad_kv, xk_s, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t % 2, t, tid, c0)
+                pipe_phase2(grad_x, grad_kv, sb, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t, tid, c0)
             if t + 1 < t_hi:
                 if not (has_mask and mask[t + 1]):
                     # token t's phase 2 is done: its go and scalars make room for token t+1's
                     pipe_take(red, scs, gl, acc, beta, ax, ak, parity, lane, gor, gon)
 
     @T.macro
+    def pipe_entry(go, x, kv, sb, t_lo, t_hi, tid, c0):
+        # What tokens_pipe expects on entry besides token t_lo's go/v: token t_lo's x/k staged into its
+        # buffer and token t_lo+1's go/v (if below t_hi) into the other, always two groups.
+        if t_lo < t_hi:
+            stage(x, kv, sb, 2 * m * (t_lo % 2), t_lo, tid, c0)
+        else:
+            T.ptx_commit_group()
+        prefetch(go, kv, sb, 2 * m * ((t_lo + 1) % 2), t_lo + 1, t_hi, tid, c0)
+
+    @T.macro
     def body(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, grad_w):
-        with T.Kernel(P, threads=threads, cluster_dims=S if S > 1 else None, prelude=_PRELUDE if S > 1 else None) as p:
+        cluster = dict(cluster_dims=S, prelude=_PRELUDE) if S > 1 else {}
+        with T.Kernel(P * S, threads=threads, **cluster) as p:
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
             gwr = T.alloc_local((nc, m, _VEC), f32) if gw_regs else None
             gw_s = None if gw_regs else T.alloc_shared((m, _VEC, nvec), f32)
-            # this token's x and k, own columns only (and the next token's where the tokens are pipelined)
-            xk_s = T.alloc_shared((4 if pipe else 2, m, HC), bf16) if stage_xk else None
-            gov_s = T.alloc_shared((m + 1, HC), bf16) if pre_gov else None  # next token's go rows and v, own columns
+            if pipe:
+                # rows [2m*b, 2m*b + 2m): x/k buffer b (token t in buffer t % 2); rows [gov0, gov0 + m]: go/v
+                xk_s = T.alloc_shared((gov0 + m + 1, HC), bf16)
+                gov_s = xk_s
+            else:
+                # this token's x and k (rows [0, m) and [m, 2m)), own columns only
+                xk_s = T.alloc_shared((2 * m, HC), bf16) if stage_xk else None
+                gov_s = T.alloc_shared((m + 1, HC), bf16) if pre_gov else None  # next token's go rows and v
             wf_s = T.alloc_shared((m, HC), f32) if wf_smem else None  # wf, own columns only (loaded once)
             red = T.alloc_shared((2, m, 32), f32)
             scs = T.alloc_shared((2, 4, m), f32)  # per-stream scalars, written by thread h < m
@@ -655,8 +707,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             ax = T.alloc_local((m,), f32)
             ak = T.alloc_local((m,), f32)
             sc = T.alloc_local((4,), f32)
-            gln = T.alloc_local((m,), f32) if scalars_ahead else None  # the next token's gate scores
-            scn = T.alloc_local((3,), f32) if scalars_ahead else None  # its dot, rstd_x, rstd_k (threads h < m)
+            # the next token's gate scores and its dot, rstd_x, rstd_k (threads h < m), loaded one token ahead
+            gln = T.alloc_local((m,), f32) if scalars_ahead or sc_ahead else None
+            scn = T.alloc_local((3,), f32) if scalars_ahead or sc_ahead else None
             parity = T.alloc_local((1,), T.int32)  # reduction buffer of this token
             gon = T.alloc_local((nc, m, _VEC), bf16) if pipe else None  # the next token's go (pipelined)
 
@@ -679,21 +732,21 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                             gwr[i, h, k] = 0.0
                         else:
                             gw_s[h, k, i * threads + tid] = 0.0
-            # Cluster c = p // S serves the S consecutive workers c*S .. c*S + S - 1 (their token ranges
-            # are contiguous); CTA rank r = p % S owns columns [r*HC, (r+1)*HC).
+            # Worker w (row w of the partials) is cluster w of S CTAs (CTA w without the split) and owns the
+            # token range [w*per, (w+1)*per); CTA rank r = p % S owns the columns [r*HC, (r+1)*HC).
             rank = p % S if S > 1 else 0
             c0 = rank * HC if S > 1 else 0
-            w0 = p - rank if S > 1 else p
+            w = p // S if S > 1 else p
             per = T.ceildiv(num_tokens, P)
-            t_begin = T.min(per * w0, num_tokens)
-            t_stop = T.min(per * w0 + per * S, num_tokens)
+            t_lo = T.min(per * w, num_tokens)
+            t_hi = T.min(per * w + per, num_tokens)
             if S > 1:
                 # the partner CTA is running (its shared memory may be written) once the wait returns
                 T.cluster_arrive()
                 if not pipe:
                     T.cluster_wait()
             if wf_smem:
-                if t_begin < t_stop:
+                if t_lo < t_hi:
                     for i in T.unroll(nc):
                         for h in T.unroll(m):
                             for j in T.unroll(2):
@@ -704,40 +757,30 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                                 )
                     T.ptx_commit_group()
             if pre_gov:
-                prefetch(go, kv, gov_s, t_begin, t_stop, tid, c0)
+                prefetch(go, kv, gov_s, gov0, t_lo, t_hi, tid, c0)
             if pipe:
-                # the first token's x/k travels with its go/v (committed last); the wait of the start barrier
+                # the first x/k and the second go/v travel with the first go/v; the wait of the start barrier
                 # overlaps them
-                if t_begin < t_stop:
-                    stage(x, kv, xk_s, t_begin % 2, t_begin, tid, c0)
+                pipe_entry(go, x, kv, xk_s, t_lo, t_hi, tid, c0)
                 T.cluster_wait()
             if scalars_ahead:
-                if t_begin < t_stop:
+                if t_lo < t_hi:
                     for h in T.unroll(m):
-                        gln[h] = gate[t_begin, h]
+                        gln[h] = gate[t_lo, h]
                     if tid < m:
-                        scn[0] = dot[t_begin, tid]
-                        scn[1] = rstd_x[t_begin, tid]
-                        scn[2] = rstd_k[t_begin, tid]
-            for j in range(S):
-                # Worker w0 + j: its tokens, then its row of the partials (zeros for an empty range).
-                t_lo = T.min(per * (w0 + j), num_tokens)
-                t_hi = T.min(per * (w0 + j) + per, num_tokens)
-                if pipe:
-                    tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s,
-                                gov_s, wf_s, red, scs, gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak,
-                                sc, parity, t_lo, t_hi, t_stop, tid, lane, wid, rank, c0)
-                    # the next worker's first x/k (buffer t_hi % 2 is free: its last reader, token t_hi - 2,
-                    # is done), in flight during the row flush
-                    if j + 1 < S:
-                        if t_hi < t_stop:
-                            stage(x, kv, xk_s, t_hi % 2, t_hi, tid, c0)
-                else:
-                    tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv,
-                           gwr, gw_s, xk_s, gov_s, wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta,
-                           ax, ak, sc, gln, scn, parity, t_lo if S > 1 else t_begin, t_hi if S > 1 else t_stop,
-                           t_stop, tid, lane, wid, rank, c0)
-                flush(grad_w, gwr, gw_s, wr, xr, w0 + j, tid, lane, wid, c0, j + 1 < S)  # xr: free scratch here
+                        scn[0] = dot[t_lo, tid]
+                        scn[1] = rstd_x[t_lo, tid]
+                        scn[2] = rstd_k[t_lo, tid]
+            if pipe:
+                tokens_pipe(go, x, kv, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, xk_s, wf_s, red,
+                            scs, gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak, sc, gln, scn, parity,
+                            t_lo, t_hi, tid, lane, wid, rank, c0)
+            else:
+                tokens(go, x, kv, wf, dot, gate, rstd_x, rstd_k, mask, clamp, grad_x, grad_kv, gwr, gw_s, xk_s, gov_s,
+                       wf_s, red, scs, gor, cp, vr, vf, gv, xr, kr, wr, wq, gl, acc, beta, ax, ak, sc, gln, scn, parity,
+                       t_lo, t_hi, tid, lane, wid, rank, c0)
+            # the worker's row of the partials (zeros for an empty range)
+            flush(grad_w, gwr, gw_s, wr, xr, w, tid, lane, wid, c0)  # xr: free scratch here
 
     xs, kvs, ws, ms, ss, ps = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m), (P, m, H)
 
@@ -792,7 +835,7 @@ def get_engram_gate_bwd_kernel(*key):
     ``_PIPE_MAX_PER`` tokens per worker."""
     H, m, P, _ = key
     kernel = jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
-    if not bwd_plan(H, m, P)["pipe"]:
+    if not bwd_plan(H, m)["pipe"]:
         return kernel, None
     return kernel, jit_compile("engram_gate_bwd_pipelined", key, build_engram_gate_bwd(*key, pipelined=True))
 

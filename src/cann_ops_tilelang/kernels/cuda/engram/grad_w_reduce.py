@@ -1,7 +1,7 @@
 """CUDA kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
 
 Each CTA owns 128 columns of one stream. The ``P`` partial rows of its columns arrive in shared memory by
-TMA, in chunks of at most 128 rows (one TMA load per chunk; up to three buffers in flight, chunk ``c`` in
+TMA, in chunks of at most 128 rows, at least two (one TMA load per chunk; up to three buffers in flight, chunk ``c`` in
 buffer ``c % 3`` with its mbarrier at phase ``c // 3``); one thread per column sums each chunk as soon as
 it lands, sequentially in ascending ``p`` (fixed order, deterministic), and finally updates the two fp32
 gradient buffers in place:
@@ -21,16 +21,19 @@ __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_
 # us; 64 columns: 7.11 / 4.94 (two chunks), 7.24 / 5.12 us (one). The earlier all-threads load of 64
 # columns x 132 rows into shared memory (16-byte loads, 256 threads): 7.40 / 5.47 us; with cp.async in
 # 2 / 4 / 8 row batches, each summed while the later ones load, it was slower still (H = 7168, an earlier
-# run: 7.67 / 7.98 / 8.32 us against 7.43 us).
+# run: 7.67 / 7.98 / 8.32 us against 7.43 us). At P = 66 (the backward's rows at H = 7168 since one worker
+# per 2-CTA cluster; 7 rotated rounds): at least two chunks (2 x 33 rows) 4.71 us against one of 66 rows 4.83,
+# three 4.71, four (3 buffers) 4.96 (peer 4.53; at P = 132 all 6.90-6.95 against the peer's 6.91).
 _COLS = 128
 _CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
 _MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
+_MIN_CHUNKS = 2  # at least this many chunks (the sum of one overlaps the load of the next)
 
 
 def chunk_plan(num_partials: int) -> tuple[int, int, int]:
     """``(chunks, rows, buffers)``: the ``P`` rows in ``chunks`` boxes of ``rows`` rows (the last box starts
     at ``P - rows`` and skips the rows the one before it summed), ``buffers`` of them in flight."""
-    chunks = -(-num_partials // _CHUNK_ROWS)
+    chunks = max(-(-num_partials // _CHUNK_ROWS), min(_MIN_CHUNKS, num_partials))
     rows = -(-num_partials // chunks)
     return chunks, rows, min(chunks, _MAX_BUFFERS)
 
