@@ -145,8 +145,8 @@ def test_gate_bwd(tokens, hidden, masked, device, seed):
 @pytest.mark.parametrize("tokens", [509, 4001])
 def test_gate_bwd_other_schedules(tokens, hidden, masked, device, seed):
     """The CUDA schedules the model sizes above do not reach: the weight-gradient tile in shared memory
-    (H = 4352), a second size of the two-CTA column split (H = 5120; its token-pipelined kernel at
-    T = 509, 4 tokens per worker, the other one at T = 4001, 31 per worker) and the untuned one-warp
+    (H = 4352), a second size of the two-CTA column split (H = 5120, P = 66; its token-pipelined kernel at
+    T = 509, 8 tokens per worker, the other one at T = 4001, 61 per worker) and the untuned one-warp
     schedule of H / 256 prime (H = 7424: 29 column vectors per thread)."""
     check_gate_bwd(tokens, hidden, masked, device, seed)
 
@@ -155,12 +155,12 @@ def test_gate_bwd_other_schedules(tokens, hidden, masked, device, seed):
 @pytest.mark.parametrize(
     "hidden", [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in (5120, 7168)]
 )
-@pytest.mark.parametrize("tokens", [509, 2112])
+@pytest.mark.parametrize("tokens", [67, 133, 509, 2112])
 def test_gate_bwd_image_tokens_at_worker_edges(tokens, hidden, device, seed):
     """Image tokens where the token-pipelined split kernel changes how it loads (CUDA, one worker of
     ``per`` tokens per cluster): in worker w, by w % 5, its first token (go/v and x/k loaded before the
     loop), its second (go/v in its x/k buffer), its third (the first from the prefetched go/v rows), its
-    last, or none; at T = 509 and 2112, 8 and 32 tokens per worker at P = 66."""
+    last, or none; at T = 67, 133, 509 and 2112, 2, 3, 8 and 32 tokens per worker at P = 66."""
     per = -(-tokens // config.grad_w_partials("cuda", hidden))
     t = torch.arange(tokens)
     worker, at = t // per, t % per

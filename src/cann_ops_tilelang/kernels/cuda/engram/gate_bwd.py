@@ -24,10 +24,11 @@ are loaded with its first go/v; bitwise the same results), which the launcher ta
 ``_PIPE_MAX_PER`` tokens per worker.
 
 Latency hiding of the unpipelined kernel (compile-time, by register and shared-memory budget, see
-:func:`bwd_plan`): each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token where they fit, so
-they travel together with the ``go``/``v`` loads of step 1, and prefetches the next token's
-``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4: both at H <= 4096 and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to
-7168 (H = 4352, 4864, ...), whose weight-gradient tile stays in shared memory). Every staged element is
+:func:`bwd_plan`): each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token
+where they fit, so they travel together with the ``go``/``v`` loads of step 1, and prefetches the next
+token's ``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4: both at H <= 4096
+and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to 7168 (H = 4352,
+4864, ...), whose weight-gradient tile stays in shared memory). Every staged element is
 written and read by the same thread, so only ``cp.async.wait_group`` is needed, no barrier.
 """
 
@@ -212,7 +213,9 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     2026-12 (7 rotated rounds, H = 7168, T = 512 / 1024 / 2048 / 8192, the pipelined kernel at every T;
     bitwise equal to the unpipelined kernel at T in {1, 2, 3, 66, 67, 133, 264, 265, 509, 512, 1000, 2112,
     2113}, masks on and off, H in {5120, 7168}): one worker per 2-CTA cluster (P = 66; before, a cluster
-    served two workers of P = 132 one after the other, with a row flush and a pipeline fill between them),
+    served two workers of P = 132 one after the other, with a row flush and a pipeline fill between them;
+    the entries above that name a cluster's two workers, the row flush or a worker boundary measured that
+    schedule),
     with the worker's second go/v loaded into its free x/k buffer with the first go/v and the scalars of
     token t+2 loaded after the arrive: 46.9 / 88.6 / 171.1 / 661.7 us against 49.7 / 91.6 / 174.2 / 662.6
     (peer 48.7 / 89.9 / 172.3 / 659.6, writing 132 partial rows); the unpipelined kernel at P = 66 173.0 /
@@ -249,13 +252,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     Args:
         hidden_size: ``H`` (multiple of 256, at most 8192 at m = 4; see :func:`bwd_plan`).
         hc_mult: ``m``.
-        num_partials: ``P``, the number of workers / rows of ``grad_w_partial``.
+        num_partials: ``P``, the number of workers / rows of ``grad_w_partial`` (the grid is ``S * P`` CTAs
+            at the split ``S`` of :func:`bwd_plan`, one worker per cluster).
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
         pipelined: The token-pipelined variant of the split schedule (only where ``bwd_plan(...)["pipe"]``):
             iteration ``t`` runs phase 1 of token ``t+1`` and sends its dL/dg partials, stages its x/k and
-            prefetches the go/v of token ``t+2`` (after the cluster arrive), runs phase 2 of token ``t``,
-            then waits for the cluster, so that the exchange and the loads overlap a phase 2. Same
-            arithmetic in the same order (bitwise-equal outputs).
+            loads the go/v and the scalars of token ``t+2`` (after the cluster arrive), runs phase 2 of token
+            ``t``, then waits for the cluster, so that the exchange and the loads overlap a phase 2. The
+            worker's first go/v and x/k and its second go/v (into that token's free x/k buffer) are loaded
+            before its first phase 1. Same arithmetic in the same order (bitwise-equal outputs).
 
     Returns:
         ``T.prim_func(go, x, kv, wf, dot, gate, rstd_x, rstd_k, [mask], clamp: f32, grad_x, grad_kv,
@@ -278,7 +283,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     sc_ahead = pipe and _PIPE_SCALARS_AHEAD
     gov0 = 4 * m if pipe else 0  # first go/v row of the go/v buffer (in the pipelined kernel, after the x/k buffers)
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
-    # the split schedule, where it measured slower (see the NOTE of bwd_plan).
+    # the unpipelined split schedule, where it measured slower (see the NOTE of bwd_plan); the pipelined
+    # kernel loads token t+2's after the arrive instead (sc_ahead).
     scalars_ahead = S == 1
     nwarps = threads // 32
     HC = H // S  # columns per CTA
@@ -623,7 +629,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         # in the go/v rows and its x/k in its buffer, and token t_lo+1's go/v (if it is this worker's) in
         # the x/k buffer of that token, which is free until its x/k is staged. So the go/v rows take token
         # t_lo+2's next, two tokens ahead.
-        # Phase 1 of token t_lo, peeled: it waits for its go/v only.
+        # Phase 1 of token t_lo, peeled: it waits for its go/v (and wf, committed before it) only.
         T.ptx_wait_group(2)
         if t_lo < t_hi:
             t_pf = T.min(t_lo + 2, t_hi)  # the first token whose go/v is not fetched yet

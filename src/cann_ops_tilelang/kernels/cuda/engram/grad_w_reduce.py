@@ -1,10 +1,10 @@
 """CUDA kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
 
 Each CTA owns 128 columns of one stream. The ``P`` partial rows of its columns arrive in shared memory by
-TMA, in chunks of at most 128 rows, at least two (one TMA load per chunk; up to three buffers in flight, chunk ``c`` in
-buffer ``c % 3`` with its mbarrier at phase ``c // 3``); one thread per column sums each chunk as soon as
-it lands, sequentially in ascending ``p`` (fixed order, deterministic), and finally updates the two fp32
-gradient buffers in place:
+TMA, in chunks of at most 128 rows, at least two where P > 1 (one TMA load per chunk; up to three buffers
+in flight, chunk ``c`` in buffer ``c % 3`` with its mbarrier at phase ``c // 3``); one thread per column
+sums each chunk as soon as it lands, sequentially in ascending ``p`` (fixed order, deterministic), and
+finally updates the two fp32 gradient buffers in place:
 ``gwh += gw * f32(we)``, ``gwe += gw * f32(wh)``.
 """
 
@@ -16,7 +16,7 @@ from .._build import jit_compile
 
 __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_reduce_key", "get_engram_grad_w_reduce_kernel"]
 
-# NOTE tuned for H200 (P = 132, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA and two
+# NOTE tuned for H200 (P = 132 and 66, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA and two
 # TMA chunks of 66 rows: 6.93 / 4.85 us at H = 7168 / 4096 (peer 6.96 / 5.21 us). One chunk: 7.13 / 5.07
 # us; 64 columns: 7.11 / 4.94 (two chunks), 7.24 / 5.12 us (one). The earlier all-threads load of 64
 # columns x 132 rows into shared memory (16-byte loads, 256 threads): 7.40 / 5.47 us; with cp.async in
