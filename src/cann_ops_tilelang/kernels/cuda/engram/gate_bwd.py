@@ -44,6 +44,7 @@ __all__ = [
     "engram_gate_bwd",
     "engram_gate_bwd_key",
     "get_engram_gate_bwd_kernel",
+    "num_partials",
 ]
 
 _VEC = 8
@@ -106,15 +107,15 @@ def _pipe_fits(columns: int, hc_mult: int, plan: dict) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(hidden_size: int, hc_mult: int) -> dict:
-    return bwd_plan(hidden_size, hc_mult)
+def _split(hidden_size: int, hc_mult: int) -> int:
+    return bwd_plan(hidden_size, hc_mult)["split"]
 
 
 def num_partials(hidden_size: int, hc_mult: int, workers: int) -> int:
     """``P``, the rows of ``grad_w_partial`` on a device with ``workers`` SMs: one worker per SM, or per
     cluster of ``split`` SMs where :func:`bwd_plan` splits the columns (``workers // split``, at least 1).
     ``H`` and ``m`` may be symbolic sizes of a traced graph; they are read as ints (a guard on them)."""
-    return max(1, workers // _plan(int(hidden_size), int(hc_mult))["split"])
+    return max(1, workers // _split(int(hidden_size), int(hc_mult)))
 
 
 def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
@@ -189,17 +190,17 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     40.3 / 539.3 against 41.5 / 499.5 (peer 38.8 / 520.2); H = 6144 46.5 / 621.2 against 47.2 / 572.4
     (peer 43.5 / 574.4). Hence the pipelined kernel for at most 16 tokens per worker (T <= 2112 at
     P = 132; 32 per worker since P = 66, below). Both paths in one kernel with a run-time switch spilled
-    (128 registers at 448 threads); one pipeline over the cluster's two workers (row flush inside it) instead of one per
-    worker: 51.4 us at T = 512, no gain.
+    (128 registers at 448 threads); one pipeline over the cluster's two workers (row flush inside it)
+    instead of one per worker: 51.4 us at T = 512, no gain.
     The pipelined kernel's loads after the cluster arrive (2026-12; 7 rotated rounds, H = 7168, bitwise
     equal to the unpipelined kernel at T in {1, 3, 133, 264, 509, 512, 2112}, masks on and off,
     H in {5120, 7168}): the arrive's release fence is a MEMBAR.ALL.GPU, which waits for the thread's
     outstanding memory operations. Issuing token t+1's x/k staging (before: ahead of its phase 1) and
-    token t+2's go/v prefetch (before: after the go/v reads, ahead of the exchange) after the arrive: T = 512 / 1024 / 2048 / 8192 49.95 / 92.51 / 174.70 / 665.2 us
-    against 51.12 / 92.67 / 173.36 / 667.9 (peer 48.88 / 90.06 / 172.04 / 660.8). With the ramp below
-    (both adopted): 49.88 / 91.72 / 173.69 / 661.2 us. Not adopted: the value-gradient stores after the
-    arrive, alone 52.2 / 96.5 / 183.3 / 714.9 us, with the ramp 51.6 / 95.7 / 185.1 / 719.4 us, with the
-    loads 50.2 / 92.7 / 175.6 / 672.0 us.
+    token t+2's go/v prefetch (before: after the go/v reads, ahead of the exchange) after the arrive:
+    T = 512 / 1024 / 2048 / 8192 49.95 / 92.51 / 174.70 / 665.2 us against 51.12 / 92.67 / 173.36 / 667.9
+    (peer 48.88 / 90.06 / 172.04 / 660.8). With the ramp below (both adopted): 49.88 / 91.72 / 173.69 /
+    661.2 us. Not adopted: the value-gradient stores after the arrive, alone 52.2 / 96.5 / 183.3 / 714.9 us,
+    with the ramp 51.6 / 95.7 / 185.1 / 719.4 us, with the loads 50.2 / 92.7 / 175.6 / 672.0 us.
     The ramp: the x/k of a worker's first token staged in the prologue (with its go/v; the wait of the
     cluster's start barrier after both instead of before) or by the previous worker after its last
     phase 2 (in flight during the row flush), the first phase 1 peeled so that it does not wait for the
@@ -215,8 +216,7 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
     2113}, masks on and off, H in {5120, 7168}): one worker per 2-CTA cluster (P = 66; before, a cluster
     served two workers of P = 132 one after the other, with a row flush and a pipeline fill between them;
     the entries above that name a cluster's two workers, the row flush or a worker boundary measured that
-    schedule),
-    with the worker's second go/v loaded into its free x/k buffer with the first go/v and the scalars of
+    schedule), with the worker's second go/v loaded into its free x/k buffer with the first go/v and the scalars of
     token t+2 loaded after the arrive: 46.9 / 88.6 / 171.1 / 661.7 us against 49.7 / 91.6 / 174.2 / 662.6
     (peer 48.7 / 89.9 / 172.3 / 659.6, writing 132 partial rows); the unpipelined kernel at P = 66 173.0 /
     662.1 us at T = 2048 / 8192 (at P = 132 175.7 / 660.4), hence the pipelined kernel up to 32 tokens per
@@ -281,7 +281,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         raise ValueError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
     wf_pipe = _WF_PIPE and not wf_smem
     sc_ahead = pipe and _PIPE_SCALARS_AHEAD
-    gov0 = 4 * m if pipe else 0  # first go/v row of the go/v buffer (in the pipelined kernel, after the x/k buffers)
+    gov0 = 4 * m if pipe else 0  # first go/v row (in the pipelined kernel, after the two x/k buffers)
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
     # the unpipelined split schedule, where it measured slower (see the NOTE of bwd_plan); the pipelined
     # kernel loads token t+2's after the arrive instead (sc_ahead).
@@ -621,8 +621,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     gor, gon, cp, vr, vf, gv, xr, kr, wr, gl, acc, beta, ax, ak, sc, gln, scn, parity,
                     t_lo, t_hi, tid, lane, wid, rank, c0):
         # The worker's tokens [t_lo, t_hi), software-pipelined by one token: iteration t runs phase 1 of
-        # token t+1 (sending its dL/dg partials, then staging its x/k and loading token t+2's go/v and scalars),
-        # then phase 2 of token t (whose exchange completed in the previous iteration), then waits for token
+        # token t+1 (sending its dL/dg partials, then staging its x/k and loading token t+2's go/v and
+        # scalars), then phase 2 of token t (whose exchange completed in the previous iteration), then waits for token
         # t+1's exchange. The cluster barrier and the loads thus overlap phase 2 of the previous token. Per
         # token the same arithmetic in the same order as the unpipelined loop (bitwise-equal results).
         # On entry (loaded in the prologue by pipe_entry, the last two groups committed): token t_lo's go/v

@@ -16,14 +16,14 @@ from .._build import jit_compile
 
 __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_reduce_key", "get_engram_grad_w_reduce_kernel"]
 
-# NOTE tuned for H200 (P = 132 and 66, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA and two
-# TMA chunks of 66 rows: 6.93 / 4.85 us at H = 7168 / 4096 (peer 6.96 / 5.21 us). One chunk: 7.13 / 5.07
+# NOTE tuned for H200 (P = 132 and 66, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA
+# and two TMA chunks of 66 rows: 6.93 / 4.85 us at H = 7168 / 4096 (peer 6.96 / 5.21 us). One chunk: 7.13 / 5.07
 # us; 64 columns: 7.11 / 4.94 (two chunks), 7.24 / 5.12 us (one). The earlier all-threads load of 64
 # columns x 132 rows into shared memory (16-byte loads, 256 threads): 7.40 / 5.47 us; with cp.async in
 # 2 / 4 / 8 row batches, each summed while the later ones load, it was slower still (H = 7168, an earlier
 # run: 7.67 / 7.98 / 8.32 us against 7.43 us). At P = 66 (the backward's rows at H = 7168 since one worker
-# per 2-CTA cluster; 7 rotated rounds): at least two chunks (2 x 33 rows) 4.71 us against one of 66 rows 4.83,
-# three 4.71, four (3 buffers) 4.96 (peer 4.53; at P = 132 all 6.90-6.95 against the peer's 6.91).
+# per 2-CTA cluster; 7 rotated rounds): at least two chunks (2 x 33 rows) 4.71 us against one of 66 rows
+# 4.83, three 4.71, four (3 buffers) 4.96 (peer 4.53; at P = 132 all 6.90-6.95 against the peer's 6.91).
 _COLS = 128
 _CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
 _MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
