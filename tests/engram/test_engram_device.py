@@ -182,7 +182,7 @@ def test_gate_bwd_is_deterministic(device, seed):
 
 
 @pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("partials", [1, 113, 132, 133, 400, 1001])
+@pytest.mark.parametrize("partials", [1, 7, 66, 67, 113, 132, 133, 400, 1001])
 def test_grad_w_reduce(hidden, partials, device, seed):
     gen = torch.Generator().manual_seed(seed)
     part = torch.randn(partials, 4, hidden, generator=gen).to(device)
@@ -197,7 +197,7 @@ def test_grad_w_reduce(hidden, partials, device, seed):
     torch.testing.assert_close(gwe, r_gwe, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("partials", [1, 133, 1001])
+@pytest.mark.parametrize("partials", [1, 2, 66, 67, 133, 1001])
 def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
     """With unit weights and zero buffers the update is exact, so the result is the fp32 sum itself: bitwise
     the reference's ascending-p sum (OPS.md B.1.4), across chunk boundaries and reused buffers."""
@@ -210,6 +210,27 @@ def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
     ops.engram_grad_w_reduce(part, ones, ones, gwh, gwe)
     assert_equal(gwh, want)
     assert_equal(gwe, want)
+
+
+@pytest.mark.parametrize("partials", [66, 132])
+def test_grad_w_reduce_into_main_grad_views_at_any_offset(partials, device, seed):
+    """Megatron-style main_grad buffers are views into one flat fp32 bucket at any element offset: the
+    update lands in them (4-byte aligned only, as are the weights here) and nowhere else in the bucket."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 512
+    part = torch.randn(partials, 4, hidden, generator=gen).to(device)
+    wbucket = torch.randn(1 + 8 * hidden, generator=gen).bfloat16().to(device)
+    wh, we = wbucket[1 : 1 + 4 * hidden].view(4, hidden), wbucket[1 + 4 * hidden :].view(4, hidden)
+    bucket = torch.randn(3 + 8 * hidden + 5, generator=gen).to(device)
+    gwh = bucket[3 : 3 + 4 * hidden].view(4, hidden)
+    gwe = bucket[3 + 4 * hidden : 3 + 8 * hidden].view(4, hidden)
+    want = bucket.clone()
+    want_h, want_e = want[3 : 3 + 4 * hidden].view(4, hidden), want[3 + 4 * hidden : 3 + 8 * hidden].view(4, hidden)
+    grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
+    torch.testing.assert_close(bucket, want, rtol=1e-4, atol=1e-4)
+    assert_equal(bucket[:3], want[:3])
+    assert_equal(bucket[-5:], want[-5:])
 
 
 # --- opcheck on the device ----------------------------------------------------------------------------

@@ -24,6 +24,15 @@ __all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_
 # run: 7.67 / 7.98 / 8.32 us against 7.43 us). At P = 66 (the backward's rows at H = 7168 since one worker
 # per 2-CTA cluster; 7 rotated rounds): at least two chunks (2 x 33 rows) 4.71 us against one of 66 rows
 # 4.83, three 4.71, four (3 buffers) 4.96 (peer 4.53; at P = 132 all 6.90-6.95 against the peer's 6.91).
+# NOTE (2026-12-02, P = 66 / 132, 7-9 rotated rounds): at P = 66 this kernel stays at 4.57-4.76 us whatever
+# its shape (128 / 224 / 256 columns over the flattened (P, m * H) view, 2 or 3 chunks; 4 to 8 chunks all in
+# flight: 4.75-5.28; peer 4.53-4.63 in those runs), and plain per-thread loads of all rows into registers
+# take 4.76-4.91. Per-thread cp.async of 4 adjacent columns, all rows in flight in 4 groups of 17 rows and
+# no barrier, took 4.34 us (256 columns per CTA; 4.32-4.45 with 128-512) with the weights and buffers in
+# 16 / 8-byte vectors, which main_grad views at any 4-byte offset do not allow; one element at a time in
+# that layout (a warp access strided over 512 bytes) 4.85. At P = 132 cp.async took 5.10-5.30 against TMA's
+# 4.85-4.93. Not yet measured: cp.async for P <= 66 with the sums passed through shared memory to a
+# coalesced update layout.
 _COLS = 128
 _CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
 _MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
