@@ -215,7 +215,7 @@ def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
 @pytest.mark.parametrize("partials", [66, 132])
 def test_grad_w_reduce_into_main_grad_views_at_any_offset(partials, device, seed):
     """Megatron-style main_grad buffers are views into one flat fp32 bucket at any element offset: the
-    update lands in them (4-byte aligned only, as are the weights here) and nowhere else in the bucket."""
+    update lands in them (here 4-byte aligned only, the bf16 weights 2-byte) and nowhere else in the bucket."""
     gen = torch.Generator().manual_seed(seed)
     hidden = 512
     part = torch.randn(partials, 4, hidden, generator=gen).to(device)
