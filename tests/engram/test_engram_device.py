@@ -197,10 +197,11 @@ def test_grad_w_reduce(hidden, partials, device, seed):
     torch.testing.assert_close(gwe, r_gwe, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("partials", [1, 2, 66, 67, 133, 1001])
+@pytest.mark.parametrize("partials", [1, 2, 3, 5, 65, 66, 67, 133, 1001])
 def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
     """With unit weights and zero buffers the update is exact, so the result is the fp32 sum itself: bitwise
-    the reference's ascending-p sum (OPS.md B.1.4), across chunk boundaries and reused buffers."""
+    the reference's ascending-p sum (OPS.md B.1.4), across commit groups (vector schedule, P <= 66), chunk
+    boundaries and reused buffers (TMA)."""
     gen = torch.Generator().manual_seed(seed)
     part = torch.randn(partials, 4, 512, generator=gen).to(device)
     ones = torch.ones(4, 512, dtype=torch.bfloat16, device=device)
@@ -231,6 +232,35 @@ def test_grad_w_reduce_into_main_grad_views_at_any_offset(partials, device, seed
     torch.testing.assert_close(bucket, want, rtol=1e-4, atol=1e-4)
     assert_equal(bucket[:3], want[:3])
     assert_equal(bucket[-5:], want[-5:])
+
+
+@pytest.mark.parametrize("partials", [1, 7, 66])
+def test_grad_w_reduce_schedules_agree_bitwise(partials, device, seed):
+    """Up to 66 rows the launcher takes the vector schedule for aligned buffers and TMA for views at odd
+    offsets: the same values give bitwise the same update either way (same order, same fused multiply-add)."""
+    from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import engram_grad_w_reduce_key
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 1024
+    part = torch.randn(partials, 4, hidden, generator=gen).to(device)
+    wh, we = (torch.randn(4, hidden, generator=gen).bfloat16().to(device) for _ in range(2))
+    gwh, gwe = (torch.randn(4, hidden, generator=gen).to(device) for _ in range(2))
+
+    def at_offset(t, offset):
+        view = torch.empty(t.numel() + offset, dtype=t.dtype, device=device)[offset:].view(t.shape)
+        return view.copy_(t)
+
+    odd = [at_offset(wh, 1), at_offset(we, 3), at_offset(gwh, 1), at_offset(gwe, 2)]
+    assert engram_grad_w_reduce_key(part, wh, we, gwh, gwe)[-1] is True
+    assert engram_grad_w_reduce_key(part, *odd)[-1] is False
+    want_h, want_e = gwh.clone(), gwe.clone()
+    grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
+    ops.engram_grad_w_reduce(part, *odd)
+    assert_equal(odd[2], gwh)
+    assert_equal(odd[3], gwe)
+    torch.testing.assert_close(gwh, want_h, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gwe, want_e, rtol=1e-4, atol=1e-4)
 
 
 # --- opcheck on the device ----------------------------------------------------------------------------

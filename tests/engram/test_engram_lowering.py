@@ -57,9 +57,10 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
 
 
 def test_both_backends_have_the_same_kernels():
-    # the CUDA forward has no statistics-free variant (it always writes them): compare without that flag
+    # the CUDA forward has no statistics-free variant (it always writes them): compare without that flag; the
+    # CUDA reduction's vector schedule is a second kernel of the same op for aligned buffers
     def families(module):
-        return sorted({re.sub(r"_(no)?save", "", name) for name in module.lowering_cases(4096)})
+        return sorted({re.sub(r"_(no)?save|_vector$", "", name) for name in module.lowering_cases(4096)})
 
     assert families(ascend_engram) == families(cuda_engram)
     for module in (ascend_engram, cuda_engram):
@@ -224,14 +225,52 @@ def test_cuda_grad_w_reduce_chunks_sum_every_row_once_in_order(partials):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build CUDA cubins here")
-@pytest.mark.parametrize("partials", [1, 133, 400, 1001])
-def test_cuda_grad_w_reduce_chunk_paths_compile(partials):
-    """The reduction's paths the default P does not take compile within the per-CTA limits: one row (a 1-D
-    bulk copy), a last chunk that skips rows, a refilled buffer, a buffer filled three times."""
+@pytest.mark.parametrize("vector,partials", [(False, p) for p in (1, 2, 7, 133, 400, 1001)]
+                         + [(True, p) for p in (1, 2, 5, 7, 64, 65, 66)])
+def test_cuda_grad_w_reduce_paths_compile(vector, partials):
+    """The reduction's paths the default P does not take compile within the per-CTA limits. TMA: one row (a
+    1-D bulk copy), two chunks of one row, a last chunk that skips rows, a refilled buffer, a buffer filled
+    three times. Vectors: one row in one group, two groups of one row, a short last group, the most rows."""
     from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as gwr
 
-    built = cuda_build.compile_cubin(gwr.build_engram_grad_w_reduce(512, 4, partials), arch="sm_90a")
+    built = cuda_build.compile_cubin(gwr.build_engram_grad_w_reduce(512, 4, partials, vector), arch="sm_90a")
     assert built.cubin[:4] == b"\x7fELF" and built.fits, (built.smem_bytes, built.budget_bytes)
+
+
+def test_cuda_grad_w_reduce_takes_vectors_only_where_aligned():
+    """The launcher's key: the vector schedule for P <= 66 when the weights start on 8-byte and the buffers on
+    16-byte boundaries; the TMA schedule for more rows or for any one of the four at a smaller offset (a
+    main_grad view into a flat bucket); the builder refuses vectors beyond 66 rows."""
+    from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as gwr
+
+    hidden = 512
+    fresh = {
+        "weight_hidden": torch.zeros(4, hidden, dtype=torch.bfloat16),
+        "weight_embed": torch.zeros(4, hidden, dtype=torch.bfloat16),
+        "grad_weight_hidden": torch.zeros(4, hidden),
+        "grad_weight_embed": torch.zeros(4, hidden),
+    }
+
+    def key(partials, **tensors):
+        args = {**fresh, **tensors}
+        return gwr.engram_grad_w_reduce_key(
+            torch.zeros(partials, 4, hidden), args["weight_hidden"], args["weight_embed"],
+            args["grad_weight_hidden"], args["grad_weight_embed"],
+        )
+
+    assert key(66) == (hidden, 4, 66, True) and key(1) == (hidden, 4, 1, True)
+    assert key(67) == (hidden, 4, 67, False) and key(132) == (hidden, 4, 132, False)
+    for name, width in gwr.VECTOR_UPDATE_WIDTHS.items():
+        t = fresh[name]
+        for offset in range(1, width // t.element_size()):
+            view = torch.zeros(t.numel() + offset, dtype=t.dtype)[offset:].view(t.shape)
+            assert view.data_ptr() % width == offset * t.element_size()
+            assert key(66, **{name: view}) == (hidden, 4, 66, False), (name, offset)
+        step = width // t.element_size()
+        aligned = torch.zeros(t.numel() + step, dtype=t.dtype)[step:].view(t.shape)
+        assert key(66, **{name: aligned}) == (hidden, 4, 66, True), name
+    with pytest.raises(ValueError, match="engram_grad_w_reduce"):
+        gwr.build_engram_grad_w_reduce(hidden, 4, 67, vector=True)
 
 
 def test_vector_access_check_sees_vectors_cp_async_and_tma():
@@ -245,6 +284,13 @@ def test_vector_access_check_sees_vectors_cp_async_and_tma():
     assert bwd["grad_out"] == 16 and "dot" not in bwd  # cp.async-staged rows; scalars read one at a time
     reduce = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(512)["grad_w_reduce"]))
     assert reduce.get("grad_w_partial_desc") == 16 and "grad_weight_hidden" not in reduce
+    # the vector reduction: cp.async rows, and the weights and buffers its launcher checks (not the op)
+    from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import VECTOR_UPDATE_WIDTHS
+
+    vector_source = cuda_build.lower_source(cuda_engram.lowering_cases(7168)["grad_w_reduce_vector"])
+    assert vector_accesses(vector_source) == {"grad_w_partial": 16, **VECTOR_UPDATE_WIDTHS}
+    assert not undeclared("grad_w_reduce_vector", vector_source, declared_vector_args())
+    assert len(undeclared("grad_w_reduce", vector_source, declared_vector_args())) == 4  # were it unchecked
     declared = declared_vector_args()
     assert not undeclared("fused_weight", fused, declared)
     declared["engram_fused_weight"]["vector_args"] = {"weight_hidden": 16, "weight_embed": 8}

@@ -48,9 +48,10 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
 
     Case names: ``fused_weight``, ``gate_fwd_{mask,nomask}``, ``gate_fwd_mask_inplace``,
     ``gate_bwd_{mask,nomask}`` (plus ``gate_bwd_pipelined_{mask,nomask}`` where the backward has that
-    variant) and ``grad_w_reduce``, the Ascend backend's names without its
+    variant), ``grad_w_reduce`` and ``grad_w_reduce_vector``, the Ascend backend's names without its
     ``save``/``nosave`` part (the CUDA forward always writes the statistics, see
-    :func:`engram_gate_fwd`); the last two at the CUDA partial count ``P`` of ``config.grad_w_partials``.
+    :func:`engram_gate_fwd`); the backward and the TMA reduction at the CUDA partial count ``P`` of
+    ``config.grad_w_partials``, the vector reduction (aligned buffers) at ``min(P, 66)``.
 
     Returns:
         ``{case name: T.prim_func}``.
@@ -70,4 +71,5 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
                 H, m, num_partials, mask, pipelined=True
             )
     cases["grad_w_reduce"] = build_engram_grad_w_reduce(H, m, num_partials)
+    cases["grad_w_reduce_vector"] = build_engram_grad_w_reduce(H, m, min(num_partials, 66), vector=True)
     return cases
