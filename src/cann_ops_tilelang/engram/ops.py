@@ -24,7 +24,8 @@ __all__ = [
 _FAMILY = "engram"
 
 # vector_args: the arguments the kernels access in 16-byte vectors (bf16 rows, fp32 weights; in the weight-
-# gradient reduction the TMA-loaded partials); masks, statistics and the fp32 gradient buffers are read per element
+# gradient reduction the partials); masks and statistics are read per element, and so are the reduction's
+# weights and fp32 gradient buffers unless its launcher finds them aligned for its vector kernel
 _GATE_VECTORS = {"hidden_states": 16, "kv": 16, "weight_fused": 16}
 
 engram_fused_weight = declare(

@@ -49,11 +49,13 @@ __all__ = [
 # 128-512); in 2 groups of 33 rows 4.63, in 8 of 9 rows 4.37. The copies spread over all threads with a
 # barrier per group (one thread per column in the sum): 4.61-4.79. At P = 132 cp.async took 5.10-5.30
 # against TMA's 4.85-4.93, so TMA keeps P > 66.
-# NOTE (2026-12-02, next session, P = 66, 9 rotated rounds; vector schedule 4.35, TMA 4.70, peer 4.54 us in that run): the
-# cp.async schedule with element-wise weight and buffer accesses, which would take main_grad views at
-# any offset, stays behind TMA or barely ahead: 4 adjacent columns a thread 4.83; the sums passed through
-# shared memory (one barrier) to a coalesced layout, thread t owning columns t + 64 j, 4.86 (4.63 with the
-# buffers read by volatile ld.global, which ptxas issues earlier). So unaligned calls take TMA.
+# NOTE (2026-12-02, next session, P = 66, 9 rotated rounds; vector schedule 4.35, TMA 4.70, peer 4.54 us
+# in that run): cp.async with the weights and buffers accessed one element at a time, which would take
+# main_grad views at any offset, stays behind TMA or barely ahead: 4 adjacent columns a thread 4.83 us; the
+# sums passed through shared memory (one barrier) to a coalesced layout, thread t owning columns t + 64 j,
+# 4.86-4.92 (4.63 with the buffers read by volatile ld.global, which ptxas issues earlier). So unaligned
+# calls take TMA. In the benchmark harness (3 rotated rounds): the vector schedule 4.27 us against the
+# peer's 4.44 (P = 66, H = 7168).
 _VECTOR_MAX_PARTIALS = 66
 _VECTOR_COLS = 256  # columns per CTA, 4 per thread
 _VECTOR_GROUPS = 4  # commit groups, all issued at once
@@ -131,8 +133,9 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     @T.macro
     def load(grad_w_partial, buf, bar, c, b, h, bx):
         # chunk c (rows from min(c * rows, P - rows)) into buffer b, completing its mbarrier's phase
+        first = T.min(c * rows, P - rows)
         T.tma_copy(
-            grad_w_partial[T.min(c * rows, P - rows) : T.min(c * rows, P - rows) + rows, h, bx * _COLS : bx * _COLS + _COLS],
+            grad_w_partial[first : first + rows, h, bx * _COLS : bx * _COLS + _COLS],
             buf[b, :, :],
             barrier=bar[b],
         )
