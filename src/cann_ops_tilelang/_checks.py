@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OpError", "check_float", "check_same_device", "check_tensor"]
+__all__ = ["OpError", "check_float", "check_same_device", "check_tensor", "misalignment"]
 
 
 class OpError:
@@ -28,6 +28,11 @@ class OpError:
 
     def value(self, arg: str, text: str) -> ValueError:
         return ValueError(self._msg(arg, text))
+
+
+def misalignment(tensor: torch.Tensor, width: int) -> int:
+    """Bytes by which the data of ``tensor`` starts past a multiple of ``width`` (0 when aligned or empty)."""
+    return tensor.data_ptr() % width if tensor.numel() > 0 else 0
 
 
 def _fmt_shape(shape: Sequence[object]) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from . import config
-from ._checks import OpError
+from ._checks import OpError, misalignment
 
 __all__ = ["NAMESPACE", "declare", "registered_ops"]
 
@@ -86,11 +86,11 @@ def _check_aligned(name: str, arguments: dict[str, Any], vector_args: dict[str, 
     of its access width (e.g. a contiguous view at an odd storage offset)."""
     for arg, width in vector_args.items():
         value = arguments.get(arg)
-        if isinstance(value, torch.Tensor) and value.numel() > 0 and value.data_ptr() % width:
+        if isinstance(value, torch.Tensor) and misalignment(value, width):
             raise OpError(name).value(
                 arg,
                 f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
-                f"vectors), got an address {value.data_ptr() % width} bytes past one (a view at storage "
+                f"vectors), got an address {misalignment(value, width)} bytes past one (a view at storage "
                 f"offset {value.storage_offset()}); pass a copy (.clone())",
             )
 

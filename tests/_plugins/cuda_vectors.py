@@ -59,12 +59,15 @@ KERNEL_OPS = {
 
 def launcher_checked(case: str) -> dict[str, int]:
     """``{argument: bytes}`` whose alignment the launcher checks before it launches ``case`` (taking another
-    variant where one is not aligned), read from the kernel module the launcher checks against."""
-    if case.startswith("grad_w_reduce_vector"):
-        from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import VECTOR_UPDATE_WIDTHS
+    kernel where one is not aligned), from the ``LAUNCHER_CHECKED`` tables of the CUDA family modules."""
+    import importlib
 
-        return dict(VECTOR_UPDATE_WIDTHS)
-    return {}
+    table = {}
+    for family in ("engram", "mhc"):
+        module = importlib.import_module(f"cann_ops_tilelang.kernels.cuda.{family}")
+        table.update(getattr(module, "LAUNCHER_CHECKED", {}))
+    best = max((k for k in table if case == k or case.startswith(k + "_")), key=len, default=None)
+    return dict(table[best]) if best is not None else {}
 
 
 def kernel_ops(case: str) -> list[tuple[str, dict[str, str]]]:

@@ -237,6 +237,23 @@ def test_cuda_grad_w_reduce_paths_compile(vector, partials):
     assert built.cubin[:4] == b"\x7fELF" and built.fits, (built.smem_bytes, built.budget_bytes)
 
 
+@pytest.mark.parametrize("partials,rows,groups", [(1, 1, 1), (2, 1, 2), (5, 2, 3), (9, 3, 3), (66, 17, 4)])
+def test_cuda_grad_w_reduce_vector_waits_for_each_group(partials, rows, groups):
+    """The vector schedule commits ``groups`` groups of ``ceil(P / 4)`` row copies, then per summing step
+    waits until at most ``groups - 1`` are pending and commits one (empty) group: so step g sums only rows
+    whose groups 0 .. g have landed, whatever the number of groups."""
+    from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as gwr
+
+    source = cuda_build.lower_source(gwr.build_engram_grad_w_reduce(512, 4, partials, vector=True))
+    body = source[source.index("__global__ void __launch_bounds__"):]
+    loops = re.findall(r"for \(int (\w+) = 0; \1 < (\d+); \+\+\1\)", body)  # (variable, trips)
+    # the issue loop (g, i) and the summing loop (g_1, i_1); one-trip loops are unrolled away
+    assert loops == [(v, str(n)) for v, n in (("g", groups), ("i", rows), ("g_1", groups), ("i_1", rows)) if n > 1]
+    assert re.findall(r"cp_async_wait<(\d+)>\(\)", body) == [str(groups - 1)]
+    assert body.count("cp_async_commit()") == 2  # one in the issue loop, one (empty) per summing step
+    assert body.index("cp_async_wait") < body.index("cp_async_commit", body.index("cp_async_wait"))
+
+
 def test_cuda_grad_w_reduce_takes_vectors_only_where_aligned():
     """The launcher's key: the vector schedule for P <= 66 when the weights start on 8-byte and the buffers on
     16-byte boundaries; the TMA schedule for more rows or for any one of the four at a smaller offset (a

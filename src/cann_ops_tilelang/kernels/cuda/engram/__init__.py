@@ -16,6 +16,7 @@ from .fused_weight import build_engram_fused_weight, engram_fused_weight, engram
 from .gate_bwd import bwd_plan, build_engram_gate_bwd, engram_gate_bwd, engram_gate_bwd_key, get_engram_gate_bwd_kernel
 from .gate_fwd import build_engram_gate_fwd, engram_gate_fwd, engram_gate_fwd_key, get_engram_gate_fwd_kernel
 from .grad_w_reduce import (
+    VECTOR_UPDATE_WIDTHS,
     build_engram_grad_w_reduce,
     engram_grad_w_reduce,
     engram_grad_w_reduce_key,
@@ -23,6 +24,7 @@ from .grad_w_reduce import (
 )
 
 __all__ = [
+    "LAUNCHER_CHECKED",
     "build_engram_fused_weight",
     "build_engram_gate_bwd",
     "build_engram_gate_fwd",
@@ -41,6 +43,10 @@ __all__ = [
     "get_engram_grad_w_reduce_kernel",
     "lowering_cases",
 ]
+
+# lowering cases whose launcher checks the alignment of some op arguments itself, launching another kernel
+# where one is not aligned: {case: {argument: bytes}} (these need not be declared in the op's vector_args)
+LAUNCHER_CHECKED = {"grad_w_reduce_vector": dict(VECTOR_UPDATE_WIDTHS)}
 
 
 def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:

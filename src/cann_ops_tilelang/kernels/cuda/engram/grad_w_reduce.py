@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from ...._checks import misalignment
 from .._build import jit_compile
 
 __all__ = [
@@ -48,7 +49,8 @@ __all__ = [
 # into registers take 4.76-4.91. The vector schedule: 4.34 us with 256 columns per CTA (4.32-4.45 with
 # 128-512); in 2 groups of 33 rows 4.63, in 8 of 9 rows 4.37. The copies spread over all threads with a
 # barrier per group (one thread per column in the sum): 4.61-4.79. At P = 132 cp.async took 5.10-5.30
-# against TMA's 4.85-4.93, so TMA keeps P > 66.
+# against TMA's 4.85-4.93, so TMA keeps P > 66 (only P = 66 and 132 were measured: where between them
+# cp.async stops winning is not known).
 # NOTE (2026-12-02, next session, P = 66, 9 rotated rounds; vector schedule 4.35, TMA 4.70, peer 4.54 us
 # in that run): cp.async with the weights and buffers accessed one element at a time, which would take
 # main_grad views at any offset, stays behind TMA or barely ahead: 4 adjacent columns a thread 4.83 us; the
@@ -79,8 +81,8 @@ def chunk_plan(num_partials: int) -> tuple[int, int, int]:
 def uses_vector_schedule(num_partials: int, **tensors: torch.Tensor) -> bool:
     """Whether a call with ``P`` partial rows takes the vector schedule: ``P <= 66`` and every tensor of
     :data:`VECTOR_UPDATE_WIDTHS` (passed by its argument name) starting on a multiple of its width."""
-    return num_partials <= _VECTOR_MAX_PARTIALS and all(
-        tensors[name].data_ptr() % width == 0 for name, width in VECTOR_UPDATE_WIDTHS.items()
+    return num_partials <= _VECTOR_MAX_PARTIALS and not any(
+        misalignment(tensors[name], width) for name, width in VECTOR_UPDATE_WIDTHS.items()
     )
 
 
