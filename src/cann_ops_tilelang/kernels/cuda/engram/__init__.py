@@ -16,6 +16,7 @@ from .fused_weight import build_engram_fused_weight, engram_fused_weight, engram
 from .gate_bwd import bwd_plan, build_engram_gate_bwd, engram_gate_bwd, engram_gate_bwd_key, get_engram_gate_bwd_kernel
 from .gate_fwd import build_engram_gate_fwd, engram_gate_fwd, engram_gate_fwd_key, get_engram_gate_fwd_kernel
 from .grad_w_reduce import (
+    VECTOR_MAX_PARTIALS,
     VECTOR_UPDATE_WIDTHS,
     build_engram_grad_w_reduce,
     engram_grad_w_reduce,
@@ -25,6 +26,7 @@ from .grad_w_reduce import (
 
 __all__ = [
     "LAUNCHER_CHECKED",
+    "VECTOR_MAX_PARTIALS",
     "build_engram_fused_weight",
     "build_engram_gate_bwd",
     "build_engram_gate_fwd",
@@ -57,7 +59,7 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     variant), ``grad_w_reduce`` and ``grad_w_reduce_vector``, the Ascend backend's names without its
     ``save``/``nosave`` part (the CUDA forward always writes the statistics, see
     :func:`engram_gate_fwd`); the backward and the TMA reduction at the CUDA partial count ``P`` of
-    ``config.grad_w_partials``, the vector reduction (aligned buffers) at ``min(P, 66)``.
+    ``config.grad_w_partials``, the vector reduction (aligned buffers) at ``min(P, VECTOR_MAX_PARTIALS)``.
 
     Returns:
         ``{case name: T.prim_func}``.
@@ -77,5 +79,6 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
                 H, m, num_partials, mask, pipelined=True
             )
     cases["grad_w_reduce"] = build_engram_grad_w_reduce(H, m, num_partials)
-    cases["grad_w_reduce_vector"] = build_engram_grad_w_reduce(H, m, min(num_partials, 66), vector=True)
+    vector_partials = min(num_partials, VECTOR_MAX_PARTIALS)
+    cases["grad_w_reduce_vector"] = build_engram_grad_w_reduce(H, m, vector_partials, vector=True)
     return cases

@@ -27,12 +27,12 @@ from ...._checks import misalignment
 from .._build import jit_compile
 
 __all__ = [
+    "VECTOR_MAX_PARTIALS",
     "VECTOR_UPDATE_WIDTHS",
     "build_engram_grad_w_reduce",
     "engram_grad_w_reduce",
     "engram_grad_w_reduce_key",
     "get_engram_grad_w_reduce_kernel",
-    "uses_vector_schedule",
 ]
 
 # NOTE tuned for H200 (P = 132 and 66, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA
@@ -58,7 +58,7 @@ __all__ = [
 # 4.86-4.92 (4.63 with the buffers read by volatile ld.global, which ptxas issues earlier). So unaligned
 # calls take TMA. In the benchmark harness (3 rotated rounds): the vector schedule 4.27 us against the
 # peer's 4.44 (P = 66, H = 7168).
-_VECTOR_MAX_PARTIALS = 66
+VECTOR_MAX_PARTIALS = 66  # most partial rows the vector schedule takes
 _VECTOR_COLS = 256  # columns per CTA, 4 per thread
 _VECTOR_GROUPS = 4  # commit groups, all issued at once
 # the vector schedule's accesses besides the 16-byte cp.async of grad_w_partial (which the op declares):
@@ -78,14 +78,6 @@ def chunk_plan(num_partials: int) -> tuple[int, int, int]:
     return chunks, rows, min(chunks, _MAX_BUFFERS)
 
 
-def uses_vector_schedule(num_partials: int, **tensors: torch.Tensor) -> bool:
-    """Whether a call with ``P`` partial rows takes the vector schedule: ``P <= 66`` and every tensor of
-    :data:`VECTOR_UPDATE_WIDTHS` (passed by its argument name) starting on a multiple of its width."""
-    return num_partials <= _VECTOR_MAX_PARTIALS and not any(
-        misalignment(tensors[name], width) for name, width in VECTOR_UPDATE_WIDTHS.items()
-    )
-
-
 def engram_grad_w_reduce_key(
     grad_w_partial: torch.Tensor,
     weight_hidden: torch.Tensor,
@@ -93,14 +85,18 @@ def engram_grad_w_reduce_key(
     grad_weight_hidden: torch.Tensor,
     grad_weight_embed: torch.Tensor,
 ) -> tuple:
-    """Compile-time key ``(H, m, P, vector)`` of a call (``vector``: :func:`uses_vector_schedule`)."""
+    """Compile-time key ``(H, m, P, vector)`` of a call: ``vector`` (the vector schedule) where
+    ``P <= VECTOR_MAX_PARTIALS`` and each tensor of :data:`VECTOR_UPDATE_WIDTHS` starts on a multiple of its
+    width."""
     num_partials, hc_mult, hidden_size = (int(n) for n in grad_w_partial.shape)
-    vector = uses_vector_schedule(
-        num_partials,
-        weight_hidden=weight_hidden,
-        weight_embed=weight_embed,
-        grad_weight_hidden=grad_weight_hidden,
-        grad_weight_embed=grad_weight_embed,
+    named = {
+        "weight_hidden": weight_hidden,
+        "weight_embed": weight_embed,
+        "grad_weight_hidden": grad_weight_hidden,
+        "grad_weight_embed": grad_weight_embed,
+    }
+    vector = num_partials <= VECTOR_MAX_PARTIALS and not any(
+        misalignment(named[name], width) for name, width in VECTOR_UPDATE_WIDTHS.items()
     )
     return (hidden_size, hc_mult, num_partials, vector)
 
@@ -122,9 +118,9 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     from tilelang import language as T
 
     H, m, P = hidden_size, hc_mult, num_partials
-    if H % _VECTOR_COLS != 0 or P < 1 or (vector and P > _VECTOR_MAX_PARTIALS):
+    if H % _VECTOR_COLS != 0 or P < 1 or (vector and P > VECTOR_MAX_PARTIALS):
         raise ValueError(
-            f"engram_grad_w_reduce: needs H % {_VECTOR_COLS} == 0 and 1 <= P (<= {_VECTOR_MAX_PARTIALS} for the "
+            f"engram_grad_w_reduce: needs H % {_VECTOR_COLS} == 0 and 1 <= P (<= {VECTOR_MAX_PARTIALS} for the "
             f"vector schedule), got H={H}, P={P}, vector={vector}"
         )
     if vector:
