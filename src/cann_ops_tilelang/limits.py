@@ -1,0 +1,119 @@
+"""Every size and value range the ops support, declared once.
+
+Validation (before anything is launched or written), both backends' kernel builders and the CPU lowering
+tests read the ranges here; nothing else states them. A range that differs between the backends is a
+:class:`PerBackend` and is looked up by the device of the tensors.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = [
+    "BACKENDS",
+    "ENGRAM_FUSED_WEIGHT_ALIGN",
+    "ENGRAM_HC_MULT",
+    "ENGRAM_HIDDEN",
+    "MHC_HC_MULT",
+    "MHC_HIDDEN",
+    "MHC_MIX",
+    "MHC_RMS_GROUPS",
+    "MHC_SINKHORN_REPEAT",
+    "IntRange",
+    "LimitError",
+    "PerBackend",
+    "backend_of",
+    "mhc_gemm_splits",
+]
+
+# kernel backends, by the device types whose tensors they take
+BACKENDS = {"cuda": "cuda", "privateuseone": "ascend", "npu": "ascend"}
+
+
+def backend_of(device_type: str) -> str | None:
+    """The kernel backend of a device type (``"cuda"``, ``"ascend"``), or None where there is none."""
+    return BACKENDS.get(device_type)
+
+
+class LimitError(ValueError):
+    """A value outside a declared range, raised by a kernel builder called directly (the ops' validation
+    reports the same range as a ``ValueError`` naming the op and the argument first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IntRange:
+    """The ints ``low <= v <= high`` (``high`` None: unbounded) that are multiples of ``multiple_of``."""
+
+    what: str
+    low: int
+    high: int | None = None
+    multiple_of: int = 1
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return False
+        upper = self.high is None or value <= self.high
+        return self.low <= value and upper and value % self.multiple_of == 0
+
+    def describe(self) -> str:
+        span = f">= {self.low}" if self.high is None else f"in [{self.low}, {self.high}]"
+        if self.high is not None and self.low == self.high:
+            span = f"{self.low}"
+        return (f"a multiple of {self.multiple_of} " if self.multiple_of > 1 else "") + span
+
+    def edges(self) -> tuple[int, ...]:
+        """The smallest and the largest value in the range (the smallest alone when unbounded)."""
+        return (self.low,) if self.high is None or self.high == self.low else (self.low, self.high)
+
+    def check(self, err, arg: str, value: int) -> int:
+        """``value`` when it is in the range, else ``err.value(arg, ...)`` (an op's ``OpError``)."""
+        if int(value) not in self:
+            raise err.value(arg, f"expected {self.what} {self.describe()}, got {value}")
+        return value
+
+    def require(self, where: str, value: int) -> int:
+        """For kernel builders: ``value`` when in the range, else a :class:`LimitError` naming ``where``."""
+        if int(value) not in self:
+            raise LimitError(f"{where}: {self.what} must be {self.describe()}, got {value}")
+        return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerBackend:
+    """A range that differs between the backends: ``ranges`` by backend name."""
+
+    ranges: Mapping[str, IntRange]
+
+    def of(self, device_type: str) -> IntRange:
+        """The range of the backend of ``device_type``; on a device without kernels (CPU, meta) the widest."""
+        backend = backend_of(device_type)
+        if backend is not None:
+            return self.ranges[backend]
+        return max(self.ranges.values(), key=lambda r: (r.high is None, r.high or 0))
+
+    def __getitem__(self, backend: str) -> IntRange:
+        return self.ranges[backend]
+
+
+# Engram gate (both backends): m = 4 streams; H a multiple of 256 (the Ascend kernels' 64-lane vectors
+# times 4 accumulators; the CUDA layouts' 8-element vectors per thread) up to 8192.
+ENGRAM_HC_MULT = IntRange("hc_mult", 4, 4)
+ENGRAM_HIDDEN = IntRange("a hidden size", 512, 8192, multiple_of=256)
+# engram_fused_weight takes any 2-D shape whose element count is a multiple of this
+ENGRAM_FUSED_WEIGHT_ALIGN = 256
+
+# mHC (both backends): m = 4 streams, M3 = m * (m + 2) = 24 mixes, one RMS group; H a multiple of 64 (one
+# 64-column block of the pre-norm GEMM) up to 8192.
+MHC_HC_MULT = IntRange("hc_mult", 4, 4)
+MHC_MIX = 24
+MHC_RMS_GROUPS = IntRange("RMS groups", 1, 1)
+MHC_HIDDEN = IntRange("a hidden size", 256, 8192, multiple_of=64)
+# Sinkhorn iterations: the Ascend backward keeps 2R - 1 normalization steps of a 64-token block in the UB
+# (R = 22: 243 KiB of 248); the CUDA backward keeps them in shared memory for 64.
+MHC_SINKHORN_REPEAT = PerBackend({"cuda": IntRange("repeat", 1, 64), "ascend": IntRange("repeat", 1, 22)})
+# split-K of the pre-norm GEMM: split s owns whole 64-column blocks of K = m * H
+MHC_GEMM_BLOCK = 64
+
+
+def mhc_gemm_splits(width: int) -> IntRange:
+    """The split counts of the pre-norm GEMM over ``width = K`` columns: 1 to one 64-column block each."""
+    return IntRange("n_splits", 1, max(1, width // MHC_GEMM_BLOCK))

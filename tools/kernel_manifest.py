@@ -1,0 +1,84 @@
+"""Writes the sha256 of every generated kernel source (CUDA for sm_90a and AscendC) at the lowering cases.
+
+    python tools/kernel_manifest.py OUT.json [--backend cuda|ascend] [--family engram|mhc]
+    python tools/kernel_manifest.py --compare BEFORE.json AFTER.json
+
+A refactoring that must not move performance or numerics keeps every hash: ``--compare`` lists the kernels
+whose source changed, appeared or went away (matched by backend, family, hidden size and case name, and
+failing that by the source hash alone, so that renamed cases with unchanged sources are reported as renames).
+"""
+
+import argparse
+import hashlib
+import importlib
+import json
+import sys
+
+HIDDEN = {"engram": (512, 2560, 4096, 7168), "mhc": (256, 1280, 2560, 4096, 7168, 8192)}
+
+
+def source_of(backend: str, prim_func) -> str:
+    if backend == "cuda":
+        from cann_ops_tilelang.kernels.cuda import _build
+
+        return _build.lower_source(prim_func, arch="sm_90a")
+    from cann_ops_tilelang.kernels.ascend import _build
+
+    return _build.lower_ascendc(prim_func).source
+
+
+def manifest(backends, families) -> dict:
+    out = {}
+    for backend in backends:
+        for family in families:
+            module = importlib.import_module(f"cann_ops_tilelang.kernels.{backend}.{family}")
+            for hidden in HIDDEN[family]:
+                for case, prim_func in sorted(module.lowering_cases(hidden).items()):
+                    digest = hashlib.sha256(source_of(backend, prim_func).encode()).hexdigest()
+                    out[f"{backend}/{family}/H{hidden}/{case}"] = digest
+                    print(f"{backend}/{family}/H{hidden}/{case} {digest[:16]}", file=sys.stderr, flush=True)
+    return out
+
+
+def compare(before: dict, after: dict) -> int:
+    by_hash = {}
+    for key, digest in after.items():
+        by_hash.setdefault(digest, []).append(key)
+    changed = 0
+    for key, digest in sorted(before.items()):
+        if after.get(key) == digest:
+            continue
+        same = [k for k in by_hash.get(digest, []) if k.rsplit("/", 1)[0] == key.rsplit("/", 1)[0]]
+        if same:
+            print(f"renamed   {key} -> {', '.join(same)}")
+        elif key in after:
+            print(f"CHANGED   {key}")
+            changed += 1
+        else:
+            print(f"GONE      {key}")
+            changed += 1
+    for key in sorted(set(after) - set(before)):
+        if after[key] not in before.values():
+            print(f"NEW       {key}")
+    print(f"{len(before)} kernels before, {len(after)} after, {changed} changed or gone")
+    return 1 if changed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--backend", choices=("cuda", "ascend"), action="append")
+    parser.add_argument("--family", choices=tuple(HIDDEN), action="append")
+    args = parser.parse_args()
+    if args.compare:
+        before, after = (json.load(open(p)) for p in args.paths)
+        return compare(before, after)
+    result = manifest(args.backend or ("cuda", "ascend"), args.family or tuple(HIDDEN))
+    with open(args.paths[0], "w") as f:
+        json.dump(result, f, indent=0, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
