@@ -40,6 +40,11 @@ def manifest(backends, families) -> dict:
     return out
 
 
+def _where(key: str) -> str:
+    """backend/family/H of a manifest key (the case name after it may change in a refactoring)."""
+    return "/".join(key.split("/")[:3])
+
+
 def compare(before: dict, after: dict) -> int:
     by_hash = {}
     for key, digest in after.items():
@@ -48,7 +53,7 @@ def compare(before: dict, after: dict) -> int:
     for key, digest in sorted(before.items()):
         if after.get(key) == digest:
             continue
-        same = [k for k in by_hash.get(digest, []) if k.rsplit("/", 1)[0] == key.rsplit("/", 1)[0]]
+        same = [k for k in by_hash.get(digest, []) if _where(k) == _where(key)]
         if same:
             print(f"renamed   {key} -> {', '.join(same)}")
         elif key in after:
