@@ -1,6 +1,7 @@
-"""The op helper's device path on the CPU, with a stub backend module: prepare (validation and
-allocation) runs first, then the op's launch function hands the arguments and the new outputs to the
-backend's launcher; zero tokens launch nothing; OPS_TILELANG_DEBUG logs each call."""
+"""The op helper's device path on the CPU, with a stub kernel module: prepare (validation and
+allocation) runs first, then the memory checks (written buffers share no memory with other arguments;
+vector arguments aligned), then the op's launch binding hands the arguments and the new outputs to the
+launcher by name; zero tokens launch nothing; OPS_TILELANG_DEBUG logs each call."""
 
 import logging
 import types
@@ -17,15 +18,16 @@ def stub_backend(monkeypatch):
     calls = []
 
     def record(name):
-        def launcher(*args):
-            calls.append((name, args))
-            for value in args:  # mark every floating output-like tensor the launcher was handed
+        def launcher(**kwargs):
+            calls.append((name, kwargs))
+            for value in kwargs.values():  # mark every floating output-like tensor the launcher was handed
                 if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 2:
                     value.fill_(7.0)
         return launcher
 
-    module = types.SimpleNamespace(**{name: record(name) for name in ops.registered_ops()})
-    monkeypatch.setattr(_library, "_backend_module", lambda backend, family: module)
+    launchers = {public.declaration.kernel for public in ops.registered_ops().values()}
+    module = types.SimpleNamespace(**{name: record(name) for name in launchers})
+    monkeypatch.setattr(_library, "_backend_module", lambda backend, family, op_module: module)
     return calls
 
 
@@ -38,7 +40,8 @@ def test_prepare_then_launch_with_new_outputs(stub_backend, monkeypatch, caplog)
         out = run(wh, we)
     assert out.shape == (4, 512) and out.dtype == torch.float32 and torch.equal(out, torch.full((4, 512), 7.0))
     (name, args), = stub_backend
-    assert name == "engram_fused_weight" and args[0] is wh and args[1] is we and args[2] is out
+    assert name == "engram_fused_weight" and args["weight_hidden"] is wh and args["weight_embed"] is we
+    assert args["out"] is out
     assert "cann_ops_tilelang::engram_fused_weight on cuda: weight_hidden=(4, 512):bfloat16" in caplog.text
 
 
@@ -64,14 +67,15 @@ def test_zero_tokens_launch_nothing(stub_backend):
     assert stub_backend == []
 
 
-def test_mhc_launchers_get_arguments_then_new_outputs(stub_backend):
+def test_mhc_launchers_get_arguments_and_new_outputs_by_name(stub_backend):
     x = torch.randn(3, 4 * 256).bfloat16()
     fn = torch.randn(24, 4 * 256)
     run = ops.registered_ops()["mhc_gemm_with_sqrsum_forward"].backend_kernel("cuda")
     parts, sq = run(x, fn, 4)
     (name, args), = stub_backend
     assert name == "mhc_gemm_with_sqrsum_forward"
-    assert args[0] is x and args[1] is fn and args[2] == 4 and args[3] is parts and args[4] is sq
+    assert args["x"] is x and args["fn"] is fn and args["n_splits"] == 4
+    assert args["out_mul_part"] is parts and args["sqrsum_part"] is sq
     assert parts.shape == (4, 3, 24) and sq.shape == (4, 3)
 
 
@@ -122,5 +126,6 @@ def test_vector_args_name_arguments_of_the_op():
 
     with pytest.raises(ValueError, match=r"cann_ops_tilelang::_test_vector_args: vector_args names no argument "
                                          r"of the op: \['y'\]"):
-        _library.declare("_test_vector_args", family="engram", vector_args={"y": 16})(prepare)
+        prepare.__module__ = "cann_ops_tilelang.engram.fused_weight"
+        _library.declare("_test_vector_args", vector_args={"y": 16})(prepare)
     assert "_test_vector_args" not in ops.registered_ops()

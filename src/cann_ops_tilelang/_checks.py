@@ -7,11 +7,16 @@ fake and meta tensors.
 """
 
 import math
+import struct
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OpError", "check_float", "check_same_device", "check_tensor", "misalignment"]
+__all__ = ["OpError", "check_bool", "check_float", "check_int", "check_same_device", "check_tensor", "misalignment",
+           "overlap"]
+
+# the smallest positive normal fp32: kernels may flush smaller values to zero
+_FP32_TINY = 1.1754943508222875e-38
 
 
 class OpError:
@@ -33,6 +38,22 @@ class OpError:
 def misalignment(tensor: torch.Tensor, width: int) -> int:
     """Bytes by which the data of ``tensor`` starts past a multiple of ``width`` (0 when aligned or empty)."""
     return tensor.data_ptr() % width if tensor.numel() > 0 else 0
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors with data share bytes of one storage (views of one buffer that do not intersect,
+    such as two halves of a flat gradient bucket, do not). Works on meta and fake tensors too: it compares
+    storages and storage offsets, never addresses."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or not torch._C._is_alias_of(a, b):
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        start = t.storage_offset() * t.element_size()
+        return start, start + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _fmt_shape(shape: Sequence[object]) -> str:
@@ -87,14 +108,45 @@ def check_same_device(err: OpError, named: Sequence[tuple[str, torch.Tensor | No
             )
 
 
+def _as_fp32(value: float) -> float:
+    """``value`` rounded to fp32 (``inf`` where it overflows)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def check_float(err: OpError, arg: str, value: object, *, minimum: float, inclusive: bool = True) -> float:
-    """A finite Python number ``>= minimum`` (or ``> minimum`` when not ``inclusive``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A Python number (not a bool) ``>= minimum`` (``> minimum`` when not ``inclusive``) that survives the
+    conversion to fp32, where the kernels use it: finite there (``1e300`` is refused), and zero or at least
+    fp32's smallest normal number in magnitude (``1e-50`` would become zero, or a subnormal that kernels may
+    flush to zero: an ``eps`` or ``clamp_value`` silently lost)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat, torch.SymInt)):
         raise err.type(arg, f"expected a float, got {type(value).__name__}")
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value  # a traced value: checked when the graph runs with a real one
     number = float(value)
-    if not math.isfinite(number):
-        raise err.value(arg, f"expected a finite number, got {number}")
+    single = _as_fp32(number)
+    if not math.isfinite(number) or not math.isfinite(single):
+        raise err.value(arg, f"expected a number that is finite in fp32 (|x| < 3.4e38), got {number}")
+    relation = ">=" if inclusive else ">"
     if number < minimum or (not inclusive and number == minimum):
-        relation = ">=" if inclusive else ">"
         raise err.value(arg, f"expected a number {relation} {minimum}, got {number}")
+    if number != 0.0 and abs(single) < _FP32_TINY:
+        raise err.value(arg, f"expected zero or a number that stays so in fp32 (at least {_FP32_TINY:.4g} in "
+                             f"magnitude, fp32's smallest normal number), got {number}")
     return number
+
+
+def check_int(err: OpError, arg: str, value: object) -> int:
+    """An int (not a bool; a traced SymInt passes); ranges are checked with ``limits.IntRange.check``."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise err.type(arg, f"expected an int, got {type(value).__name__}")
+    return value
+
+
+def check_bool(err: OpError, arg: str, value: object) -> bool:
+    """A bool (not a string or an int)."""
+    if not isinstance(value, bool):
+        raise err.type(arg, f"expected a bool, got {type(value).__name__} {value!r}")
+    return value

@@ -1,39 +1,42 @@
 """The one helper that declares an operator of this package.
 
-An operator is written as a *prepare* function in ``fakes/``: fully annotated (its annotations are
-the schema), it validates the arguments (metadata only) and allocates the outputs with
-``new_empty``. :func:`declare` turns it into the custom op ``cann_ops_tilelang::<name>``:
+An op module (``cann_ops_tilelang/<family>/<op module>.py``) writes each op as a *prepare* function: fully
+annotated (its annotations are the schema), it validates the arguments (metadata only) and allocates the
+outputs with ``new_empty``. :func:`declare` turns it into the custom op ``cann_ops_tilelang::<name>``:
 
 * the prepare function is the fake (meta) implementation, so fake and real outputs have identical
   metadata by construction;
-* the kernels for ``"cuda"`` and ``"privateuseone"`` (Ascend NPUs through torch_npu) run the
-  prepare function, check that every argument the kernels access in vectors (``vector_args``: the
-  access width in bytes per argument) starts on a multiple of that width where it holds data (a
-  misaligned view gets a ``ValueError`` naming the op and the argument instead of a device fault),
-  then the op's *launch* function (registered with ``@op.launch``), which gets
-  the lazily imported backend module ``cann_ops_tilelang.kernels.<backend>.<family>``, the
-  outputs and the arguments; TileLang is imported only there, on first use;
-* any other device (CPU, ...) gets a ``RuntimeError`` naming the op, the device and the devices
-  that have kernels.
+* the kernels for ``"cuda"`` and ``"privateuseone"`` (Ascend NPUs through torch_npu) run the prepare
+  function, check that no buffer the op writes shares memory with another argument, that every argument
+  the kernels access in vectors (``vector_args``) starts on a multiple of the access width, then skip the
+  launch for zero tokens (``tokens``) or call the op's launch binding (``@op.launch``) with the kernel
+  module ``cann_ops_tilelang.kernels.<backend>.<family>.<op module>``, imported on first use (TileLang is
+  imported only there);
+* any other device (CPU, ...) runs the same checks, then gets a ``RuntimeError`` naming the op, the device
+  and the devices that have kernels.
 
-The returned object is a plain Python function with the prepare function's signature and
-docstring that calls ``torch.ops.cann_ops_tilelang.<name>`` (so dynamo sees the custom op and
-never traces into TileLang), with the ``CustomOpDef`` under ``.op`` and the qualified name under
-``.qualname``.
+The returned public function has the prepare function's signature and docstring. Before it calls
+``torch.ops.cann_ops_tilelang.<name>`` (so dynamo sees the custom op and never traces into TileLang) it
+checks the kinds of the arguments against the annotations (a list where a tensor belongs, ``True`` for an
+int, ...) and refuses to write a buffer that requires grad while autograd records: the dispatcher would
+otherwise convert or accept them silently.
 """
 
+import dataclasses
 import functools
 import importlib
 import inspect
+import numbers
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from . import config
-from ._checks import OpError, misalignment
+from ._checks import OpError, misalignment, overlap
 
-__all__ = ["NAMESPACE", "declare", "registered_ops"]
+__all__ = ["NAMESPACE", "OpDeclaration", "declare", "registered_ops"]
 
 NAMESPACE = "cann_ops_tilelang"
 
@@ -49,18 +52,28 @@ def registered_ops() -> dict[str, Callable[..., Any]]:
     return dict(_REGISTRY)
 
 
+@dataclasses.dataclass(frozen=True)
+class OpDeclaration:
+    """What an op declares besides its schema (see :func:`declare`)."""
+
+    name: str
+    family: str
+    module: str
+    mutates_args: tuple[str, ...]
+    vector_args: Mapping[str, int]
+    tokens: str | None
+    zero_when_empty: tuple[str, ...]
+    kernel: str
+
+
 def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device | None:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.device
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    return item.device
     return None
 
 
-def _describe(arguments: dict[str, Any]) -> str:
+def _describe(arguments: Mapping[str, Any]) -> str:
     parts = []
     for name, value in arguments.items():
         if isinstance(value, torch.Tensor):
@@ -77,103 +90,210 @@ def _device_name(device: torch.device | None) -> str:
 
 
 @functools.cache
-def _backend_module(backend: str, family: str):
-    return importlib.import_module(f"{__package__}.kernels.{backend}.{family}")
+def _backend_module(backend: str, family: str, module: str):
+    return importlib.import_module(f"{__package__}.kernels.{backend}.{family}.{module}")
 
 
-def _check_aligned(name: str, arguments: dict[str, Any], vector_args: dict[str, int]) -> None:
-    """``ValueError`` for the first argument of ``vector_args`` that holds data not starting on a multiple
-    of its access width (e.g. a contiguous view at an odd storage offset)."""
-    for arg, width in vector_args.items():
-        value = arguments.get(arg)
-        if isinstance(value, torch.Tensor) and misalignment(value, width):
-            raise OpError(name).value(
-                arg,
-                f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
-                f"vectors), got an address {misalignment(value, width)} bytes past one (a view at storage "
-                f"offset {value.storage_offset()}); pass a copy (.clone())",
-            )
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """Whether the tensor has real memory whose addresses can be compared (not fake, not meta)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.device.type != "meta" and not is_fake(tensor)
+
+
+# annotation -> (check, what is expected) for the pre-dispatch kind check of the public function
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(value, bool)
+
+
+_KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    torch.Tensor: (lambda v: isinstance(v, torch.Tensor), "a torch.Tensor"),
+    typing.Optional[torch.Tensor]: (lambda v: v is None or isinstance(v, torch.Tensor), "a torch.Tensor or None"),
+    int: (_is_int, "an int"),
+    float: (_is_float, "a float"),
+    bool: (lambda v: isinstance(v, bool), "a bool"),
+}
 
 
 class _Op:
-    """Binds a declared op's prepare function to its launch function for one backend."""
+    """Binds a declared op's prepare function to the checks that run before any launch, and to its launch."""
 
-    def __init__(self, name: str, family: str, prepare: Callable[..., Any], vector_args: Mapping[str, int]):
-        self.name = name
-        self.family = family
+    def __init__(self, decl: OpDeclaration, prepare: Callable[..., Any]):
+        self.decl = decl
         self.prepare = prepare
         self.signature = inspect.signature(prepare)
-        unknown = sorted(set(vector_args) - set(self.signature.parameters))
-        if unknown:
-            raise ValueError(f"{NAMESPACE}::{name}: vector_args names no argument of the op: {unknown}")
-        self.vector_args = dict(vector_args)
+        params = set(self.signature.parameters)
+        for what, names in (("vector_args", decl.vector_args), ("mutates_args", decl.mutates_args),
+                            ("zero_when_empty", decl.zero_when_empty),
+                            ("tokens", () if decl.tokens is None else (decl.tokens,))):
+            unknown = sorted(set(names) - params)
+            if unknown:
+                raise ValueError(f"{NAMESPACE}::{decl.name}: {what} names no argument of the op: {unknown}")
+        hints = typing.get_type_hints(prepare)
+        self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
         self.launch: Callable[..., None] | None = None
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{NAMESPACE}::{self.decl.name}: {exc}") from None
+        bound.apply_defaults()
+        return bound
+
+    def check_kinds(self, arguments: Mapping[str, Any]) -> None:
+        err = OpError(self.decl.name)
+        for name, (ok, expected) in self.kinds.items():
+            value = arguments[name]
+            if not ok(value):
+                raise err.type(name, f"expected {expected}, got {type(value).__name__}")
+
+    def check_autograd(self, arguments: Mapping[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for name in self.decl.mutates_args:
+            value = arguments[name]
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                leaf = "a leaf tensor that requires grad" if value.is_leaf else "a tensor that requires grad"
+                raise OpError(self.decl.name).value(
+                    name, f"expected a buffer that autograd does not track (the op writes it in place), got {leaf}; "
+                    "pass a detached buffer or call under torch.no_grad()")
+
+    def check_aliasing(self, arguments: Mapping[str, Any]) -> None:
+        """No written buffer shares memory with another argument (on real, meta and fake tensors alike)."""
+        tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+        for name in self.decl.mutates_args:
+            if name not in tensors:
+                continue
+            for other, value in tensors.items():
+                if other != name and overlap(tensors[name], value):
+                    raise OpError(self.decl.name).value(
+                        name, f"expected a buffer that shares no memory with '{other}' (the op writes '{name}' "
+                              f"while it reads or writes '{other}'), got an overlapping one")
+
+    def check_alignment(self, arguments: Mapping[str, Any]) -> None:
+        """Every argument the kernels access in vectors starts on a multiple of the access width (real tensors)."""
+        for name, width in self.decl.vector_args.items():
+            value = arguments.get(name)
+            if isinstance(value, torch.Tensor) and _has_memory(value) and misalignment(value, width):
+                raise OpError(self.decl.name).value(
+                    name,
+                    f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
+                    f"vectors), got an address {misalignment(value, width)} bytes past one (a view at storage "
+                    f"offset {value.storage_offset()}); pass a copy (.clone())",
+                )
+
+    def fake(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.bind(args, kwargs)
+        outputs = self.prepare(*bound.args, **bound.kwargs)
+        self.check_aliasing(bound.arguments)
+        return outputs
 
     def unsupported(self, *args: Any, **kwargs: Any) -> Any:
         # Bad arguments are reported as such whatever the device; then the device itself.
-        self.prepare(*args, **kwargs)
-        device = _first_device(args, kwargs)
+        bound = self.bind(args, kwargs)
+        self.prepare(*bound.args, **bound.kwargs)
+        self.check_aliasing(bound.arguments)
+        self.check_alignment(bound.arguments)
         raise RuntimeError(
-            f"{NAMESPACE}::{self.name}: no kernel for tensors on device '{_device_name(device)}'; "
-            f"supported devices: {_SUPPORTED}"
+            f"{NAMESPACE}::{self.decl.name}: no kernel for tensors on device "
+            f"'{_device_name(_first_device(args, kwargs))}'; supported devices: {_SUPPORTED}"
         )
 
     def kernel(self, backend: str) -> Callable[..., Any]:
+        decl = self.decl
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            bound = self.signature.bind(*args, **kwargs)
-            bound.apply_defaults()
+            bound = self.bind(args, kwargs)
             outputs = self.prepare(*bound.args, **bound.kwargs)
-            _check_aligned(self.name, bound.arguments, self.vector_args)
+            self.check_aliasing(bound.arguments)
+            self.check_alignment(bound.arguments)
             if config.debug_enabled():
-                config.logger.debug("%s::%s on %s: %s", NAMESPACE, self.name, backend, _describe(bound.arguments))
+                config.logger.debug("%s::%s on %s: %s", NAMESPACE, decl.name, backend, _describe(bound.arguments))
+            if decl.tokens is not None and bound.arguments[decl.tokens].shape[0] == 0:
+                # No tokens: nothing to launch; sums over no tokens are defined zeros.
+                new = () if outputs is None else (outputs if isinstance(outputs, tuple) else (outputs,))
+                for buffer in (*new, *(bound.arguments[a] for a in decl.zero_when_empty)):
+                    buffer.zero_()
+                return outputs
             if self.launch is None:
-                raise NotImplementedError(f"{NAMESPACE}::{self.name} has no launch function")
-            self.launch(_backend_module(backend, self.family), outputs, **bound.arguments)
+                raise NotImplementedError(f"{NAMESPACE}::{decl.name} has no launch binding")
+            self.launch(_backend_module(backend, decl.family, decl.module), outputs, **bound.arguments)
             return outputs
 
-        run.__name__ = f"{self.name}_{backend}"
+        run.__name__ = f"{decl.name}_{backend}"
         return run
 
 
 def declare(
-    name: str, *, family: str, mutates_args: Sequence[str] = (), vector_args: Mapping[str, int] | None = None
+    name: str,
+    *,
+    mutates_args: Sequence[str] = (),
+    vector_args: Mapping[str, int] | None = None,
+    tokens: str | None = None,
+    zero_when_empty: Sequence[str] = (),
+    kernel: str | None = None,
 ) -> Callable[[Callable[..., Any]], Any]:
     """Declares ``cann_ops_tilelang::<name>`` from its prepare function (see the module docstring).
 
+    The op's family and op module are those of the prepare function (``cann_ops_tilelang.<family>.<module>``);
+    its kernels are in ``cann_ops_tilelang.kernels.<backend>.<family>.<module>``.
+
     Args:
         name: the op's short name.
-        family: the kernel family, i.e. the module ``kernels.<backend>.<family>`` that holds its
-            kernels (``"engram"``, ``"mhc"``...).
-        mutates_args: names of the arguments the op writes to, exactly.
+        mutates_args: the arguments the op writes, exactly. None of them may share memory with another
+            argument (checked before launch).
         vector_args: ``{argument: bytes}``, the arguments that the kernels read or write in vectors (or by
             cp.async / TMA) of that many bytes: each must start on a multiple of it where it holds data.
             The CUDA lowering tests check it against the generated sources.
+        tokens: the argument whose dim 0 is the token count; with zero tokens nothing is launched, the new
+            outputs and the ``zero_when_empty`` buffers are zeroed (sums over no tokens).
+        zero_when_empty: written buffers that hold a defined result (zeros) for zero tokens.
+        kernel: the launcher's name in the kernel module (default ``name``; an op that launches another
+            op's kernel names it, e.g. an ``out=`` variant).
 
     Returns:
-        A decorator; applied to the prepare function it returns the public Python function. Register
-        the launch function with ``@public.launch``: it is called as
-        ``launch(kernels, outputs, **arguments)`` on every call on a supported device, with the
-        prepare function's result as ``outputs``; it decides itself to launch nothing for empty
-        inputs.
+        A decorator; applied to the prepare function it returns the public Python function. Register the
+        launch binding with ``@public.launch``: it is called as ``launch(kernels, outputs, **arguments)``
+        with the backend's kernel module and the prepare function's result.
     """
 
     def wrap(prepare: Callable[..., Any]) -> Any:
         if name in _REGISTRY:
             raise RuntimeError(f"{NAMESPACE}::{name} is declared twice")
-        op = _Op(name, family, prepare, vector_args or {})
+        parts = prepare.__module__.split(".")
+        if len(parts) != 3 or parts[0] != NAMESPACE:
+            raise ValueError(f"{NAMESPACE}::{name}: declare ops in {NAMESPACE}.<family>.<op module>, "
+                             f"not in {prepare.__module__}")
+        decl = OpDeclaration(name=name, family=parts[1], module=parts[2], mutates_args=tuple(mutates_args),
+                             vector_args=dict(vector_args or {}), tokens=tokens,
+                             zero_when_empty=tuple(zero_when_empty), kernel=kernel or name)
+        op = _Op(decl, prepare)
 
         def default(*args: Any, **kwargs: Any) -> Any:
             return op.unsupported(*args, **kwargs)
 
         functools.update_wrapper(default, prepare)
-        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=tuple(mutates_args))
-        custom.register_fake(prepare)
+        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=decl.mutates_args)
+        @functools.wraps(prepare)
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            return op.fake(*args, **kwargs)
+
+        custom.register_fake(fake)
         for device_type, backend in _BACKENDS.items():
             custom.register_kernel(device_type, op.kernel(backend))
         overload = getattr(getattr(torch.ops, NAMESPACE), name).default
 
         @functools.wraps(prepare)
         def public(*args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():  # a traced graph gets the schema's own conversion
+                bound = op.bind(args, kwargs)
+                op.check_kinds(bound.arguments)
+                op.check_autograd(bound.arguments)
             return overload(*args, **kwargs)
 
         def set_launch(fn: Callable[..., None]) -> Callable[..., None]:
@@ -181,11 +301,12 @@ def declare(
             return fn
 
         public.op = custom
-        public.backend_kernel = op.kernel  # backend -> the device kernel (prepare + launch), for tests
+        public.declaration = decl
+        public.backend_kernel = op.kernel  # backend -> the device kernel (prepare, checks, launch), for tests
         public.qualname = f"{NAMESPACE}::{name}"
         public.launch = set_launch
         public.prepare = prepare
-        public.vector_args = dict(op.vector_args)
+        public.vector_args = dict(decl.vector_args)
         _REGISTRY[name] = public
         return public
 

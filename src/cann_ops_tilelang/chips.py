@@ -17,12 +17,14 @@ class CudaArch:
     smem_per_cta: the largest dynamic shared memory one CTA may opt into.
     smem_reserved_per_cta: shared memory the runtime reserves per resident CTA (counted against the SM).
     max_threads_per_cta: threads per CTA.
+    regs_per_sm: 32-bit registers of one SM, shared by its resident threads.
     """
 
     name: str
     smem_per_cta: int
     smem_reserved_per_cta: int = 1024
     max_threads_per_cta: int = 1024
+    regs_per_sm: int = 65536
 
     @property
     def smem_per_sm(self) -> int:

@@ -49,10 +49,11 @@ class IntRange:
     multiple_of: int = 1
 
     def __contains__(self, value: object) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
             return False
+        # no int(value): a traced size (SymInt) is compared symbolically, guarding on the range only
         upper = self.high is None or value <= self.high
-        return self.low <= value and upper and value % self.multiple_of == 0
+        return bool(self.low <= value and upper and value % self.multiple_of == 0)
 
     def describe(self) -> str:
         span = f">= {self.low}" if self.high is None else f"in [{self.low}, {self.high}]"
@@ -66,13 +67,13 @@ class IntRange:
 
     def check(self, err, arg: str, value: int) -> int:
         """``value`` when it is in the range, else ``err.value(arg, ...)`` (an op's ``OpError``)."""
-        if int(value) not in self:
+        if value not in self:
             raise err.value(arg, f"expected {self.what} {self.describe()}, got {value}")
         return value
 
     def require(self, where: str, value: int) -> int:
         """For kernel builders: ``value`` when in the range, else a :class:`LimitError` naming ``where``."""
-        if int(value) not in self:
+        if value not in self:
             raise LimitError(f"{where}: {self.what} must be {self.describe()}, got {value}")
         return int(value)
 

@@ -4,8 +4,9 @@
 bytes: a vector cast ``*(uint4*)(param + ...)`` (16 bytes for ``uint4``, 8 for ``float2``...), a
 ``cp.async`` copy from it (``cp_async_gs<16>(dst, &(param[...]))``, or the GEMM forward's
 ``ops_cp_async16(dst, &(param[0]), ...)``) or a TMA load through its descriptor
-(``param_desc``: 16 bytes, the TMA alignment of global addresses). ``KERNEL_OPS`` says which ops launch a
-lowering case and under which argument names its parameters arrive; the lowering tests check with
+(``param_desc``: 16 bytes, the TMA alignment of global addresses). :func:`kernel_ops` finds the ops that
+launch a lowering case from their declarations (the case name starts with the op's launcher name) and the
+kernel module's ``ARGUMENTS`` (parameters named differently from the op's arguments); the lowering tests check with
 :func:`undeclared` that every op declares (``declare(..., vector_args=...)``) at least the width its
 kernels use, so that the op helper's alignment check covers every vector access, except where the
 launcher itself checks an argument and otherwise launches another variant (:func:`launcher_checked`).
@@ -19,64 +20,45 @@ _WIDTH = {"uint4": 16, "int4": 16, "float4": 16, "longlong2": 16, "ulonglong2": 
 _SCALAR = {"float", "int", "uint", "bool", "char", "signed", "int64_t", "uint64_t", "void", "bfloat16_t", "half_t",
            "int8_t", "uint8_t", "int16_t", "short", "double"}
 
-# lowering case (CUDA, name without the family's module prefix) -> [(op, {kernel parameter: op argument})];
-# parameters that are no op argument (workspaces, outputs the op allocates) are not checked
-_ENGRAM_FWD = {"x": "hidden_states", "wf": "weight_fused", "mask": "image_token_mask"}
-KERNEL_OPS = {
-    "fused_weight": [("engram_fused_weight", {})],
-    "gate_fwd_mask": [("engram_gate_fwd", _ENGRAM_FWD)],
-    "gate_fwd_nomask": [("engram_gate_fwd", _ENGRAM_FWD)],
-    "gate_fwd_mask_inplace": [("engram_gate_fwd_inplace", _ENGRAM_FWD)],
-    "gate_fwd_nomask_inplace": [("engram_gate_fwd_inplace", _ENGRAM_FWD)],
-    "gate_bwd_mask": [("engram_gate_bwd", {})],
-    "gate_bwd_nomask": [("engram_gate_bwd", {})],
-    "gate_bwd_pipelined_mask": [("engram_gate_bwd", {})],
-    "gate_bwd_pipelined_nomask": [("engram_gate_bwd", {})],
-    "grad_w_reduce": [("engram_grad_w_reduce", {"grad_w_partial_desc": "grad_w_partial"})],
-    "streaming/expand_fwd": [("expand_to_mhc_forward", {})],
-    "streaming/expand_bwd": [("expand_to_mhc_backward", {})],
-    "streaming/normw_merge_fwd": [("mhc_fn_normw_merge_forward", {})],
-    "streaming/normw_merge_bwd": [("mhc_fn_normw_merge_backward", {})],
-    "streaming/pre_apply_mix_fwd": [("mhc_pre_apply_mix_forward", {})],
-    "streaming/pre_apply_mix_bwd": [("mhc_pre_apply_mix_backward", {})],
-    "streaming/post_fwd": [("mhc_post_forward", {}), ("mhc_post_forward_out", {})],
-    "streaming/post_bwd": [("mhc_post_backward", {})],
-    "gemm/gemm_fn_split": [("mhc_gemm_with_sqrsum_forward", {})],
-    "gemm/gemm_fwd": [("mhc_gemm_with_sqrsum_forward", {})],
-    "gemm/gemm_bwd": [("mhc_gemm_with_sqrsum_backward", {})],
-    "gemm/gemm_bwd_reduce": [("mhc_gemm_with_sqrsum_backward", {})],
-    "small/reduce_rmsnorm_fwd": [("mhc_reduce_partials_and_rmsnorm_forward", {})],
-    "small/reduce_rmsnorm_bwd": [("mhc_reduce_partials_and_rmsnorm_backward", {})],
-    "small/split_mixes_fwd": [("mhc_pre_split_mixes_forward", {})],
-    "small/split_mixes_bwd": [("mhc_pre_split_mixes_backward", {})],
-    "small/split_mixes_bwd_reduce": [("mhc_pre_split_mixes_backward", {})],
-    "small/sinkhorn_fwd": [("mhc_sinkhorn_forward", {})],
-    "small/sinkhorn_bwd": [("mhc_sinkhorn_backward", {})],
-    "small/head_mix_fwd": [("mhc_head_compute_mix_forward", {})],
-    "small/head_mix_bwd": [("mhc_head_compute_mix_backward", {})],
-}
+def _kernel_module(module: str):
+    """The CUDA kernel module of an op module (``gate``, ``sinkhorn``...) and its family."""
+    import importlib
+
+    import cann_ops_tilelang as ops
+
+    families = {p.declaration.family for p in ops.registered_ops().values() if p.declaration.module == module}
+    if len(families) != 1:
+        raise KeyError(f"no single family declares ops in the op module {module!r}: {sorted(families)}")
+    family = families.pop()
+    return family, importlib.import_module(f"cann_ops_tilelang.kernels.cuda.{family}.{module}")
 
 
 def launcher_checked(case: str) -> dict[str, int]:
-    """``{argument: bytes}`` whose alignment the launcher checks before it launches ``case`` (taking another
-    kernel where one is not aligned), from the ``LAUNCHER_CHECKED`` tables of the CUDA family modules."""
-    import importlib
-
-    table = {}
-    for family in ("engram", "mhc"):
-        module = importlib.import_module(f"cann_ops_tilelang.kernels.cuda.{family}")
-        table.update(getattr(module, "LAUNCHER_CHECKED", {}))
-    best = max((k for k in table if case == k or case.startswith(k + "_")), key=len, default=None)
+    """``{argument: bytes}`` whose alignment the launcher checks before it launches ``case``
+    (``"<op module>/<case>"``, taking another kernel where one is not aligned): the ``LAUNCHER_CHECKED``
+    declaration of the op's CUDA kernel module."""
+    module, name = case.split("/", 1)
+    table = getattr(_kernel_module(module)[1], "LAUNCHER_CHECKED", {})
+    best = max((k for k in table if name == k or name.startswith(k + "_")), key=len, default=None)
     return dict(table[best]) if best is not None else {}
 
 
 def kernel_ops(case: str) -> list[tuple[str, dict[str, str]]]:
-    """``KERNEL_OPS`` entry of a lowering case; a case may extend its entry's name with ``_<variant>``
-    (``gemm/gemm_fwd_s16``, ``small/sinkhorn_fwd_r10``...)."""
-    best = max((k for k in KERNEL_OPS if case == k or case.startswith(k + "_")), key=len, default=None)
-    if best is None:
-        raise KeyError(f"lowering case {case!r} has no entry in KERNEL_OPS")
-    return KERNEL_OPS[best]
+    """The ops that launch a lowering case ``"<op module>/<case>"`` with the op argument each kernel parameter
+    receives: the ops of that module whose launcher (``declaration.kernel``) is the longest prefix of the case
+    name, and the kernel module's ``ARGUMENTS`` (parameters named differently from the op's arguments)."""
+    import cann_ops_tilelang as ops
+
+    module, name = case.split("/", 1)
+    family, kernels = _kernel_module(module)
+    decls = [p.declaration for p in ops.registered_ops().values()
+             if p.declaration.family == family and p.declaration.module == module
+             and (name == p.declaration.kernel or name.startswith(p.declaration.kernel + "_"))]
+    if not decls:
+        raise KeyError(f"lowering case {case!r}: no op of {family}.{module} launches a kernel of that name")
+    longest = max(len(d.kernel) for d in decls)
+    rename = dict(getattr(kernels, "ARGUMENTS", {}))
+    return [(d.name, rename) for d in decls if len(d.kernel) == longest]
 
 
 def kernel_params(source: str) -> list[str]:

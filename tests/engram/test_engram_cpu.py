@@ -4,12 +4,12 @@ against float64 autograd, and the autograd wrapper over the CPU reference kernel
 import pytest
 import torch
 from _plugins.levels import level_choice
-from engram_gate_ref import (
-    fused_weight_ref,
-    gate_bwd_ref,
-    gate_fwd_ref,
+from engram_ref import (
+    engram_fused_weight_ref,
+    engram_gate_bwd_ref,
+    engram_gate_fwd_ref,
     gate_model,
-    grad_w_reduce_ref,
+    engram_grad_w_reduce_ref,
     make_inputs,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,7 +29,7 @@ def gen(seed):
 
 def all_args(tokens, masked, seed):
     x, kv, wh, we, mask = make_inputs(tokens, HIDDEN, masked=masked, generator=gen(seed))
-    wf = fused_weight_ref(wh, we)
+    wf = engram_fused_weight_ref(wh, we)
     return x, kv, wh, we, wf, mask
 
 
@@ -46,12 +46,12 @@ def metadata(t):
 def test_fakes_match_references(tokens, masked, save, seed):
     x, kv, wh, we, wf, mask = all_args(tokens, masked, seed)
     real = {
-        "fused": [fused_weight_ref(wh, we)],
-        "fwd": list(gate_fwd_ref(x, kv, wf, EPS, CLAMP, save, mask)),
+        "fused": [engram_fused_weight_ref(wh, we)],
+        "fwd": list(engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, save, mask)),
     }
-    stats = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    stats = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
     partials = config.grad_w_partials("cpu", HIDDEN)
-    real["bwd"] = list(gate_bwd_ref(x, x, kv, wf, *stats[1:], CLAMP, mask, partials=partials))
+    real["bwd"] = list(engram_gate_bwd_ref(x, x, kv, wf, *stats[1:], CLAMP, mask, partials=partials))
     mode = FakeTensorMode()
     with mode:
         fx, fkv, fwh, fwe, fwf = (mode.from_tensor(t) for t in (x, kv, wh, we, wf))
@@ -73,7 +73,7 @@ def test_fakes_match_references(tokens, masked, save, seed):
 @pytest.mark.parametrize("masked", [False, True])
 def test_opcheck(tokens, masked, seed):
     x, kv, wh, we, wf, mask = all_args(tokens, masked, seed)
-    out, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
     cases = [
         (torch.ops.cann_ops_tilelang.engram_fused_weight.default, (wh, we)),
         (torch.ops.cann_ops_tilelang.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, True, mask)),
@@ -164,7 +164,7 @@ def test_reference_backward_vs_float64_autograd(tokens, masked, seed):
         rk = torch.rsqrt(kd[:, :m].square().mean(-1) + eps)
         z = raw * rx * rk / x.shape[-1] ** 0.5
         g = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp)), z))
-        gx, gkv, part = gate_bwd_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, partials=3)
+        gx, gkv, part = engram_gate_bwd_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, partials=3)
         gwh = torch.zeros_like(wf)
         gwe = torch.zeros_like(wf)
         gw = part.sum(0)
@@ -219,11 +219,11 @@ def test_autograd_wrapper_main_grad(seed):
     module(x, kv.view(16, -1), mask).backward(go)
     assert module.weight_hidden.grad is None and module.weight_embed.grad is None
     # the expected increment: the reference partials reduced in order, as grad_w_reduce does
-    out, dot, g, rx, rk = gate_fwd_ref(x, kv, fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
-    _, _, part = gate_bwd_ref(go, x, kv, fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
+    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, engram_fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
+    _, _, part = engram_gate_bwd_ref(go, x, kv, engram_fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
                               partials=config.grad_w_partials("cpu", HIDDEN))
     want_h, want_e = prior_h.clone(), prior_e.clone()
-    grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    engram_grad_w_reduce_ref(part, wh, we, want_h, want_e)
     assert torch.equal(module.weight_hidden.main_grad, want_h)
     assert torch.equal(module.weight_embed.main_grad, want_e)
 

@@ -1,4 +1,4 @@
-"""Device-free PyTorch references of the mHC primitives (OPS.md §B.2 and §C).
+"""Device-free PyTorch references of the mHC primitives (docs/ops/mhc.md).
 
 Each ``*_ref`` function follows the op's contract: same arguments (buffers the op writes are written
 here too), accumulation orders where the contract fixes them, fp32 arithmetic. The ``*_model``
@@ -225,6 +225,10 @@ def mhc_post_forward_ref(x, residual, post_layer_mix, comb_res_mix):
     for i in range(residual.shape[1]):
         acc = acc + comb_res_mix[:, i, :].unsqueeze(-1) * residual[:, i].float().unsqueeze(1)
     return acc.to(torch.bfloat16)
+
+
+def mhc_post_forward_out_ref(x, residual, post_layer_mix, comb_res_mix, out) -> None:
+    out.copy_(mhc_post_forward_ref(x, residual, post_layer_mix, comb_res_mix))
 
 
 def mhc_post_backward_ref(x, residual, post_layer_mix, comb_res_mix, d_o):

@@ -97,8 +97,10 @@ def test_split_and_group_arguments():
         ops.mhc_gemm_with_sqrsum_forward(x, fn, 4 * HIDDEN // 64 + 1)
     with pytest.raises(ValueError, match="repeat"):
         ops.mhc_sinkhorn_forward(torch.zeros(2, M, M), torch.zeros(2, M, M), 0, 1e-6)
-    # a float for an int argument is refused by the schema itself, naming the argument
-    with pytest.raises(RuntimeError, match="repeat"):
+    # a float (or a bool) for an int argument is refused before the dispatcher converts it, naming the argument
+    with pytest.raises(TypeError, match="mhc_sinkhorn_forward: argument 'repeat': expected an int, got bool"):
+        ops.mhc_sinkhorn_forward(torch.zeros(2, M, M), torch.zeros(2, M, M), True, 1e-6)
+    with pytest.raises(TypeError, match="mhc_sinkhorn_forward: argument 'repeat': expected an int, got float"):
         ops.mhc_sinkhorn_forward(torch.zeros(2, M, M), torch.zeros(2, M, M), 2.5, 1e-6)
     args = make_args("mhc_reduce_partials_and_rmsnorm_forward", 4, HIDDEN)
     args[-1] = 3  # n_splits disagreeing with the partials

@@ -1,4 +1,4 @@
-"""Differentiable Engram gate (OPS.md §D.1) built from the four Engram primitives.
+"""Differentiable Engram gate (docs/ops/engram.md#modeling) built from the four Engram primitives.
 
 Forward: ``engram_fused_weight`` then ``engram_gate_fwd(save_for_backward=True)``. Backward:
 ``engram_gate_bwd`` then ``engram_grad_w_reduce`` into the weights' fp32 gradient buffers: a
@@ -11,9 +11,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..engram.ops import engram_fused_weight, engram_gate_bwd, engram_gate_fwd, engram_grad_w_reduce
+from .._checks import OpError
+from ..engram import engram_fused_weight, engram_gate_bwd, engram_gate_fwd, engram_grad_w_reduce
 
 __all__ = ["EngramGate", "engram_gate"]
+
+_OP = "modeling.engram_gate"
 
 
 def _main_grad(weight: Tensor) -> Optional[Tensor]:
@@ -23,13 +26,36 @@ def _main_grad(weight: Tensor) -> Optional[Tensor]:
     buffer = getattr(weight, "main_grad", None)
     if buffer is None:
         return None
+    err = OpError(_OP)
+    if not isinstance(buffer, Tensor):
+        raise err.type("main_grad", f"expected a torch.Tensor, got {type(buffer).__name__}")
     if buffer.dtype != torch.float32 or buffer.shape != weight.shape or buffer.device != weight.device:
-        raise ValueError(
-            "cann_ops_tilelang.modeling.engram_gate: argument 'main_grad': expected an fp32 buffer of the "
-            f"weight's shape {tuple(weight.shape)} on {weight.device}, got {buffer.dtype} "
-            f"{tuple(buffer.shape)} on {buffer.device}"
-        )
+        raise err.value("main_grad", f"expected an fp32 buffer of the weight's shape {tuple(weight.shape)} on "
+                                     f"{weight.device}, got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+    if not buffer.is_contiguous():
+        raise err.value("main_grad", f"expected a contiguous buffer, got strides {tuple(buffer.stride())}")
     return buffer
+
+
+def _check_shapes(hidden_states, kv, image_token_mask) -> None:
+    """Leading dims and widths before any reshape: a wrong shape with the right element count must not be
+    reinterpreted."""
+    err = OpError(_OP)
+    for arg, value in (("hidden_states", hidden_states), ("kv", kv)):
+        if not isinstance(value, Tensor):
+            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+    if image_token_mask is not None and not isinstance(image_token_mask, Tensor):
+        raise err.type("image_token_mask", f"expected a torch.Tensor or None, got {type(image_token_mask).__name__}")
+    if hidden_states.dim() < 2:
+        raise err.value("hidden_states", f"expected (*, m, H), got shape {tuple(hidden_states.shape)}")
+    lead = tuple(hidden_states.shape[:-2])
+    m, hidden = hidden_states.shape[-2:]
+    if tuple(kv.shape) != lead + ((m + 1) * hidden,):
+        raise err.value("kv", f"expected shape {lead + ((m + 1) * hidden,)} (the leading dims of hidden_states "
+                              f"{tuple(hidden_states.shape)}, then (m + 1) * H), got {tuple(kv.shape)}")
+    if image_token_mask is not None and tuple(image_token_mask.shape) != lead:
+        raise err.value("image_token_mask", f"expected shape {lead} (the leading dims of hidden_states), got "
+                                            f"{tuple(image_token_mask.shape)}")
 
 
 class _EngramGateFunction(torch.autograd.Function):
@@ -89,6 +115,7 @@ def engram_gate(
         ``(*, m, H)`` bf16. Gradients flow to ``hidden_states``, ``kv`` and both weights; a weight
         with an fp32 ``main_grad`` attribute gets its gradient accumulated there (eager mode only).
     """
+    _check_shapes(hidden_states, kv, image_token_mask)
     lead = hidden_states.shape[:-2]
     m, hidden = hidden_states.shape[-2:]
     x = hidden_states.reshape(-1, m, hidden)

@@ -1,4 +1,4 @@
-"""Device-free PyTorch references of the Engram gate family (OPS.md §B.1).
+"""Device-free PyTorch references of the Engram gate family (docs/ops/engram.md).
 
 They are the numerical oracle of the tests (never part of the package): the fp32 forward and
 backward with the ops' exact output contracts (masked tokens, zero statistics, per-worker weight
@@ -13,7 +13,7 @@ import torch
 HC_MULT = 4
 
 
-def fused_weight_ref(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
+def engram_fused_weight_ref(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
     """``f32(wh) * f32(we)``: exact in fp32 (8-bit by 8-bit significands)."""
     return weight_hidden.float() * weight_embed.float()
 
@@ -23,7 +23,7 @@ def _signed_sqrt(z: torch.Tensor, clamp_value: float) -> torch.Tensor:
     return torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp_value)), z)
 
 
-def gate_fwd_ref(
+def engram_gate_fwd_ref(
     hidden_states: torch.Tensor,
     kv: torch.Tensor,
     weight_fused: torch.Tensor,
@@ -58,9 +58,9 @@ def gate_fwd_ref(
     return (out.contiguous(), *[s.contiguous() for s in stats])
 
 
-def gate_fwd_inplace_ref(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask=None) -> None:
+def engram_gate_fwd_inplace_ref(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask=None) -> None:
     """In-place variant: writes the reference output into ``hidden_states``."""
-    out = gate_fwd_ref(hidden_states, kv, weight_fused, eps, clamp_value, False, image_token_mask)[0]
+    out = engram_gate_fwd_ref(hidden_states, kv, weight_fused, eps, clamp_value, False, image_token_mask)[0]
     hidden_states.copy_(out)
 
 
@@ -71,7 +71,7 @@ def worker_ranges(tokens: int, partials: int) -> list[tuple[int, int]]:
     return [(min(p * per, tokens), min((p + 1) * per, tokens)) for p in range(partials)]
 
 
-def gate_bwd_ref(
+def engram_gate_bwd_ref(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
     kv: torch.Tensor,
@@ -83,8 +83,10 @@ def gate_bwd_ref(
     clamp_value: float,
     image_token_mask: torch.Tensor | None = None,
     partials: int = 1,
+    outputs=None,
 ):
-    """fp32 reference of ``engram_gate_bwd`` from the closed-form gradients of OPS.md B.1.3.
+    """fp32 reference of ``engram_gate_bwd`` from the closed-form gradients (docs/ops/engram.md#gate); with
+    the op's ``outputs``, its partial rows as they are allocated.
 
     Computes in the dtype of ``dot`` (fp32 normally; float64 in the autograd cross-check).
 
@@ -120,6 +122,8 @@ def gate_bwd_ref(
         contrib = torch.where(masked, torch.zeros_like(contrib), contrib)
     out_dtype = grad_out.dtype
     grad_kv = torch.cat([grad_k, grad_v.unsqueeze(1)], dim=1)
+    if outputs is not None:
+        partials = outputs[2].shape[0]
     partial = torch.stack([contrib[lo:hi].sum(0) for lo, hi in worker_ranges(tokens, partials)])
     if out_dtype == torch.bfloat16:
         # f32 of a bf16 value converts back exactly, so masked rows stay bit-equal to grad_out.
@@ -128,7 +132,7 @@ def gate_bwd_ref(
     return grad_x.contiguous(), grad_kv.contiguous(), partial.to(dot.dtype).contiguous()
 
 
-def grad_w_reduce_ref(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed) -> None:
+def engram_grad_w_reduce_ref(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed) -> None:
     """In place: ``gw = sum_p partial[p]`` (p ascending, fp32), then the two ``+=`` updates."""
     gw = torch.zeros_like(grad_w_partial[0]) if grad_w_partial.shape[0] == 0 else grad_w_partial[0].clone()
     for p in range(1, grad_w_partial.shape[0]):

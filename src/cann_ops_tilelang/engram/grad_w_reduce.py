@@ -1,0 +1,51 @@
+"""``engram_grad_w_reduce``: the fixed-order reduction of the Engram gate's weight-gradient partials into the
+two fp32 gradient buffers (docs/ops/engram.md#grad_w_reduce)."""
+
+from torch import Tensor
+
+from .._checks import OpError, check_same_device, check_tensor
+from .._library import declare
+from ._common import BF16, F32, check_hc_hidden
+
+__all__ = ["engram_grad_w_reduce"]
+
+
+# the partials are loaded in 16-byte vectors (TMA or cp.async); the weights and the gradient buffers (e.g.
+# Megatron main_grad views at any offset) element by element unless the CUDA launcher finds them aligned
+@declare("engram_grad_w_reduce", mutates_args=("grad_weight_hidden", "grad_weight_embed"),
+         vector_args={"grad_w_partial": 16}, tokens="grad_w_partial")
+def engram_grad_w_reduce(
+    grad_w_partial: Tensor,
+    weight_hidden: Tensor,
+    weight_embed: Tensor,
+    grad_weight_hidden: Tensor,
+    grad_weight_embed: Tensor,
+) -> None:
+    """Reduces the weight-gradient partials and accumulates into the two fp32 buffers in place.
+
+    ``gw = sum_p grad_w_partial[p]`` (p ascending, from -0.0), then ``grad_weight_hidden += gw * f32(weight_embed)``
+    and ``grad_weight_embed += gw * f32(weight_hidden)``.
+
+    Args:
+        grad_w_partial: ``(P, m, H)`` fp32 from ``engram_gate_bwd`` (``P = 0``: nothing is added).
+        weight_hidden, weight_embed: ``(m, H)`` bf16.
+        grad_weight_hidden, grad_weight_embed: ``(m, H)`` fp32, contiguous, updated in place (Megatron
+            ``main_grad`` buffers, or zeros); they must not share memory with each other or the inputs.
+    """
+    err = OpError("engram_grad_w_reduce")
+    partial = check_tensor(err, "grad_w_partial", grad_w_partial, dtype=F32, ndim=3)
+    _, m, hidden = partial.shape
+    check_hc_hidden(err, "grad_w_partial", m, hidden)
+    named = [("grad_w_partial", partial)]
+    for arg, value, dtype in (("weight_hidden", weight_hidden, BF16), ("weight_embed", weight_embed, BF16),
+                              ("grad_weight_hidden", grad_weight_hidden, F32),
+                              ("grad_weight_embed", grad_weight_embed, F32)):
+        named.append((arg, check_tensor(err, arg, value, dtype=dtype, shape=(m, hidden))))
+    check_same_device(err, named)
+
+
+@engram_grad_w_reduce.launch
+def _(kernels, _none, grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed):
+    kernels.engram_grad_w_reduce(grad_w_partial=grad_w_partial, weight_hidden=weight_hidden,
+                                 weight_embed=weight_embed, grad_weight_hidden=grad_weight_hidden,
+                                 grad_weight_embed=grad_weight_embed)

@@ -1,1 +1,0 @@
-"""Fake (meta) implementations, one module per op family. They never import TileLang."""

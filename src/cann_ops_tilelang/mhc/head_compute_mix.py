@@ -1,0 +1,83 @@
+"""The head's mix (sigmoid of the scaled, biased mixes), and its backward (docs/ops/mhc.md#head_compute_mix)."""
+
+from torch import Tensor
+
+from .._checks import OpError, check_float, check_tensor
+from .._library import declare
+from ._common import F32, HC_MULT, check_hc, same_device
+
+__all__ = ["mhc_head_compute_mix_backward", "mhc_head_compute_mix_forward"]
+
+
+def _check_input_mix(err: OpError, input_mix) -> tuple[int, ...]:
+    im = check_tensor(err, "input_mix", input_mix, dtype=F32, ndim=2)
+    check_hc(err, "input_mix", im.shape[1])
+    return tuple(im.shape)
+
+
+@declare("mhc_head_compute_mix_forward", mutates_args=("output_mix",), tokens="input_mix")
+def mhc_head_compute_mix_forward(input_mix: Tensor, mhc_scale: Tensor, mhc_base: Tensor, output_mix: Tensor,
+                                 pre_eps: float) -> None:
+    """``output_mix = sigmoid(input_mix * scale[0] + base) + pre_eps``.
+
+    Args:
+        input_mix: ``(T, m)`` fp32.
+        mhc_scale: ``(1,)`` fp32; mhc_base: ``(m,)`` fp32.
+        output_mix: ``(T, m)`` fp32, written.
+        pre_eps: >= 0.
+    """
+    err = OpError("mhc_head_compute_mix_forward")
+    shape = _check_input_mix(err, input_mix)
+    check_tensor(err, "mhc_scale", mhc_scale, dtype=F32, shape=(1,))
+    check_tensor(err, "mhc_base", mhc_base, dtype=F32, shape=(HC_MULT,))
+    check_tensor(err, "output_mix", output_mix, dtype=F32, shape=shape)
+    check_float(err, "pre_eps", pre_eps, minimum=0.0)
+    same_device(err, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base, output_mix=output_mix)
+
+
+@mhc_head_compute_mix_forward.launch
+def _(kernels, _none, input_mix, mhc_scale, mhc_base, output_mix, pre_eps):
+    kernels.mhc_head_compute_mix_forward(input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
+                                         output_mix=output_mix, pre_eps=pre_eps)
+
+
+@declare("mhc_head_compute_mix_backward",
+         mutates_args=("input_mix_grad", "mhc_scale_grad_partial", "mhc_base_grad_partial"),
+         vector_args={"output_mix_grad": 16, "input_mix": 16, "input_mix_grad": 16}, tokens="input_mix",
+         zero_when_empty=("mhc_scale_grad_partial", "mhc_base_grad_partial"))
+def mhc_head_compute_mix_backward(output_mix_grad: Tensor, input_mix: Tensor, mhc_scale: Tensor, mhc_base: Tensor,
+                                  input_mix_grad: Tensor, mhc_scale_grad_partial: Tensor,
+                                  mhc_base_grad_partial: Tensor) -> None:
+    """Writes ``input_mix_grad = dz * scale`` and per-worker partial rows of the scale and base gradients
+    (``dz = g * s * (1 - s)``, ``s`` the sigmoid); every row is written (zeros for ``T = 0``); reduce them with
+    ``.sum(0)``.
+
+    Args:
+        output_mix_grad: ``(T, m)`` fp32.
+        input_mix: ``(T, m)`` fp32; mhc_scale ``(1,)`` and mhc_base ``(m,)`` fp32 (the forward's inputs).
+        input_mix_grad: ``(T, m)`` fp32, written.
+        mhc_scale_grad_partial: ``(P, 1)`` fp32, ``P >= 1`` rows, overwritten.
+        mhc_base_grad_partial: ``(P, m)`` fp32, overwritten.
+    """
+    err = OpError("mhc_head_compute_mix_backward")
+    shape = _check_input_mix(err, input_mix)
+    check_tensor(err, "output_mix_grad", output_mix_grad, dtype=F32, shape=shape)
+    check_tensor(err, "mhc_scale", mhc_scale, dtype=F32, shape=(1,))
+    check_tensor(err, "mhc_base", mhc_base, dtype=F32, shape=(HC_MULT,))
+    check_tensor(err, "input_mix_grad", input_mix_grad, dtype=F32, shape=shape)
+    part = check_tensor(err, "mhc_scale_grad_partial", mhc_scale_grad_partial, dtype=F32, ndim=2)
+    if part.shape[0] < 1 or part.shape[1] != 1:
+        raise err.value("mhc_scale_grad_partial", f"expected shape (P, 1) with P >= 1, got {tuple(part.shape)}")
+    check_tensor(err, "mhc_base_grad_partial", mhc_base_grad_partial, dtype=F32, shape=(part.shape[0], HC_MULT))
+    same_device(err, output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
+                input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,
+                mhc_base_grad_partial=mhc_base_grad_partial)
+
+
+@mhc_head_compute_mix_backward.launch
+def _(kernels, _none, output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial,
+      mhc_base_grad_partial):
+    kernels.mhc_head_compute_mix_backward(
+        output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
+        input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,
+        mhc_base_grad_partial=mhc_base_grad_partial)

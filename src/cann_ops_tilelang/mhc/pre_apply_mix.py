@@ -1,0 +1,59 @@
+"""The pre mix: the weighted sum of the ``m`` residual streams that forms a sublayer's input, and its backward
+(docs/ops/mhc.md#pre_apply_mix)."""
+
+from torch import Tensor
+
+from .._checks import OpError, check_tensor
+from .._library import declare
+from ._common import BF16, F32, HC_MULT, check_residual, same_device
+
+__all__ = ["mhc_pre_apply_mix_backward", "mhc_pre_apply_mix_forward"]
+
+
+@declare("mhc_pre_apply_mix_forward", mutates_args=("out",), vector_args={"x": 16, "out": 16}, tokens="x")
+def mhc_pre_apply_mix_forward(x: Tensor, mix: Tensor, out: Tensor) -> None:
+    """``out = bf16(sum_i mix[:, i] * f32(x[:, i]))``, streams ``i`` ascending, accumulated in fp32.
+
+    Args:
+        x: ``(T, m, H)`` bf16, the residual streams.
+        mix: ``(T, m)`` fp32, the pre mix.
+        out: ``(T, H)`` bf16, written.
+    """
+    err = OpError("mhc_pre_apply_mix_forward")
+    tokens, hidden = check_residual(err, "x", x)
+    check_tensor(err, "mix", mix, dtype=F32, shape=(tokens, HC_MULT))
+    check_tensor(err, "out", out, dtype=BF16, shape=(tokens, hidden))
+    same_device(err, x=x, mix=mix, out=out)
+
+
+@mhc_pre_apply_mix_forward.launch
+def _(kernels, _none, x, mix, out):
+    kernels.mhc_pre_apply_mix_forward(x=x, mix=mix, out=out)
+
+
+@declare("mhc_pre_apply_mix_backward", mutates_args=("x_grad",),
+         vector_args={"out_grad": 16, "x": 16, "x_grad": 16}, tokens="x")
+def mhc_pre_apply_mix_backward(out_grad: Tensor, x: Tensor, mix: Tensor, x_grad: Tensor) -> Tensor:
+    """Accumulates ``x_grad = bf16(f32(x_grad) + mix * f32(out_grad))`` in place and returns
+    ``mix_grad = sum_d f32(out_grad) * f32(x)``.
+
+    Args:
+        out_grad: ``(T, H)`` bf16.
+        x: ``(T, m, H)`` bf16; mix: ``(T, m)`` fp32 (the forward's inputs).
+        x_grad: ``(T, m, H)`` bf16, accumulated.
+
+    Returns:
+        ``mix_grad (T, m)`` fp32, a new tensor.
+    """
+    err = OpError("mhc_pre_apply_mix_backward")
+    tokens, hidden = check_residual(err, "x", x)
+    check_tensor(err, "out_grad", out_grad, dtype=BF16, shape=(tokens, hidden))
+    check_tensor(err, "mix", mix, dtype=F32, shape=(tokens, HC_MULT))
+    check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, HC_MULT, hidden))
+    same_device(err, out_grad=out_grad, x=x, mix=mix, x_grad=x_grad)
+    return mix.new_empty(mix.shape)
+
+
+@mhc_pre_apply_mix_backward.launch
+def _(kernels, mix_grad, out_grad, x, mix, x_grad):
+    kernels.mhc_pre_apply_mix_backward(out_grad=out_grad, x=x, mix=mix, x_grad=x_grad, mix_grad=mix_grad)

@@ -1,0 +1,64 @@
+"""Sinkhorn-Knopp normalization of the residual-combination mixes, and its backward
+(docs/ops/mhc.md#sinkhorn)."""
+
+from torch import Tensor
+
+from .. import limits
+from .._checks import OpError, check_float, check_int, check_tensor
+from .._library import declare
+from ._common import F32, HC_MULT, check_square, same_device
+
+__all__ = ["mhc_sinkhorn_backward", "mhc_sinkhorn_forward"]
+
+
+def _check_repeat(err: OpError, repeat, device) -> None:
+    # the range depends on the backend (limits.MHC_SINKHORN_REPEAT): the Ascend backward's UB holds fewer steps
+    limits.MHC_SINKHORN_REPEAT.of(device.type).check(err, "repeat", check_int(err, "repeat", repeat))
+
+
+@declare("mhc_sinkhorn_forward", mutates_args=("comb_out",), tokens="comb")
+def mhc_sinkhorn_forward(comb: Tensor, comb_out: Tensor, repeat: int, eps: float) -> None:
+    """Sinkhorn-Knopp on ``(T, m, m)`` logits: row softmax, ``+eps``, column normalization, then
+    ``repeat - 1`` (row, column) normalizations with ``+eps`` in the denominators.
+
+    Args:
+        comb: ``(T, m, m)`` fp32 logits.
+        comb_out: ``(T, m, m)`` fp32, written (doubly stochastic up to ``eps``).
+        repeat: iterations, in [1, 64] on CUDA and [1, 22] on Ascend (``limits.MHC_SINKHORN_REPEAT``).
+        eps: >= 0.
+    """
+    err = OpError("mhc_sinkhorn_forward")
+    tokens = check_square(err, "comb", comb)
+    check_tensor(err, "comb_out", comb_out, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
+    _check_repeat(err, repeat, comb.device)
+    check_float(err, "eps", eps, minimum=0.0)
+    same_device(err, comb=comb, comb_out=comb_out)
+
+
+@mhc_sinkhorn_forward.launch
+def _(kernels, _none, comb, comb_out, repeat, eps):
+    kernels.mhc_sinkhorn_forward(comb=comb, comb_out=comb_out, repeat=repeat, eps=eps)
+
+
+@declare("mhc_sinkhorn_backward", mutates_args=("grad_input",), tokens="x")
+def mhc_sinkhorn_backward(grad_output: Tensor, x: Tensor, grad_input: Tensor, repeat: int, eps: float) -> None:
+    """Gradient of :func:`mhc_sinkhorn_forward` with respect to the logits ``x`` (recomputed from them).
+
+    Args:
+        grad_output: ``(T, m, m)`` fp32.
+        x: ``(T, m, m)`` fp32, the forward's logits.
+        grad_input: ``(T, m, m)`` fp32, written.
+        repeat, eps: as in the forward.
+    """
+    err = OpError("mhc_sinkhorn_backward")
+    tokens = check_square(err, "x", x)
+    check_tensor(err, "grad_output", grad_output, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
+    check_tensor(err, "grad_input", grad_input, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
+    _check_repeat(err, repeat, x.device)
+    check_float(err, "eps", eps, minimum=0.0)
+    same_device(err, grad_output=grad_output, x=x, grad_input=grad_input)
+
+
+@mhc_sinkhorn_backward.launch
+def _(kernels, _none, grad_output, x, grad_input, repeat, eps):
+    kernels.mhc_sinkhorn_backward(grad_output=grad_output, x=x, grad_input=grad_input, repeat=repeat, eps=eps)

@@ -1,0 +1,241 @@
+"""Bad calls of every op, generated: each gets a TypeError/ValueError naming the op and an argument before
+anything is written.
+
+For every declared op a valid call is corrupted in one way (hypothesis picks the op, the argument and the
+corruption): a list, a wrong dtype or a wrong shape with the same element count where a tensor belongs;
+``True`` for an int or a float, a string for a bool; a scalar that does not survive fp32 (``1e300``, or
+``1e-50`` where the op needs a positive value); a written buffer that shares memory with another argument
+(the same tensor, or an overlapping view of one storage); a written buffer that is a leaf requiring grad.
+The package's own CPU behaviour runs (the CPU reference kernels are disabled), so the argument checks are
+the only thing between the call and the "no kernel for cpu" RuntimeError. Every tensor of the call is
+compared bit for bit before and after.
+"""
+
+import inspect
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from _plugins.references import without_cpu_references
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cann_ops_tilelang as ops
+
+sys.path.insert(0, str(Path(__file__).parent / "mhc"))
+from mhc_cases import make_args  # noqa: E402
+
+TOKENS, MHC_HIDDEN, ENGRAM_HIDDEN = 3, 256, 512
+OPS = sorted(ops.registered_ops())
+
+
+def valid_call(name: str) -> dict:
+    """A valid call of the op ``name`` on CPU tensors, by argument name."""
+    public = ops.registered_ops()[name]
+    params = list(inspect.signature(public.prepare).parameters)
+    if name.startswith("engram"):
+        t, m, h = TOKENS, 4, ENGRAM_HIDDEN
+        bf = dict(dtype=torch.bfloat16)
+        values = {
+            "weight_hidden": torch.randn(m, h, **bf), "weight_embed": torch.randn(m, h, **bf),
+            "hidden_states": torch.randn(t, m, h, **bf), "kv": torch.randn(t, m + 1, h, **bf),
+            "weight_fused": torch.randn(m, h), "eps": 1e-6, "clamp_value": 1e-6, "save_for_backward": True,
+            "image_token_mask": torch.zeros(t, dtype=torch.bool), "grad_out": torch.randn(t, m, h, **bf),
+            "dot": torch.randn(t, m), "gate_score": torch.rand(t, m), "rstd_x": torch.rand(t, m),
+            "rstd_k": torch.rand(t, m), "grad_w_partial": torch.randn(5, m, h),
+            "grad_weight_hidden": torch.zeros(m, h), "grad_weight_embed": torch.zeros(m, h),
+        }
+        return {p: values[p] for p in params}
+    return dict(zip(params, make_args(name, TOKENS, MHC_HIDDEN)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().view(torch.uint8) if t.dtype != torch.bool else t.detach().clone()
+
+
+def _hints(name: str) -> dict:
+    return typing.get_type_hints(ops.registered_ops()[name].prepare)
+
+
+def corruptions(name: str) -> list[tuple[str, str]]:
+    """Every (argument, corruption) this test can apply to a valid call of ``name``."""
+    public = ops.registered_ops()[name]
+    call, hints, decl = valid_call(name), _hints(name), public.declaration
+    out = []
+    for arg, value in call.items():
+        kind = hints[arg]
+        if isinstance(value, torch.Tensor):
+            out += [(arg, "list"), (arg, "dtype")]
+            if value.dim() >= 1 and value.numel() > 1:
+                out.append((arg, "shape"))
+        if kind is int:
+            out += [(arg, "bool"), (arg, "float")]
+        if kind is float:
+            out += [(arg, "bool"), (arg, "huge")]
+            if call[arg] > 0:
+                out.append((arg, "tiny"))
+        if kind is bool:
+            out.append((arg, "string"))
+    for arg in decl.mutates_args:
+        out += [(arg, "alias"), (arg, "overlap")]
+        if call[arg].is_floating_point():
+            out.append((arg, "requires_grad"))
+    return out
+
+
+CASES = [(name, arg, how) for name in OPS for arg, how in corruptions(name)]
+
+
+def corrupt(name: str, call: dict, arg: str, how: str) -> dict:
+    value = call[arg]
+    if how == "list":
+        call[arg] = value.tolist()
+    elif how == "dtype":
+        call[arg] = value.to(torch.float64 if value.dtype != torch.float64 else torch.float32)
+    elif how == "shape":
+        call[arg] = value.reshape(-1) if value.dim() > 1 else value.reshape(1, -1)
+    elif how == "bool":
+        call[arg] = True
+    elif how == "float":
+        call[arg] = float(value) + 0.5
+    elif how == "huge":
+        call[arg] = 1e300
+    elif how == "tiny":
+        call[arg] = 1e-50
+    elif how == "string":
+        call[arg] = "False"
+    elif how == "alias":
+        # another argument becomes the written buffer itself
+        other = next((k for k, v in call.items() if k != arg and isinstance(v, torch.Tensor)), None)
+        call[other] = value if call[other].shape == value.shape and call[other].dtype == value.dtype else \
+            _view_of(value, call[other])
+    elif how == "overlap":
+        # the written buffer and another argument: views of one storage that share their last/first bytes
+        other = next(k for k, v in call.items() if k != arg and isinstance(v, torch.Tensor) and v.numel() > 0)
+        call[arg], call[other] = _overlapping(value, call[other])
+    elif how == "requires_grad":
+        call[arg] = value.detach().clone().requires_grad_(True)
+    return call
+
+
+def _view_of(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped and typed as ``like`` whose bytes start at ``buffer``'s (sharing its storage)."""
+    nbytes = like.numel() * like.element_size()
+    storage = torch.empty(max(nbytes, buffer.numel() * buffer.element_size()), dtype=torch.uint8)
+    storage[: buffer.numel() * buffer.element_size()].copy_(buffer.reshape(-1).view(torch.uint8))
+    buffer.data = storage[: buffer.numel() * buffer.element_size()].view(buffer.dtype).view(buffer.shape)
+    return storage[:nbytes].view(like.dtype).view(like.shape)
+
+
+def _overlapping(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``a`` and ``b`` in one byte storage where ``b`` starts 16 bytes before ``a`` ends."""
+    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    shift = max(0, na - 16)
+    storage = torch.zeros(shift + nb + na, dtype=torch.uint8)
+    va = storage[:na].view(a.dtype).view(a.shape)
+    va.copy_(a)
+    vb = storage[shift:shift + nb].view(b.dtype).view(b.shape)
+    return va, vb
+
+
+def test_every_op_has_corruptions_of_every_kind():
+    kinds = {how for _, _, how in CASES}
+    assert kinds == {"list", "dtype", "shape", "bool", "float", "huge", "tiny", "string", "alias", "overlap",
+                     "requires_grad"}
+    assert {name for name, _, _ in CASES} == set(OPS)
+    for name in OPS:  # every op writing a buffer is probed for aliasing
+        if ops.registered_ops()[name].declaration.mutates_args:
+            assert (name, ops.registered_ops()[name].declaration.mutates_args[0], "alias") in CASES
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
+def test_bad_calls_raise_before_anything_is_written(case, seed):
+    name, arg, how = case
+    torch.manual_seed(seed)
+    call = corrupt(name, valid_call(name), arg, how)
+    before = {k: _bits(v) for k, v in call.items() if isinstance(v, torch.Tensor)}
+    public = ops.registered_ops()[name]
+    with without_cpu_references(), pytest.raises((TypeError, ValueError)) as info:
+        public(**call)
+    message = str(info.value)
+    assert f"cann_ops_tilelang::{name}: argument '" in message, message
+    if how in ("list", "dtype", "bool", "float", "huge", "tiny", "string", "requires_grad", "alias"):
+        named = arg if how != "alias" else None
+        if named is not None:
+            assert f"argument '{named}'" in message, (how, message)
+    expected = TypeError if how in ("list", "dtype", "bool", "float", "string") else ValueError
+    assert isinstance(info.value, expected), (how, message)
+    for k, bits in before.items():
+        assert torch.equal(_bits(call[k]), bits), f"{name}: argument {k} was written ({how} of {arg})"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_valid_calls_pass_every_check(name):
+    """The uncorrupted calls are valid: they reach the 'no kernel for cpu' error, so every error above comes
+    from the corruption."""
+    with without_cpu_references(), pytest.raises(RuntimeError, match="no kernel for tensors on device 'cpu'"):
+        ops.registered_ops()[name](**valid_call(name))
+
+
+# --- the Python wrappers that reshape: leading dims are checked before any reshape --------------------------
+
+def test_post_wrappers_check_leading_dims_before_reshaping():
+    x, residual, post, comb = make_args("mhc_post_forward", TOKENS, MHC_HIDDEN)
+    with pytest.raises(ValueError, match=r"mhc_post_forward: argument 'x': expected shape \(3, 256\)"):
+        ops.mhc_post_forward(x.reshape(6, 128), residual, post, comb)
+    out = torch.empty(TOKENS, MHC_HIDDEN, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"mhc_post_forward_out: argument 'out': expected shape \(3, 4, 256\)"):
+        ops.mhc_post_forward(x, residual, post, comb, out=out)
+    with pytest.raises(ValueError, match=r"mhc_post_backward: argument 'd_o'"):
+        ops.mhc_post_backward(x, residual, post, comb, torch.empty(TOKENS * 4, MHC_HIDDEN, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"mhc_post_forward_out: argument 'out': expected a buffer that shares no "
+                                         r"memory with 'residual'"), without_cpu_references():
+        ops.mhc_post_forward(x, residual, post, comb, out=residual)
+    with pytest.raises(TypeError, match=r"mhc_post_forward: argument 'comb_res_mix': expected a torch.Tensor"):
+        ops.mhc_post_forward(x, residual, post, comb.tolist())
+
+
+def test_engram_gate_checks_kv_and_mask_before_reshaping():
+    from cann_ops_tilelang.modeling import engram_gate
+
+    x = torch.randn(TOKENS, 4, ENGRAM_HIDDEN, dtype=torch.bfloat16)
+    wh = torch.ones(4, ENGRAM_HIDDEN, dtype=torch.bfloat16)
+    kv_wrong = torch.randn(5, 1536 * TOKENS * 5 // 5 // 5 * 0 + TOKENS * 5 * ENGRAM_HIDDEN // 5,
+                           dtype=torch.bfloat16)
+    assert kv_wrong.numel() == TOKENS * 5 * ENGRAM_HIDDEN  # the right element count, the wrong shape
+    with pytest.raises(ValueError, match=r"modeling.engram_gate: argument 'kv': expected shape \(3, 2560\)"):
+        engram_gate(x, kv_wrong, wh, wh)
+    kv = torch.randn(TOKENS, 5 * ENGRAM_HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"argument 'image_token_mask': expected shape \(3,\)"):
+        engram_gate(x, kv, wh, wh, image_token_mask=torch.zeros(1, TOKENS, dtype=torch.bool))
+
+
+def test_engram_gate_fwd_flags_are_bools():
+    x = torch.randn(TOKENS, 4, ENGRAM_HIDDEN, dtype=torch.bfloat16)
+    kv = torch.randn(TOKENS, 5, ENGRAM_HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="engram_gate_fwd: argument 'inplace': expected a bool, got str 'False'"):
+        ops.engram_gate_fwd(x, kv, torch.ones(4, ENGRAM_HIDDEN), 1e-6, 1e-6, False, None, "False")
+    assert torch.equal(x, x.clone())
+
+
+def test_main_grad_must_be_contiguous():
+    from cann_ops_tilelang.modeling.engram_gate import _main_grad
+
+    weight = torch.nn.Parameter(torch.ones(4, ENGRAM_HIDDEN, dtype=torch.bfloat16))
+    weight.main_grad = torch.zeros(ENGRAM_HIDDEN, 4).t()
+    with pytest.raises(ValueError, match="modeling.engram_gate: argument 'main_grad': expected a contiguous"):
+        _main_grad(weight)
+
+
+def test_scalars_that_do_not_survive_fp32():
+    call = valid_call("engram_gate_bwd")
+    for value, text in ((1e-50, "stays so in fp32"), (-1e-40, "number > 0"), (1e300, "finite in fp32"), (float("nan"), "finite")):
+        call["clamp_value"] = value
+        with pytest.raises(ValueError, match=f"engram_gate_bwd: argument 'clamp_value': expected .*{text}"):
+            ops.engram_gate_bwd(**call)
+    call["clamp_value"] = 1e-30  # small but a normal fp32 number: valid (the CPU reference kernel runs)
+    grads = ops.engram_gate_bwd(**call)
+    assert all(torch.isfinite(g.float()).all() for g in grads)

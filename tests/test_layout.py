@@ -1,0 +1,141 @@
+"""The layout the package keeps (docs/layout.md): one op module per forward/backward pair, its kernels in
+files of the same name under each backend, launch bindings that pass every launcher exactly its
+parameters by name, limits and chip facts declared once, no measurement diaries in the code."""
+
+import ast
+import importlib
+import inspect
+import io
+import pkgutil
+import re
+import sys
+import tokenize
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang import _library
+
+SRC = Path(ops.__file__).resolve().parent
+ROOT = SRC.parent.parent
+BACKENDS = ("cuda", "ascend")
+FAMILIES = sorted({p.declaration.family for p in ops.registered_ops().values()})
+
+
+def _public_modules(package: str) -> set[str]:
+    module = importlib.import_module(package)
+    return {info.name for info in pkgutil.iter_modules(module.__path__) if not info.name.startswith("_")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_op_module_has_kernel_modules_of_its_name_on_both_backends(family):
+    pytest.importorskip("tilelang")
+    declared = {p.declaration.module for p in ops.registered_ops().values() if p.declaration.family == family}
+    assert _public_modules(f"cann_ops_tilelang.{family}") == declared
+    for backend in BACKENDS:
+        assert _public_modules(f"cann_ops_tilelang.kernels.{backend}.{family}") == declared, backend
+
+
+def _recorded_launch(public, backend: str, call: dict, monkeypatch) -> tuple[str, dict]:
+    calls = []
+    stub = types.SimpleNamespace(**{public.declaration.kernel: lambda **kw: calls.append(kw)})
+    monkeypatch.setattr(_library, "_backend_module", lambda *_: stub)
+    public.backend_kernel(backend)(**call)
+    (kwargs,) = calls
+    return public.declaration.kernel, kwargs
+
+
+@pytest.mark.parametrize("name", sorted(ops.registered_ops()))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launch_binding_passes_the_launcher_its_parameters_by_name(name, backend, monkeypatch):
+    """The op's launch binding calls the launcher of its kernel module on each backend with keyword arguments
+    that are exactly the launcher's parameters (no positional order to keep in step)."""
+    pytest.importorskip("tilelang")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bad_input import valid_call
+
+    public = ops.registered_ops()[name]
+    decl = public.declaration
+    call = valid_call(name)
+    launcher_name, kwargs = _recorded_launch(public, backend, call, monkeypatch)
+    module = importlib.import_module(f"cann_ops_tilelang.kernels.{backend}.{decl.family}.{decl.module}")
+    launcher = getattr(module, launcher_name)
+    params = inspect.signature(launcher).parameters
+    required = {k for k, p in params.items() if p.default is inspect.Parameter.empty}
+    assert required <= set(kwargs) <= set(params), (backend, name, sorted(kwargs), list(params))
+    for arg in decl.mutates_args:  # every written buffer reaches the launcher, itself
+        assert any(value is call[arg] for value in kwargs.values()), (name, arg)
+
+
+def _python_files():
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+def test_no_module_over_700_lines():
+    long = {str(p.relative_to(SRC)): n for p in _python_files() if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, long
+
+
+def test_no_comment_block_or_docstring_over_20_lines():
+    """Measurement diaries belong in docs/perf/<chip>/<family>.md; code keeps what was chosen and why."""
+    problems = []
+    for path in _python_files():
+        text = path.read_text()
+        run = 0
+        for number, line in enumerate(text.splitlines(), 1):
+            run = run + 1 if line.strip().startswith("#") else 0
+            if run == 21:
+                problems.append(f"{path.relative_to(SRC)}:{number}: comment block over 20 lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and len(doc.splitlines()) > 30:
+                    problems.append(f"{path.relative_to(SRC)}: docstring of {getattr(node, 'name', 'module')} "
+                                    f"has {len(doc.splitlines())} lines")
+    assert not problems, "\n".join(problems)
+
+
+def test_chip_facts_are_not_repeated_as_literals():
+    """The H200's SM count and the per-CTA shared memory appear in chips.py alone (as code, not in comments)."""
+    problems = []
+    for path in _python_files():
+        if path.name == "chips.py":
+            continue
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+                  if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                                    tokenize.DEDENT, tokenize.STRING)]
+        for i, tok in enumerate(tokens):
+            if tok.type == tokenize.NUMBER and tok.string == "132":
+                problems.append(f"{path.relative_to(SRC)}:{tok.start[0]}: 132")
+            if tok.string in ("227", "228", "248", "216") and i + 2 < len(tokens) and tokens[i + 1].string == "*" \
+                    and tokens[i + 2].string == "1024":
+                problems.append(f"{path.relative_to(SRC)}:{tok.start[0]}: {tok.string} * 1024")
+    assert not problems, problems
+
+
+def test_no_assert_in_kernel_builders_or_launchers():
+    """A value outside a declared range gets limits.LimitError (a ValueError), never an AssertionError."""
+    found = [f"{p.relative_to(SRC)}:{node.lineno}" for p in _python_files() if "kernels" in p.parts
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Assert)]
+    assert not found, found
+
+
+def test_the_operator_contracts_live_in_the_repository():
+    """Docstrings and tests cite docs/ops/<family>.md, whose sections are the op modules; no file cites the
+    design's OPS.md, which is not in the repository."""
+    cited = []
+    for path in [*_python_files(), *(ROOT / "tests").rglob("*.py"), ROOT / "README.md"]:
+        if path.exists() and "OPS.md" in path.read_text():
+            cited.append(str(path.relative_to(ROOT)))
+    assert not cited, cited
+    for family in FAMILIES:
+        doc = (ROOT / "docs" / "ops" / f"{family}.md").read_text()
+        headings = set(re.findall(r"^## (\S+)\s*$", doc, flags=re.M))
+        modules = {p.declaration.module for p in ops.registered_ops().values() if p.declaration.family == family}
+        assert modules <= headings, (family, modules - headings)
+        for path in _python_files():
+            for anchor in re.findall(rf"docs/ops/{family}\.md#(\w+)", path.read_text()):
+                assert anchor in headings, (str(path), anchor)
