@@ -1,5 +1,5 @@
 """Argument factories of the mHC ops for the tests: ``make_args(op, tokens, hidden)`` returns the op's
-arguments in schema order, drawn as OPS.md §E.2 describes (buffers an op accumulates into start with
+arguments in schema order, drawn as the device tests need them (buffers an op accumulates into start with
 random content so that the tests see the prior content used)."""
 
 import torch

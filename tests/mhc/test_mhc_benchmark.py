@@ -4,7 +4,7 @@ inductor-compiled reference, with the device copy ceiling measured in the same r
 has no peer: it is compared with PyTorch's TF32 matmul plus a sum of squares (``torch_tf32``).
 
 Implementations of one case are timed against each other by ``bench.side_by_side`` (rotated rounds, the
-mean recorded). Bytes: every tensor the op reads or writes once, buffers it accumulates into twice (OPS.md §E.3);
+mean recorded). Bytes: every tensor the op reads or writes once, buffers it accumulates into twice;
 ``gbs = bytes / time_us / 1e3``. Results are compared with tests/mhc/benchmark/<chip>/.
 """
 

@@ -1,0 +1,238 @@
+"""README.md stays true: its benchmark table is the committed baselines' (``tools/bench_table.py``), every
+repository path it names exists (inline code, commands, links with their section anchors, the layout tree),
+its test command is the one CI runs, and its quickstart computes what it claims (run here on the CPU, where
+the test references stand in for the kernels)."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PACKAGE = ROOT / "src" / "cann_ops_tilelang"
+TOP_LEVEL = {"src", "tests", "docs", "tools", ".ci"}
+FILE_SUFFIXES = (".py", ".md", ".toml", ".jsonl", ".json", ".txt", ".cfg")
+
+
+def _load_bench_table():
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "tools" / "bench_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_table = _load_bench_table()
+
+
+def readme() -> str:
+    return README.read_text()
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str, str]]:
+    """``(language, body, the heading above it)`` of every fenced code block."""
+    blocks, heading, fence = [], "", None
+    for line in text.splitlines(keepends=True):
+        if fence is not None:
+            if line.rstrip() == "```":
+                blocks.append((fence, body, heading))
+                fence = None
+            else:
+                body += line
+        elif line.startswith("```"):
+            fence, body = line[3:].strip(), ""
+        elif re.match(r"#{1,6} ", line):
+            heading = line.lstrip("#").strip()
+    return blocks
+
+
+def section(text: str, heading: str) -> str:
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"README.md has no section '## {heading}'"
+    return match[1]
+
+
+# --- the benchmark table --------------------------------------------------------------------------------
+
+
+def test_readme_benchmark_table_is_the_committed_baselines(capsys):
+    code = bench_table.main(["--check", str(README)])
+    assert code == 0, capsys.readouterr().out + "\nrun: python tools/bench_table.py --write README.md"
+
+
+def _write_run(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_bench_table_numbers(tmp_path):
+    tests = tmp_path / "tests"
+    _write_run(tests / "zeta" / "benchmark" / "h200" / "test_zeta_benchmark.jsonl", [
+        {"case": "copy_1GiB", "impl": "copy", "bytes": 2_000_000, "time_us": 500.0},  # 4 GB/s... per µs: 4000 B
+        {"case": "op_b-T8192-H4096", "impl": "ours", "bytes": 200_000, "time_us": 100.0},
+        {"case": "op_b-T8192-H4096", "impl": "peer", "bytes": 200_000, "time_us": 150.0},
+        {"case": "op_b-T512-H4096", "impl": "ours", "bytes": 100_000, "time_us": 40.0},
+        {"case": "op_b-T512-H4096", "impl": "inductor", "bytes": 100_000, "time_us": 20.0},
+        {"case": "op_b-T512-H4096", "impl": "eager", "bytes": 100_000, "time_us": 400.0},
+        {"case": "other-T8192", "impl": "torch_tf32", "bytes": 1, "time_us": 1.0},  # no result of ours: no row
+    ])
+    _write_run(tests / "alpha" / "benchmark" / "h200" / "test_alpha_benchmark.jsonl", [
+        {"case": "op_a-K16384", "impl": "ours", "bytes": 1000, "time_us": 1.2345},
+        {"case": "op_a-K16384", "impl": "peer", "bytes": 1000, "time_us": 2.469},
+        {"case": "op_a-K16384", "impl": "inductor", "bytes": 1000, "time_us": 3.7035},
+    ])
+    _write_run(tests / "alpha" / "benchmark" / "ascend950" / "test_alpha_benchmark.jsonl", [
+        {"case": "op_a-K1", "impl": "ours", "bytes": 1, "time_us": 1.0},  # another chip: not in the h200 table
+    ])
+    rows = bench_table.rows(bench_table.read_runs(tests, "h200"))
+    assert rows == [
+        # family alpha first; its file has no copy record: no percentage
+        ["alpha/op_a", "K=16384", "1.23", "2.47", "3.70", "2.00×", "3.00×", "—"],
+        # then zeta, cases in natural order (T=512 before T=8192); % of copy = (bytes / time) / (2e6 / 500)
+        ["zeta/op_b", "T=512, H=4096", "40.00", "—", "20.00", "—", "0.50×", "62.5"],
+        ["zeta/op_b", "T=8192, H=4096", "100.0", "150.0", "—", "1.50×", "—", "50.0"],
+    ]
+    table = bench_table.generate(tests, "h200")
+    assert table.splitlines()[0] == "| " + " | ".join(bench_table.COLUMNS) + " |"
+    assert len(table.splitlines()) == 2 + len(rows)
+
+    # --check / --write between the markers, the text around them untouched
+    doc = tmp_path / "DOC.md"
+    doc.write_text(f"intro\n\n{bench_table.START}\nstale\n{bench_table.END}\n\noutro\n")
+    argv = ["--tests", str(tests)]
+    assert bench_table.main(["--check", str(doc), *argv]) == 1
+    assert bench_table.main(["--write", str(doc), *argv]) == 0
+    assert doc.read_text() == f"intro\n\n{bench_table.START}\n{table}\n{bench_table.END}\n\noutro\n"
+    assert bench_table.main(["--check", str(doc), *argv]) == 0
+    doc.write_text(doc.read_text().replace("150.0", "151.0"))
+    assert bench_table.main(["--check", str(doc), *argv]) == 1
+    doc.write_text("no markers\n")
+    assert bench_table.main(["--check", str(doc), *argv]) == 1
+
+
+# --- paths ----------------------------------------------------------------------------------------------
+
+
+def _looks_like_path(token: str) -> bool:
+    token = token.strip("'\".,;:()")
+    if not token or any(c in token for c in "<>*{}[]=$`|") or "://" in token or token.startswith("-"):
+        return False
+    if token.endswith(FILE_SUFFIXES) and "/" not in token.rstrip("/"):
+        return True
+    return token.split("/", 1)[0] in TOP_LEVEL and "/" in token
+
+
+def _exists(path: str) -> bool:
+    path = path.strip("'\".,;:()").split("#", 1)[0]
+    return any((base / path).exists() for base in (ROOT, PACKAGE)) and (
+        not path.endswith("/") or any((base / path).is_dir() for base in (ROOT, PACKAGE)))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (``-`` and ``_`` kept), spaces to ``-``."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def referenced_paths(text: str) -> list[str]:
+    """Repository paths named in inline code, in shell code blocks and as relative link targets."""
+    prose = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+    tokens = [t for span in re.findall(r"`([^`\n]+)`", prose) for t in span.split()]
+    tokens += [t for lang, body, _ in fenced_blocks(text) if lang in ("bash", "sh") for t in body.split()]
+    paths = [t.strip("'\".,;:()") for t in tokens if _looks_like_path(t)]
+    paths += [target for target in re.findall(r"\]\(([^)\s]+)\)", prose) if "://" not in target]
+    return sorted(set(paths))
+
+
+def layout_tree_paths(text: str) -> list[str]:
+    """The paths of the layout tree (the code block of the section Layout): two spaces per level, a name
+    ending in ``/`` is a directory, anything after the name is a comment."""
+    blocks = [body for lang, body, heading in fenced_blocks(text) if heading == "Layout" and lang == ""]
+    assert len(blocks) == 1, "README.md: the section Layout has no (or several) tree blocks"
+    paths, stack = [], []
+    for line in blocks[0].splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        stack[depth:] = [name]
+        paths.append("".join(part if part.endswith("/") else part + "/" for part in stack[:-1]) + name)
+    return paths
+
+
+def test_readme_paths_exist():
+    text = readme()
+    missing = [p for p in referenced_paths(text) if not _exists(p)]
+    assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+def test_readme_link_anchors_exist():
+    text = readme()
+    wrong = []
+    for target in re.findall(r"\]\(([^)\s#]+\.md)#([^)\s]+)\)", text):
+        path, anchor = ROOT / target[0], target[1]
+        if not path.exists():
+            continue  # reported by test_readme_paths_exist
+        anchors = {_slug(h) for h in re.findall(r"^#{1,6} (.*)$", path.read_text(), re.M)}
+        if anchor not in anchors:
+            wrong.append(f"{target[0]}#{anchor}")
+    assert not wrong, f"README.md links to sections that do not exist: {wrong}"
+
+
+def test_readme_layout_tree_exists():
+    paths = layout_tree_paths(readme())
+    assert "src/cann_ops_tilelang/kernels/cuda/engram/" in paths  # the parser reads the tree
+    missing = [p for p in paths if not (ROOT / p).exists() or (p.endswith("/") and not (ROOT / p).is_dir())]
+    assert not missing, f"README.md's layout tree names paths that do not exist: {missing}"
+
+
+def test_path_extraction():
+    text = ("See `docs/ops/mhc.md#sinkhorn`, `limits.py`, `true/false`, `1/0`, `tests/<family>/x.jsonl`, "
+            "`python tools/run_tests.py --benchmarks` and [a](docs/ops/engram.md#gate) or [b](https://x.y/z).\n"
+            "```bash\npython -m pytest tests/engram/test_engram_device.py -q\n```\n"
+            "```python\nopen('tests/not/checked.py')\n```\n")
+    assert referenced_paths(text) == ["docs/ops/engram.md#gate", "docs/ops/mhc.md#sinkhorn", "limits.py",
+                                      "tests/engram/test_engram_device.py", "tools/run_tests.py"]
+    tree = "## Layout\n\n```\nsrc/pkg/\n  a.py     comment\n  sub/\n    b/     more\n  c/\ntools/   x\n```\n"
+    assert layout_tree_paths(tree) == ["src/pkg/", "src/pkg/a.py", "src/pkg/sub/", "src/pkg/sub/b/", "src/pkg/c/",
+                                       "tools/"]
+    assert _slug("`engram_gate_fwd` (out of place)") == "engram_gate_fwd-out-of-place"
+    assert _slug("fused_weight") == "fused_weight"
+
+
+# --- the test command and the quickstart ---------------------------------------------------------------
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci_commands = [line.strip() for line in ci if "python -m pytest" in line and not line.lstrip().startswith("#")]
+    assert len(ci_commands) == 1, ci_commands
+    blocks = [body.strip() for lang, body, heading in fenced_blocks(readme()) if heading == "Tests" and lang == "bash"]
+    assert blocks and blocks[0] == ci_commands[0], (blocks[:1], ci_commands)
+
+
+def test_quickstart_runs_on_the_cpu_references(capsys):
+    """The quickstart with ``device = "cpu"``: the test references (registered as the ops' CPU kernels by
+    the references plugin) stand in for the kernels, so its PyTorch expression and its tolerance are
+    checked against the reference the device tests use."""
+    blocks = [body for lang, body, heading in fenced_blocks(readme()) if heading.startswith("Quickstart")]
+    assert len(blocks) == 1
+    code = blocks[0]
+    assert code.count('device = "cuda"') == 1
+    code = code.replace('device = "cuda"', 'device = "cpu"')
+    torch.manual_seed(0)
+    exec(compile(code, "README.md (quickstart)", "exec"), {})
+    out = capsys.readouterr().out
+    match = re.search(r"engram_gate_fwd matches PyTorch; max \|diff\| = (\S+)", out)
+    assert match and 0 <= float(match[1]) < 0.1
+
+
+@pytest.mark.parametrize("name", ["OPS_TILELANG_DEBUG", "OPS_TILELANG_NUM_SMS", "OPS_TILELANG_NUM_VEC_CORES",
+                                  "OPS_TILELANG_TEST_LEVEL"])
+def test_environment_variables_are_read_by_the_code(name):
+    assert f"`{name}`" in section(readme(), "Environment variables")
+    sources = [p.read_text() for p in [*PACKAGE.rglob("*.py"), *(ROOT / "tests" / "_plugins").rglob("*.py")]]
+    assert any(name in source for source in sources), f"{name} is documented but read nowhere"
