@@ -11,9 +11,11 @@ from collections.abc import Mapping
 __all__ = [
     "BACKENDS",
     "ENGRAM_FUSED_WEIGHT_ALIGN",
+    "ENGRAM_GRAD_W_PARTIALS",
     "ENGRAM_HC_MULT",
     "ENGRAM_HIDDEN",
     "MHC_HC_MULT",
+    "MHC_HEAD_MIX_PARTIALS",
     "MHC_HIDDEN",
     "MHC_MIX",
     "MHC_RMS_GROUPS",
@@ -101,6 +103,10 @@ ENGRAM_HC_MULT = IntRange("hc_mult", 4, 4)
 ENGRAM_HIDDEN = IntRange("a hidden size", 512, 8192, multiple_of=256)
 # engram_fused_weight takes any 2-D shape whose element count is a multiple of this
 ENGRAM_FUSED_WEIGHT_ALIGN = 256
+# rows P of the weight-gradient partials engram_grad_w_reduce sums: the Ascend kernel stages all P rows of a
+# 64-column block in the UB (two stages), which holds 476; the CUDA kernels stream them
+ENGRAM_GRAD_W_PARTIALS = PerBackend({"cuda": IntRange("partial rows P", 0),
+                                     "ascend": IntRange("partial rows P", 0, 476)})
 
 # mHC (both backends): m = 4 streams, M3 = m * (m + 2) = 24 mixes, one RMS group; H a multiple of 64 (one
 # 64-column block of the pre-norm GEMM) up to 8192.
@@ -111,6 +117,10 @@ MHC_HIDDEN = IntRange("a hidden size", 256, 8192, multiple_of=64)
 # Sinkhorn iterations: the Ascend backward keeps 2R - 1 normalization steps of a 64-token block in the UB
 # (R = 22: 243 KiB of 248); the CUDA backward keeps them in shared memory for 64.
 MHC_SINKHORN_REPEAT = PerBackend({"cuda": IntRange("repeat", 1, 64), "ascend": IntRange("repeat", 1, 22)})
+# rows P of the head-mix backward's partial buffers (the caller's): the CUDA kernel's per-worker index is
+# bounded at 4096; the Ascend kernel spreads any count over its cores
+MHC_HEAD_MIX_PARTIALS = PerBackend({"cuda": IntRange("partial rows P", 1, 4096),
+                                    "ascend": IntRange("partial rows P", 1)})
 # split-K of the pre-norm GEMM: split s owns whole 64-column blocks of K = m * H
 MHC_GEMM_BLOCK = 64
 

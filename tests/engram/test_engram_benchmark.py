@@ -3,7 +3,8 @@ the peer (DeepSeek tile_kernels 2.1.0, when importable), the eager PyTorch refer
 inductor-compiled reference, with the device-to-device copy ceiling measured in the same run.
 
 Implementations of one case are timed against each other by ``bench.side_by_side`` (rotated rounds, the
-mean recorded). Bytes are counted as OPS.md §E.3 says; ``gbs = bytes / time_us / 1e3``. Results are compared with the
+mean recorded). Bytes: every tensor the op reads or writes once, buffers it accumulates into twice;
+``gbs = bytes / time_us / 1e3``. Results are compared with the
 committed baseline of the chip (tests/engram/benchmark/<chip>/test_engram_benchmark.jsonl).
 """
 
@@ -12,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 from _plugins.device import requires_cuda
-from engram_gate_ref import fused_weight_ref, gate_bwd_ref, gate_fwd_ref, gate_model, grad_w_reduce_ref, make_inputs
+from engram_ref import engram_fused_weight_ref, engram_gate_bwd_ref, engram_gate_fwd_ref, gate_model, engram_grad_w_reduce_ref, make_inputs
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import config
@@ -50,11 +51,11 @@ def test_bench_fused_weight(bench, device, hidden):
         import tile_kernels
 
         peer = lambda: tile_kernels.engram.fused_weight(wh, we)  # noqa: E731
-    ref_c = compiled(fused_weight_ref)
+    ref_c = compiled(engram_fused_weight_ref)
     bench.side_by_side(f"fused_weight-H{hidden}", {
         "ours": lambda: ops.engram_fused_weight(wh, we),
         "peer": peer,
-        "eager": lambda: fused_weight_ref(wh, we),
+        "eager": lambda: engram_fused_weight_ref(wh, we),
         "inductor": lambda: ref_c(wh, we),
     }, bytes=nbytes(wh, we) + 4 * wh.numel())
 
@@ -63,18 +64,18 @@ def test_bench_fused_weight(bench, device, hidden):
 @pytest.mark.parametrize("tokens,hidden", CASES)
 def test_bench_gate_fwd(bench, device, tokens, hidden, save):
     x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
-    wf = fused_weight_ref(wh, we)
+    wf = engram_fused_weight_ref(wh, we)
     peer = None
     if HAVE_PEER:
         import tile_kernels
 
         peer = lambda: tile_kernels.engram.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save)  # noqa: E731
-    ref_c = compiled(gate_fwd_ref)
+    ref_c = compiled(engram_gate_fwd_ref)
     io = nbytes(x, kv, wf) + x.numel() * 2 + (4 * 4 * tokens * 4 if save else 0)
     bench.side_by_side(f"gate_fwd-T{tokens}-H{hidden}-save{int(save)}", {
         "ours": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save),
         "peer": peer,
-        "eager": lambda: gate_fwd_ref(x, kv, wf, EPS, CLAMP, save),
+        "eager": lambda: engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, save),
         "inductor": lambda: ref_c(x, kv, wf, EPS, CLAMP, save),
     }, bytes=io)
 
@@ -82,7 +83,7 @@ def test_bench_gate_fwd(bench, device, tokens, hidden, save):
 @pytest.mark.parametrize("tokens,hidden", CASES)
 def test_bench_gate_bwd(bench, device, tokens, hidden):
     x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
-    wf = fused_weight_ref(wh, we)
+    wf = engram_fused_weight_ref(wh, we)
     go = torch.randn_like(x, dtype=torch.float32).bfloat16()
     _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)
     peer = None
@@ -91,13 +92,13 @@ def test_bench_gate_bwd(bench, device, tokens, hidden):
 
         peer = lambda: tile_kernels.engram.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP)  # noqa: E731
     partials = config.grad_w_partials("cuda", hidden)
-    ref_c = compiled(gate_bwd_ref)
+    ref_c = compiled(engram_gate_bwd_ref)
     io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + partials * 4 * hidden * 4
     bench.side_by_side(f"gate_bwd-T{tokens}-H{hidden}", {
         "ours": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
         "peer": peer,
         # what a user would write: one weight-gradient sum over all tokens
-        "eager": lambda: gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
+        "eager": lambda: engram_gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
         "inductor": lambda: ref_c(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, 1),
     }, bytes=io)
 
@@ -125,7 +126,7 @@ def test_bench_grad_w_reduce(bench, device, hidden):
     bench.side_by_side(f"grad_w_reduce-P{partials}-H{hidden}", {
         "ours": lambda: ops.engram_grad_w_reduce(part, wh, we, gwh, gwe),
         "peer": peer,
-        "eager": lambda: grad_w_reduce_ref(part, wh, we, gwh, gwe),
+        "eager": lambda: engram_grad_w_reduce_ref(part, wh, we, gwh, gwe),
         "inductor": lambda: ref_c(part, wh, we, gwh, gwe),
     }, bytes=nbytes(part, wh, we, gwh, gwe))
 

@@ -1,22 +1,22 @@
 """Device tier of the Engram family (CUDA GPU or Ascend NPU; skipped without one): every op against
-the fp32 reference with the tolerances and bitwise contracts of OPS.md §E.2, opcheck on the device,
+the fp32 reference with the tolerances and bitwise contracts of docs/ops/engram.md#conventions, opcheck on the device,
 torch.compile (inductor and CUDA graphs on CUDA, npugraph_ex on NPU) and the autograd wrapper."""
 
 import pytest
 import torch
 from _plugins.device import requires_cuda, requires_device, requires_npu
 from _plugins.levels import level_choice
-from engram_gate_ref import (
-    fused_weight_ref,
-    gate_bwd_ref,
-    gate_fwd_ref,
+from engram_ref import (
+    engram_fused_weight_ref,
+    engram_gate_bwd_ref,
+    engram_gate_fwd_ref,
     gate_model,
-    grad_w_reduce_ref,
+    engram_grad_w_reduce_ref,
     make_inputs,
 )
 
 import cann_ops_tilelang as ops
-from cann_ops_tilelang import config
+from cann_ops_tilelang import config, limits
 from cann_ops_tilelang.modeling import EngramGate, engram_gate
 
 pytestmark = requires_device
@@ -52,7 +52,7 @@ def test_fused_weight_bitwise(shape, device, seed):
     we = torch.randn(shape, generator=gen).bfloat16().to(device)
     wh0, we0 = wh.clone(), we.clone()
     wf = ops.engram_fused_weight(wh, we)
-    assert_equal(wf, fused_weight_ref(wh, we))
+    assert_equal(wf, engram_fused_weight_ref(wh, we))
     assert_equal(wh, wh0)
     assert_equal(we, we0)
 
@@ -66,7 +66,7 @@ def test_misaligned_view_is_rejected_on_device(device, seed):
     with pytest.raises(ValueError, match="argument 'weight_embed': expected data starting on a 16-byte boundary"):
         ops.engram_fused_weight(wh, flat[1:1 + 4 * 512].view(4, 512))
     we = flat[8:8 + 4 * 512].view(4, 512)  # 16 bytes past: aligned, runs
-    assert_equal(ops.engram_fused_weight(wh, we), fused_weight_ref(wh, we))
+    assert_equal(ops.engram_fused_weight(wh, we), engram_fused_weight_ref(wh, we))
 
 
 # --- engram_gate_fwd ----------------------------------------------------------------------------------
@@ -77,10 +77,10 @@ def test_misaligned_view_is_rejected_on_device(device, seed):
 @pytest.mark.parametrize("masked", [False, True])
 def test_gate_fwd(tokens, hidden, masked, device, seed):
     x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
-    wf = fused_weight_ref(wh, we)
+    wf = engram_fused_weight_ref(wh, we)
     x0 = x.clone()
     out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
-    r_out, r_dot, r_g, r_rx, r_rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    r_out, r_dot, r_g, r_rx, r_rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
     assert_equal(x, x0)
     torch.testing.assert_close(out, r_out, rtol=8e-3, atol=8e-3)
     text = slice(None) if mask is None else ~mask
@@ -108,11 +108,11 @@ def test_gate_fwd(tokens, hidden, masked, device, seed):
 def check_gate_bwd(tokens, hidden, masked, device, seed, mask=None):
     x, kv, wh, we, drawn = inputs(tokens, hidden, masked, device, seed)
     mask = drawn if mask is None else mask.to(device)
-    wf = fused_weight_ref(wh, we)
+    wf = engram_fused_weight_ref(wh, we)
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
-    _, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
+    _, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
     gx, gkv, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
-    r_gx, r_gkv, r_part = gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=part.shape[0])
+    r_gx, r_gkv, r_part = engram_gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=part.shape[0])
     torch.testing.assert_close(gx, r_gx, rtol=8e-3, atol=7e-3)
     torch.testing.assert_close(gkv, r_gkv, rtol=7e-3, atol=7e-3)
     gw, r_gw = part.sum(0), r_part.sum(0)
@@ -170,8 +170,8 @@ def test_gate_bwd_image_tokens_at_worker_edges(tokens, hidden, device, seed):
 
 def test_gate_bwd_is_deterministic(device, seed):
     x, kv, wh, we, mask = inputs(509, 4096, True, device, seed)
-    wf = fused_weight_ref(wh, we)
-    _, dot, g, rx, rk = gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    wf = engram_fused_weight_ref(wh, we)
+    _, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
     first = ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
     for _ in range(3):
         for a, b in zip(ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask), first):
@@ -191,7 +191,13 @@ def test_grad_w_reduce(hidden, partials, device, seed):
     gwh = torch.randn(4, hidden, generator=gen).to(device)
     gwe = torch.randn(4, hidden, generator=gen).to(device)
     r_gwh, r_gwe = gwh.clone(), gwe.clone()
-    grad_w_reduce_ref(part, wh, we, r_gwh, r_gwe)
+    if partials not in limits.ENGRAM_GRAD_W_PARTIALS.of(part.device.type):
+        # beyond the backend's declared rows (476 on Ascend): refused before anything is written
+        with pytest.raises(ValueError, match="engram_grad_w_reduce: argument 'grad_w_partial': expected partial rows"):
+            ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
+        assert torch.equal(gwh, r_gwh) and torch.equal(gwe, r_gwe)
+        return
+    engram_grad_w_reduce_ref(part, wh, we, r_gwh, r_gwe)
     ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
     torch.testing.assert_close(gwh, r_gwh, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gwe, r_gwe, rtol=1e-4, atol=1e-4)
@@ -200,8 +206,8 @@ def test_grad_w_reduce(hidden, partials, device, seed):
 @pytest.mark.parametrize("partials", [1, 2, 3, 5, 65, 66, 67, 133, 1001])
 def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
     """With unit weights and zero buffers the update is exact, so the result is the fp32 sum itself: bitwise
-    the reference's ascending-p sum (OPS.md B.1.4), across commit groups (vector schedule, P <= 66), chunk
-    boundaries and reused buffers (TMA)."""
+    the reference's ascending-p sum (docs/ops/engram.md#grad_w_reduce), across commit groups (vector
+    schedule, P <= 66), chunk boundaries and reused buffers (TMA)."""
     gen = torch.Generator().manual_seed(seed)
     part = torch.randn(partials, 4, 512, generator=gen).to(device)
     ones = torch.ones(4, 512, dtype=torch.bfloat16, device=device)
@@ -210,7 +216,7 @@ def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
     from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import engram_grad_w_reduce_key
 
     assert engram_grad_w_reduce_key(part, ones, ones, gwh, gwe)[-1] is (partials <= 66)  # fresh: aligned
-    grad_w_reduce_ref(part, ones, ones, want, torch.zeros_like(want))
+    engram_grad_w_reduce_ref(part, ones, ones, want, torch.zeros_like(want))
     ops.engram_grad_w_reduce(part, ones, ones, gwh, gwe)
     assert_equal(gwh, want)
     assert_equal(gwe, want)
@@ -230,7 +236,7 @@ def test_grad_w_reduce_into_main_grad_views_at_any_offset(partials, device, seed
     gwe = bucket[3 + 4 * hidden : 3 + 8 * hidden].view(4, hidden)
     want = bucket.clone()
     want_h, want_e = want[3 : 3 + 4 * hidden].view(4, hidden), want[3 + 4 * hidden : 3 + 8 * hidden].view(4, hidden)
-    grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    engram_grad_w_reduce_ref(part, wh, we, want_h, want_e)
     ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
     torch.testing.assert_close(bucket, want, rtol=1e-4, atol=1e-4)
     assert_equal(bucket[:3], want[:3])
@@ -257,7 +263,7 @@ def test_grad_w_reduce_schedules_agree_bitwise(partials, device, seed):
     assert engram_grad_w_reduce_key(part, wh, we, gwh, gwe)[-1] is True
     assert engram_grad_w_reduce_key(part, *odd)[-1] is False
     want_h, want_e = gwh.clone(), gwe.clone()
-    grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    engram_grad_w_reduce_ref(part, wh, we, want_h, want_e)
     ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)
     ops.engram_grad_w_reduce(part, *odd)
     assert_equal(odd[2], gwh)

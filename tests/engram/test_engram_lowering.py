@@ -9,6 +9,8 @@
   token count is a dynamic dimension of every kernel (a new T never compiles a new kernel).
 """
 
+import dataclasses
+import importlib
 import re
 import shutil
 
@@ -20,11 +22,18 @@ pytest.importorskip("tilelang")
 
 from cann_ops_tilelang.kernels.ascend import _build as ascend_build  # noqa: E402
 from cann_ops_tilelang.kernels.ascend import engram as ascend_engram  # noqa: E402
+from cann_ops_tilelang.kernels.ascend.engram import gate as ascend_gate  # noqa: E402
 from cann_ops_tilelang.kernels.cuda import _build as cuda_build  # noqa: E402
 from cann_ops_tilelang.kernels.cuda import engram as cuda_engram  # noqa: E402
+from cann_ops_tilelang.kernels.cuda.engram import gate as cuda_gate  # noqa: E402
 
 HIDDEN = [512, 2560, 4096, 7168]
-CASE_NAMES = sorted(cuda_engram.lowering_cases(512))
+# op module -> the launchers of its kernel module (each lowering case is named after the one that launches it)
+LAUNCHERS = {
+    "fused_weight": ("engram_fused_weight",),
+    "gate": ("engram_gate_fwd", "engram_gate_bwd"),
+    "grad_w_reduce": ("engram_grad_w_reduce",),
+}
 
 
 def cases(module):
@@ -63,9 +72,68 @@ def test_both_backends_have_the_same_kernels():
         return sorted({re.sub(r"_(no)?save|_vector$", "", name) for name in module.lowering_cases(4096)})
 
     assert families(ascend_engram) == families(cuda_engram)
-    for module in (ascend_engram, cuda_engram):
-        for name in ("engram_fused_weight", "engram_gate_fwd", "engram_gate_bwd", "engram_grad_w_reduce"):
-            assert callable(getattr(module, name)), (module.__name__, name)
+    for family in (ascend_engram, cuda_engram):
+        assert family.OP_MODULES == tuple(LAUNCHERS)
+        for op_module, launchers in LAUNCHERS.items():
+            module = importlib.import_module(f"{family.__name__}.{op_module}")
+            for name in launchers:
+                assert callable(getattr(module, name)), (module.__name__, name)
+                assert callable(getattr(module, f"{name}_key")), (module.__name__, name)
+                assert callable(getattr(module, f"get_{name}_kernel")), (module.__name__, name)
+                assert callable(getattr(module, f"build_{name}")), (module.__name__, name)
+            # every case of the kernel module is named after the launcher that launches it
+            for case in module.lowering_cases(4096):
+                assert any(case == n or case.startswith(n + "_") for n in launchers), (module.__name__, case)
+        # the family only aggregates: "<op module>/<case>" over its kernel modules
+        assert all(name.split("/", 1)[0] in LAUNCHERS for name in family.lowering_cases(512))
+
+
+def test_cuda_argument_and_launcher_checked_tables_name_real_parameters_and_cases():
+    """``ARGUMENTS`` of a CUDA kernel module maps parameters of its generated kernels to op arguments, and
+    ``LAUNCHER_CHECKED`` names lowering cases of that module (the ops' alignment check reads both)."""
+    from _plugins.cuda_vectors import kernel_params
+
+    from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce
+
+    for module in (cuda_gate, grad_w_reduce):
+        cases = module.lowering_cases(7168)
+        params = set()
+        for prim_func in cases.values():
+            params |= set(kernel_params(cuda_build.lower_source(prim_func)))
+        assert set(module.ARGUMENTS) <= params, (module.__name__, set(module.ARGUMENTS) - params)
+        assert set(getattr(module, "LAUNCHER_CHECKED", {})) <= set(cases), module.__name__
+    assert grad_w_reduce.LAUNCHER_CHECKED == {"engram_grad_w_reduce_vector": grad_w_reduce.VECTOR_UPDATE_WIDTHS}
+
+
+def test_builders_refuse_values_outside_the_ranges():
+    """A builder (or the CUDA backward's plan) called directly with a size outside ``limits`` raises
+    ``limits.LimitError`` naming the range, never an assert."""
+    from cann_ops_tilelang.kernels.ascend.engram import fused_weight as ascend_fused
+    from cann_ops_tilelang.kernels.ascend.engram import grad_w_reduce as ascend_reduce
+    from cann_ops_tilelang.kernels.cuda.engram import fused_weight as cuda_fused
+    from cann_ops_tilelang.kernels.cuda.engram import grad_w_reduce as cuda_reduce
+    from cann_ops_tilelang.limits import LimitError
+
+    calls = [
+        (lambda: ascend_gate.build_engram_gate_fwd(4096, 2, True, False, False, 64), "hc_mult must be 4"),
+        (lambda: ascend_gate.build_engram_gate_fwd(8448, 4, True, False, False, 64), r"in \[512, 8192\]"),
+        (lambda: ascend_gate.build_engram_gate_fwd(4096, 4, True, False, False, 63), "num_cores"),
+        (lambda: ascend_gate.build_engram_gate_bwd(4160, 4, False, 16, 64), "a multiple of 256"),
+        (lambda: ascend_gate.build_engram_gate_bwd(4096, 4, False, 0, 64), "num_partials"),
+        (lambda: ascend_fused.build_engram_fused_weight(100, 64), "engram_fused_weight"),
+        (lambda: ascend_reduce.build_engram_grad_w_reduce(ascend_reduce.max_partials() + 1, 4 * 4096, 64),
+         "num_partials"),
+        (lambda: cuda_gate.build_engram_gate_fwd(256, 4, False, False), "engram_gate_fwd"),
+        (lambda: cuda_gate.build_engram_gate_bwd(4096, 4, 0, False), "num_partials"),
+        (lambda: cuda_gate.bwd_plan(4096, 3), "hc_mult must be 4"),
+        (lambda: cuda_fused.build_engram_fused_weight(100), "engram_fused_weight"),
+        (lambda: cuda_reduce.build_engram_grad_w_reduce(9216, 4, 66), "engram_grad_w_reduce"),
+    ]
+    for call, match in calls:
+        with pytest.raises(LimitError, match=match):
+            call()
+    # the most rows of the Ascend reduction still fit the UB at the narrowest block
+    assert ascend_reduce.reduce_ub_bytes(ascend_reduce.max_partials(), 64) <= ascend_build.UB_BUDGET_BYTES
 
 
 def _dynamic_token_dim(prim_func):
@@ -109,12 +177,12 @@ def test_two_token_counts_give_one_cache_key(masked):
     for tokens in (509, 8001):
         t = _gate_tensors(tokens, masked=masked)
         keys.append((
-            cuda_engram.engram_gate_fwd_key(t["x"], t["out"], t["mask"]),
-            cuda_engram.engram_gate_fwd_key(t["x"], t["x"], t["mask"]),
-            cuda_engram.engram_gate_bwd_key(t["x"], t["partial"], t["mask"]),
-            ascend_engram.engram_gate_fwd_key(t["x"], t["mask"], True, False, 64),
-            ascend_engram.engram_gate_fwd_key(t["x"], t["mask"], False, True, 64),
-            ascend_engram.engram_gate_bwd_key(t["x"], t["mask"], t["partial"], 64),
+            cuda_gate.engram_gate_fwd_key(t["x"], t["out"], t["mask"]),
+            cuda_gate.engram_gate_fwd_key(t["x"], t["x"], t["mask"]),
+            cuda_gate.engram_gate_bwd_key(t["x"], t["partial"], t["mask"]),
+            ascend_gate.engram_gate_fwd_key(t["x"], t["mask"], True, False, 64),
+            ascend_gate.engram_gate_fwd_key(t["x"], t["mask"], False, True, 64),
+            ascend_gate.engram_gate_bwd_key(t["x"], t["mask"], t["partial"], 64),
         ))
     assert keys[0] == keys[1]
     assert all(509 not in key and 8001 not in key for key in keys[0])
@@ -126,17 +194,17 @@ def test_gate_fwd_layout():
     """The CUDA forward's summation groups cover the row exactly once; one warp serves a stream exactly
     where H <= 4096 and no vector slot is guarded (else one warp per group); at most 16 vectors per
     thread and 2048 threads per SM."""
-    from cann_ops_tilelang.kernels.cuda.engram import gate_fwd
+    from cann_ops_tilelang.kernels.cuda.engram.gate import forward
 
     for hidden in range(256, 8193, 256):
-        wps, gps, nv, guarded, min_blocks = gate_fwd.fwd_layout(hidden, 4)
+        wps, gps, nv, guarded, min_blocks = forward.fwd_layout(hidden, 4)
         n32 = hidden // 256
         assert gps % wps == 0 and nv * gps >= n32 and (nv * gps == n32) != guarded, (hidden, wps, gps, nv)
         assert 4 * 32 * wps * min_blocks <= 2048 and nv * (gps // wps) <= 16, (hidden, wps, nv, min_blocks)
         assert (wps == 1) == (hidden <= 4096 and not guarded), (hidden, wps, guarded)
         assert wps in (1, gps), (hidden, wps, gps)
-    assert gate_fwd.fwd_layout(4096, 4) == (1, 4, 4, False, 4)
-    assert gate_fwd.fwd_layout(7168, 4) == (4, 4, 7, False, 2)
+    assert forward.fwd_layout(4096, 4) == (1, 4, 4, False, 4)
+    assert forward.fwd_layout(7168, 4) == (4, 4, 7, False, 2)
 
 
 def test_gate_bwd_split_schedule():
@@ -145,32 +213,36 @@ def test_gate_bwd_split_schedule():
     multiple of 256); the split kernel is launched as clusters, one worker (row of the partials) per
     cluster, and exchanges the dL/dg partials through distributed shared memory."""
     from cann_ops_tilelang import config
-    from cann_ops_tilelang.kernels.cuda.engram import gate_bwd
+    from cann_ops_tilelang.kernels.cuda.engram.gate import _plan, backward
 
     for hidden in range(512, 8193, 256):
-        plan = gate_bwd.bwd_plan(hidden, 4)
-        whole = gate_bwd._column_plan(hidden, 4)
-        if plan["split"] == 1:
-            assert plan == {**whole, "split": 1}
-            assert whole["gw_regs"] or hidden % 512 != 0, hidden
+        plan = backward.bwd_plan(hidden, 4)
+        whole = _plan._column_plan(hidden, 4)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.split = 3  # a frozen plan
+        if plan.split == 1:
+            assert plan == dataclasses.replace(whole, split=1)
+            assert whole.gw_regs or hidden % 512 != 0, hidden
         else:
-            assert plan["split"] == 2 and not whole["gw_regs"] and hidden % 512 == 0, hidden
-            assert plan["gw_regs"] and plan["threads"] * 2 == hidden // 8, (hidden, plan)
+            assert plan.split == 2 and not whole.gw_regs and hidden % 512 == 0, hidden
+            assert plan.gw_regs and plan.threads * 2 == hidden // 8, (hidden, plan)
         # P: one row per worker, 132 SMs on CUDA (the fakes' device-free count), 16 on Ascend
-        assert config.grad_w_partials("cuda", hidden) == 132 // plan["split"], hidden
-        assert config.grad_w_partials("meta", hidden) == 132 // plan["split"], hidden
+        assert config.grad_w_partials("cuda", hidden) == 132 // plan.split, hidden
+        assert config.grad_w_partials("meta", hidden) == 132 // plan.split, hidden
         assert config.grad_w_partials("npu", hidden) == 16
-    assert gate_bwd.bwd_plan(7168, 4)["split"] == 2 and config.grad_w_partials("cuda", 7168) == 66
-    assert gate_bwd.bwd_plan(4096, 4)["split"] == 1 and config.grad_w_partials("cuda", 4096) == 132
+    assert backward.bwd_plan(7168, 4).split == 2 and config.grad_w_partials("cuda", 7168) == 66
+    assert backward.bwd_plan(4096, 4).split == 1 and config.grad_w_partials("cuda", 4096) == 132
     # the token-pipelined variant: every split schedule whose second x/k buffer fits (all but H = 8192)
-    pipelined = [h for h in range(512, 8193, 256) if gate_bwd.bwd_plan(h, 4)["pipe"]]
+    pipelined = [h for h in range(512, 8193, 256) if backward.bwd_plan(h, 4).pipe]
     assert pipelined == [h for h in range(4608, 8192, 512)], pipelined
     with pytest.raises(ValueError, match="no pipelined schedule at hidden_size 4096"):
-        gate_bwd.build_engram_gate_bwd(4096, 4, 132, False, pipelined=True)
-    assert {"gate_bwd_pipelined_mask", "gate_bwd_pipelined_nomask"} <= set(cuda_engram.lowering_cases(7168))
-    source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(7168, 4, 66, False))
+        backward.build_engram_gate_bwd(4096, 4, 132, False, pipelined=True)
+    assert {"gate/engram_gate_bwd_pipelined_mask", "gate/engram_gate_bwd_pipelined_nomask"} <= set(
+        cuda_engram.lowering_cases(7168)
+    )
+    source = cuda_build.lower_source(backward.build_engram_gate_bwd(7168, 4, 66, False))
     assert "cluster_arrive" in source and "st.shared::cluster" in source
-    source = cuda_build.lower_source(gate_bwd.build_engram_gate_bwd(4096, 4, 132, False))
+    source = cuda_build.lower_source(backward.build_engram_gate_bwd(4096, 4, 132, False))
     assert "cluster" not in source.split("engram_gate_bwd_cuda_kernel", 1)[1]
 
 
@@ -184,7 +256,7 @@ def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monke
     """The CUDA backward launcher takes the token-pipelined kernel of its key where the key has one and a
     worker gets at most ``_PIPE_MAX_PER`` (32) tokens, else the plain one; the kernels come from one
     compile per key, whatever the token count."""
-    from cann_ops_tilelang.kernels.cuda.engram import gate_bwd
+    from cann_ops_tilelang.kernels.cuda.engram.gate import backward
 
     calls, keys = [], []
 
@@ -192,16 +264,20 @@ def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monke
         keys.append(key)
         plain = lambda *args: calls.append("plain")  # noqa: E731
         pipelined = lambda *args: calls.append("pipelined")  # noqa: E731
-        return plain, (pipelined if gate_bwd.bwd_plan(key[0], key[1])["pipe"] else None)
+        return plain, (pipelined if backward.bwd_plan(key[0], key[1]).pipe else None)
 
-    monkeypatch.setattr(gate_bwd, "get_engram_gate_bwd_kernel", fake_kernels)
+    monkeypatch.setattr(backward, "get_engram_gate_bwd_kernel", fake_kernels)
     meta = dict(device="meta")
     x = torch.empty(tokens, 4, hidden, dtype=torch.bfloat16, **meta)
     kv = torch.empty(tokens, 5, hidden, dtype=torch.bfloat16, **meta)
     stats = torch.empty(tokens, 4, **meta)
     part = torch.empty(partials, 4, hidden, **meta)
-    gate_bwd.engram_gate_bwd(x, x, kv, torch.empty(4, hidden, **meta), stats, stats, stats, stats, None, 1e-6,
-                             torch.empty_like(x), torch.empty_like(kv), part)
+    # keyword arguments, as the op layer calls the launcher (through the kernel module ``gate``)
+    cuda_gate.engram_gate_bwd(
+        grad_out=x, hidden_states=x, kv=kv, weight_fused=torch.empty(4, hidden, **meta), dot=stats,
+        gate_score=stats, rstd_x=stats, rstd_k=stats, image_token_mask=None, clamp_value=1e-6,
+        grad_hidden_states=torch.empty_like(x), grad_kv=torch.empty_like(kv), grad_w_partial=part,
+    )
     assert calls == [expected] and keys == [(hidden, 4, partials, False)]
 
 
@@ -295,22 +371,26 @@ def test_vector_access_check_sees_vectors_cp_async_and_tma():
     vector accesses, cp.async copies and TMA loads, and reports an argument whose width is not declared."""
     from _plugins.cuda_vectors import vector_accesses
 
-    fused = cuda_build.lower_source(cuda_engram.lowering_cases(512)["fused_weight"])
+    fused = cuda_build.lower_source(cuda_engram.lowering_cases(512)["fused_weight/engram_fused_weight"])
     assert vector_accesses(fused) == {"weight_hidden": 16, "weight_embed": 16, "weight_fused": 16}
-    bwd = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(4096)["gate_bwd_nomask"]))
+    bwd = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(4096)["gate/engram_gate_bwd_nomask"]))
     assert bwd["grad_out"] == 16 and "dot" not in bwd  # cp.async-staged rows; scalars read one at a time
-    reduce = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(512)["grad_w_reduce"]))
+    reduce = vector_accesses(
+        cuda_build.lower_source(cuda_engram.lowering_cases(512)["grad_w_reduce/engram_grad_w_reduce"])
+    )
     assert reduce.get("grad_w_partial_desc") == 16 and "grad_weight_hidden" not in reduce
     # the vector reduction: cp.async rows, and the weights and buffers its launcher checks (not the op)
     from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import VECTOR_UPDATE_WIDTHS
 
-    vector_source = cuda_build.lower_source(cuda_engram.lowering_cases(7168)["grad_w_reduce_vector"])
+    vector_case, tma_case = "grad_w_reduce/engram_grad_w_reduce_vector", "grad_w_reduce/engram_grad_w_reduce"
+    vector_source = cuda_build.lower_source(cuda_engram.lowering_cases(7168)[vector_case])
     assert vector_accesses(vector_source) == {"grad_w_partial": 16, **VECTOR_UPDATE_WIDTHS}
-    assert not undeclared("grad_w_reduce_vector", vector_source, declared_vector_args())
-    assert len(undeclared("grad_w_reduce", vector_source, declared_vector_args())) == 4  # were it unchecked
+    assert not undeclared(vector_case, vector_source, declared_vector_args())
+    assert len(undeclared(tma_case, vector_source, declared_vector_args())) == 4  # were it unchecked
     declared = declared_vector_args()
-    assert not undeclared("fused_weight", fused, declared)
+    fused_case = "fused_weight/engram_fused_weight"
+    assert not undeclared(fused_case, fused, declared)
     declared["engram_fused_weight"]["vector_args"] = {"weight_hidden": 16, "weight_embed": 8}
-    assert undeclared("fused_weight", fused, declared) == [
-        "fused_weight: engram_fused_weight argument 'weight_embed' is accessed in 16-byte vectors, declared 8"
+    assert undeclared(fused_case, fused, declared) == [
+        f"{fused_case}: engram_fused_weight argument 'weight_embed' is accessed in 16-byte vectors, declared 8"
     ]

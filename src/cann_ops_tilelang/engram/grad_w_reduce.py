@@ -3,6 +3,7 @@ two fp32 gradient buffers (docs/ops/engram.md#grad_w_reduce)."""
 
 from torch import Tensor
 
+from .. import limits
 from .._checks import OpError, check_same_device, check_tensor
 from .._library import declare
 from ._common import BF16, F32, check_hc_hidden
@@ -27,14 +28,16 @@ def engram_grad_w_reduce(
     and ``grad_weight_embed += gw * f32(weight_hidden)``.
 
     Args:
-        grad_w_partial: ``(P, m, H)`` fp32 from ``engram_gate_bwd`` (``P = 0``: nothing is added).
+        grad_w_partial: ``(P, m, H)`` fp32 from ``engram_gate_bwd`` (``P = 0``: nothing is added; at most 476
+            rows on Ascend, ``limits.ENGRAM_GRAD_W_PARTIALS``).
         weight_hidden, weight_embed: ``(m, H)`` bf16.
         grad_weight_hidden, grad_weight_embed: ``(m, H)`` fp32, contiguous, updated in place (Megatron
             ``main_grad`` buffers, or zeros); they must not share memory with each other or the inputs.
     """
     err = OpError("engram_grad_w_reduce")
     partial = check_tensor(err, "grad_w_partial", grad_w_partial, dtype=F32, ndim=3)
-    _, m, hidden = partial.shape
+    rows, m, hidden = partial.shape
+    limits.ENGRAM_GRAD_W_PARTIALS.of(partial.device.type).check(err, "grad_w_partial", rows)
     check_hc_hidden(err, "grad_w_partial", m, hidden)
     named = [("grad_w_partial", partial)]
     for arg, value, dtype in (("weight_hidden", weight_hidden, BF16), ("weight_embed", weight_embed, BF16),

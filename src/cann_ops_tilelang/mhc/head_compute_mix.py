@@ -2,6 +2,7 @@
 
 from torch import Tensor
 
+from .. import limits
 from .._checks import OpError, check_float, check_tensor
 from .._library import declare
 from ._common import F32, HC_MULT, check_hc, same_device
@@ -56,7 +57,8 @@ def mhc_head_compute_mix_backward(output_mix_grad: Tensor, input_mix: Tensor, mh
         output_mix_grad: ``(T, m)`` fp32.
         input_mix: ``(T, m)`` fp32; mhc_scale ``(1,)`` and mhc_base ``(m,)`` fp32 (the forward's inputs).
         input_mix_grad: ``(T, m)`` fp32, written.
-        mhc_scale_grad_partial: ``(P, 1)`` fp32, ``P >= 1`` rows, overwritten.
+        mhc_scale_grad_partial: ``(P, 1)`` fp32, overwritten; ``P >= 1`` rows (at most 4096 on CUDA,
+            ``limits.MHC_HEAD_MIX_PARTIALS``).
         mhc_base_grad_partial: ``(P, m)`` fp32, overwritten.
     """
     err = OpError("mhc_head_compute_mix_backward")
@@ -66,8 +68,9 @@ def mhc_head_compute_mix_backward(output_mix_grad: Tensor, input_mix: Tensor, mh
     check_tensor(err, "mhc_base", mhc_base, dtype=F32, shape=(HC_MULT,))
     check_tensor(err, "input_mix_grad", input_mix_grad, dtype=F32, shape=shape)
     part = check_tensor(err, "mhc_scale_grad_partial", mhc_scale_grad_partial, dtype=F32, ndim=2)
-    if part.shape[0] < 1 or part.shape[1] != 1:
-        raise err.value("mhc_scale_grad_partial", f"expected shape (P, 1) with P >= 1, got {tuple(part.shape)}")
+    if part.shape[1] != 1:
+        raise err.value("mhc_scale_grad_partial", f"expected shape (P, 1), got {tuple(part.shape)}")
+    limits.MHC_HEAD_MIX_PARTIALS.of(part.device.type).check(err, "mhc_scale_grad_partial", part.shape[0])
     check_tensor(err, "mhc_base_grad_partial", mhc_base_grad_partial, dtype=F32, shape=(part.shape[0], HC_MULT))
     same_device(err, output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
                 input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,

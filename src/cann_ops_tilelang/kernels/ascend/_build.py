@@ -14,6 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
+from ... import chips
 from . import LOGGER
 
 __all__ = [
@@ -26,10 +27,9 @@ __all__ = [
     "ub_budget_bytes",
 ]
 
-# NOTE: Ascend 950 has 256 KiB of UB per vector core; 8 KiB are reserved by the runtime, and a kernel
-# with a SimtVF region loses another 32 KiB to the SIMT stack/data cache.
-UB_BUDGET_BYTES = 248 * 1024
-UB_BUDGET_SIMT_BYTES = 216 * 1024
+# UB per vector core a kernel may use, without / with a SimtVF region (chip facts: chips.ASCEND_950)
+UB_BUDGET_BYTES = chips.ASCEND_950.ub_bytes
+UB_BUDGET_SIMT_BYTES = chips.ASCEND_950.ub_bytes_simt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class LoweredAscend:
               TileLang's ``MergeUBAllocations`` pass stamps on the device function after planning (and
               merging, multi-buffer versions included) every UB buffer, plus any UB allocation left
               outside that merged pool (none in practice).
-    has_simt: whether the kernel contains a SimtVF region (then the 216 KiB budget applies).
+    has_simt: whether the kernel contains a SimtVF region (then the smaller SIMT budget applies).
     """
 
     name: str
@@ -59,7 +59,7 @@ class LoweredAscend:
 
 
 def ub_budget_bytes(has_simt: bool) -> int:
-    """UB budget per vector core: 216 KiB if the kernel has a SimtVF region, else 248 KiB."""
+    """UB budget per vector core (Ascend 950: 216 KiB if the kernel has a SimtVF region, else 248 KiB)."""
     return UB_BUDGET_SIMT_BYTES if has_simt else UB_BUDGET_BYTES
 
 

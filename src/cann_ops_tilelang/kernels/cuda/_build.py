@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Any
 
+from ...chips import cuda_arch
+
 __all__ = ["CudaBuild", "compile_cubin", "jit_compile", "lower_source", "smem_budget_bytes"]
 
 logger = logging.getLogger("cann_ops_tilelang")
@@ -59,24 +61,10 @@ def jit_compile(op: str, key: tuple, prim_func: Any) -> Any:
     return kernel
 
 
-# Largest dynamic shared memory one CTA may opt into, per architecture (CUDA programming guide,
-# compute capabilities table): 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86 / sm_89.
-_SMEM_PER_CTA = {
-    "sm_80": 163 * 1024,
-    "sm_86": 99 * 1024,
-    "sm_89": 99 * 1024,
-    "sm_90": 227 * 1024,
-    "sm_90a": 227 * 1024,
-}
-_MAX_THREADS_PER_CTA = 1024
-
-
 def smem_budget_bytes(arch: str) -> int:
-    """Shared memory one CTA may use on ``arch`` (e.g. ``"sm_90a"``: 232448 bytes)."""
-    if arch not in _SMEM_PER_CTA:
-        known = ", ".join(sorted(_SMEM_PER_CTA))
-        raise ValueError(f"no shared-memory budget known for CUDA architecture {arch!r} (known: {known})")
-    return _SMEM_PER_CTA[arch]
+    """Shared memory one CTA may use on ``arch`` (e.g. ``"sm_90a"``: 232448 bytes), from
+    :func:`cann_ops_tilelang.chips.cuda_arch`; ``ValueError`` for an architecture it does not know."""
+    return cuda_arch(arch).smem_per_cta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +92,7 @@ class CudaBuild:
 
     @property
     def fits(self) -> bool:
-        return self.smem_bytes <= self.budget_bytes and 0 < self.threads <= _MAX_THREADS_PER_CTA
+        return self.smem_bytes <= self.budget_bytes and 0 < self.threads <= cuda_arch(self.arch).max_threads_per_cta
 
 
 def _lower(prim_func: Any, arch: str):

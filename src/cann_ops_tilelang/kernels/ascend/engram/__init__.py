@@ -1,57 +1,27 @@
-"""Ascend 950 kernels of the Engram gate family (OPS.md B.1), hc_mult = 4.
+"""Ascend 950 kernels of the Engram family (hc_mult = 4), one kernel module per op module:
+:mod:`.fused_weight`, :mod:`.gate` (forward and backward), :mod:`.grad_w_reduce`.
 
-Uniform structure per op: ``<op>_key(...) -> tuple`` (compile-time parameters from metadata, never the
-token count), ``get_<op>_kernel(*key)`` (lru-cached JIT compile for target ``ascend``, first compile
-logged at INFO), ``build_<op>(*key) -> prim_func`` (token count is a dynamic dim) and the launcher
-``<op>(...)`` (validated tensors in, pre-allocated outputs, current stream, no synchronization).
+Uniform structure per launcher: ``<launcher>_key(...) -> tuple`` (compile-time parameters from metadata,
+never the token count), ``get_<launcher>_kernel(*key)`` (lru-cached JIT compile for target ``ascend``, first
+compile logged at INFO), ``build_<launcher>(*key) -> prim_func`` (token count is a dynamic dim) and the
+launcher ``<launcher>(...)`` (validated tensors in, pre-allocated outputs, current stream, no
+synchronization). This package only aggregates the kernel modules' lowering cases (importing it imports
+neither a kernel module nor TileLang).
 """
 
-from .fused_weight import build_engram_fused_weight, engram_fused_weight, engram_fused_weight_key, get_engram_fused_weight_kernel
-from .gate_bwd import build_engram_gate_bwd, engram_gate_bwd, engram_gate_bwd_key, get_engram_gate_bwd_kernel
-from .gate_fwd import build_engram_gate_fwd, engram_gate_fwd, engram_gate_fwd_key, get_engram_gate_fwd_kernel
-from .grad_w_reduce import (
-    build_engram_grad_w_reduce,
-    engram_grad_w_reduce,
-    engram_grad_w_reduce_key,
-    get_engram_grad_w_reduce_kernel,
-)
+import importlib
 
-__all__ = [
-    "build_engram_fused_weight",
-    "build_engram_gate_bwd",
-    "build_engram_gate_fwd",
-    "build_engram_grad_w_reduce",
-    "engram_fused_weight",
-    "engram_fused_weight_key",
-    "engram_gate_bwd",
-    "engram_gate_bwd_key",
-    "engram_gate_fwd",
-    "engram_gate_fwd_key",
-    "engram_grad_w_reduce",
-    "engram_grad_w_reduce_key",
-    "get_engram_fused_weight_kernel",
-    "get_engram_gate_bwd_kernel",
-    "get_engram_gate_fwd_kernel",
-    "get_engram_grad_w_reduce_kernel",
-    "lowering_cases",
-]
+__all__ = ["OP_MODULES", "lowering_cases"]
 
-# NOTE: defaults used only to build lowering cases on a machine without an NPU.
-_CASE_NUM_CORES = 64
-_CASE_NUM_PARTIALS = 16
+OP_MODULES = ("fused_weight", "gate", "grad_w_reduce")
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = _CASE_NUM_CORES, num_partials: int = _CASE_NUM_PARTIALS) -> dict:
-    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks)."""
-    H, m = hidden_size, hc_mult
-    cases = {"fused_weight": build_engram_fused_weight(m * H, num_cores)}
-    for save in (True, False):
-        for mask in (False, True):
-            name = f"gate_fwd_{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
-            cases[name] = build_engram_gate_fwd(H, m, save, mask, False, num_cores)
-    # in place only changes the masked path (no copy); in place never saves (OPS.md B.1.2)
-    cases["gate_fwd_nosave_mask_inplace"] = build_engram_gate_fwd(H, m, False, True, True, num_cores)
-    for mask in (False, True):
-        cases[f"gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(H, m, mask, num_partials, num_cores)
-    cases["grad_w_reduce"] = build_engram_grad_w_reduce(num_partials, m * H, num_cores)
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Every kernel variant of the family at ``hidden_size``, keyed ``"<op module>/<case>"`` (at the Ascend
+    950's vector cores and partial rows: no NPU needed)."""
+    cases = {}
+    for name in OP_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        for case, prim_func in module.lowering_cases(hidden_size, hc_mult).items():
+            cases[f"{name}/{case}"] = prim_func
     return cases

@@ -1,4 +1,5 @@
-"""Ascend kernel of ``engram_fused_weight`` (OPS.md B.1.1): ``wf = f32(wh) * f32(we)``, bit-exact.
+"""Ascend kernel of ``engram_fused_weight`` (docs/ops/engram.md#fused_weight): ``wf = f32(wh) * f32(we)``,
+bit-exact.
 
 The (m, H) weights are treated as one flat vector of ``numel = m*H`` elements (``numel % 256 == 0``);
 a persistent loop hands fixed-size blocks to the vector cores.
@@ -12,15 +13,24 @@ import tilelang
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
+from ....chips import ASCEND_950
+from ....limits import ENGRAM_FUSED_WEIGHT_ALIGN, ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange
 from .. import num_vector_cores
 
-__all__ = ["build_engram_fused_weight", "engram_fused_weight", "engram_fused_weight_key", "get_engram_fused_weight_kernel"]
+__all__ = [
+    "build_engram_fused_weight",
+    "engram_fused_weight",
+    "engram_fused_weight_key",
+    "get_engram_fused_weight_kernel",
+    "lowering_cases",
+]
 
 _LANES = 64  # fp32 lanes of one 256-byte vector register
 _STAGES = 3  # GM->UB->GM triple buffering: load block i+1 and store block i-1 while computing block i
-# NOTE: candidate block sizes (elements). Per stage a block needs 2+2 (bf16 inputs) + 4 (fp32 output)
-# = 8 bytes/element, so the largest block costs 3 stages * 4096 * 8 B = 96 KiB of the 248 KiB UB.
+# candidate block sizes (elements): 8 bytes per element and stage, the largest 96 KiB of UB over 3 stages
+# (docs/perf/ascend950/engram.md, 2026-11-30 — fused_weight: block sizes)
 _BLOCKS = (4096, 2048, 1024, 512, 256)
+_NUMEL = IntRange("element count", ENGRAM_FUSED_WEIGHT_ALIGN, multiple_of=ENGRAM_FUSED_WEIGHT_ALIGN)
 
 
 def _block_size(numel: int, num_cores: int) -> int:
@@ -37,8 +47,9 @@ def engram_fused_weight_key(weight_hidden, num_cores: int) -> tuple:
 
 
 def build_engram_fused_weight(numel: int, num_cores: int):
-    """prim_func over flat views: wh (numel,) bf16, we (numel,) bf16 -> wf (numel,) f32."""
-    assert numel % 256 == 0 and numel > 0
+    """prim_func over flat views: wh (numel,) bf16, we (numel,) bf16 -> wf (numel,) f32. ``numel`` a positive
+    multiple of ``limits.ENGRAM_FUSED_WEIGHT_ALIGN`` (else ``limits.LimitError``)."""
+    numel = _NUMEL.require("engram_fused_weight", numel)
     blk = _block_size(numel, num_cores)
     num_blocks = numel // blk
 
@@ -81,3 +92,11 @@ def engram_fused_weight(weight_hidden, weight_embed, out) -> None:
     key = engram_fused_weight_key(weight_hidden, num_vector_cores())
     kernel = get_engram_fused_weight_kernel(*key)
     kernel(weight_hidden.view(-1), weight_embed.view(-1), out.view(-1))
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = ASCEND_950.vector_cores) -> dict:
+    """``{"engram_fused_weight": prim_func}`` over the ``(hc_mult, hidden_size)`` weights (CPU lowering checks;
+    ``num_cores``: the Ascend 950's, no NPU needed)."""
+    ENGRAM_HC_MULT.require("engram_fused_weight", hc_mult)
+    ENGRAM_HIDDEN.require("engram_fused_weight", hidden_size)
+    return {"engram_fused_weight": build_engram_fused_weight(hc_mult * hidden_size, num_cores)}

@@ -1,4 +1,4 @@
-"""Ascend kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
+"""Ascend kernel of ``engram_grad_w_reduce`` (docs/ops/engram.md#grad_w_reduce).
 
 ``gw = sum_{p=0..P-1} grad_w_partial[p]`` (fp32, p ascending), then in place
 ``grad_weight_hidden += gw * f32(we)`` and ``grad_weight_embed += gw * f32(wh)``.
@@ -15,27 +15,44 @@ import tilelang
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
+from .... import config
+from ....chips import ASCEND_950
+from ....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange
 from .. import num_vector_cores
+from .._build import UB_BUDGET_BYTES
 
-__all__ = ["build_engram_grad_w_reduce", "engram_grad_w_reduce", "engram_grad_w_reduce_key", "get_engram_grad_w_reduce_kernel"]
+__all__ = [
+    "build_engram_grad_w_reduce",
+    "engram_grad_w_reduce",
+    "engram_grad_w_reduce_key",
+    "get_engram_grad_w_reduce_kernel",
+    "lowering_cases",
+    "max_partials",
+    "reduce_ub_bytes",
+]
 
 _LANES = 64
 _STAGES = 2
-# NOTE: block widths (fp32 elements). UB per block and stage: the P partial rows (4PW) + wh, we (2W +
-# 2W) + the two gradient tiles (8W); plus the accumulator (4W): 2*(4P + 12)W + 4W bytes. With P = 16
-# and W = 2048 that is 424 KiB -> too much, so the width is the largest one that (a) fits 240 KiB and
-# (b) still gives every core a block; P <= 1900 keeps W = 64 within budget (asserted).
+# Block widths (fp32 elements): the largest that fits _UB_LIMIT and still gives every core a block
+# (docs/perf/ascend950/engram.md, 2026-11-30 — grad_w_reduce: block widths).
 _WIDTHS = (2048, 1024, 512, 256, 128, 64)
-_UB_LIMIT = 240 * 1024
+_UB_LIMIT = UB_BUDGET_BYTES - 8 * 1024  # 240 KiB: 8 KiB below the budget left to the pool's padding
 
 
 def reduce_ub_bytes(num_partials: int, width: int) -> int:
+    """UB of one block: per stage the P partial rows (4PW), wh and we (4W), the two gradient tiles (8W); plus
+    the accumulator (4W)."""
     return _STAGES * (4 * num_partials + 12) * width + 4 * width
+
+
+def max_partials() -> int:
+    """The most partial rows whose narrowest block (``W = 64``) fits the UB (476)."""
+    w = _WIDTHS[-1]
+    return ((_UB_LIMIT - 4 * w) // (_STAGES * w) - 12) // 4
 
 
 def _block_width(num_partials: int, numel: int, num_cores: int) -> int:
     fitting = [w for w in _WIDTHS if numel % w == 0 and reduce_ub_bytes(num_partials, w) <= _UB_LIMIT]
-    assert fitting, f"grad_w_reduce: P={num_partials} does not fit the UB"
     for w in fitting:
         if numel // w >= num_cores:
             return w
@@ -50,9 +67,10 @@ def engram_grad_w_reduce_key(grad_w_partial, num_cores: int) -> tuple:
 
 def build_engram_grad_w_reduce(num_partials: int, numel: int, num_cores: int):
     """prim_func over flat views: partial (P, N) f32, wh (N,) bf16, we (N,) bf16, gwh (N,) f32 in/out,
-    gwe (N,) f32 in/out."""
-    P, N = num_partials, numel
-    assert P >= 1 and N % _LANES == 0
+    gwe (N,) f32 in/out. ``1 <= P <= max_partials()`` and ``N`` a positive multiple of 64, else
+    ``limits.LimitError``."""
+    P = IntRange("num_partials", 1, max_partials()).require("engram_grad_w_reduce", num_partials)
+    N = IntRange("numel = m * H", _LANES, multiple_of=_LANES).require("engram_grad_w_reduce", numel)
     W = _block_width(P, N, num_cores)
     n_blocks = N // W
     n_chunks = W // _LANES
@@ -124,3 +142,16 @@ def engram_grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weigh
         grad_w_partial.view(grad_w_partial.shape[0], -1), weight_hidden.view(-1), weight_embed.view(-1),
         grad_weight_hidden.view(-1), grad_weight_embed.view(-1),
     )
+
+
+def lowering_cases(
+    hidden_size: int,
+    hc_mult: int = 4,
+    num_cores: int = ASCEND_950.vector_cores,
+    num_partials: int = config.GRAD_W_PARTIALS["npu"],
+) -> dict:
+    """``{"engram_grad_w_reduce": prim_func}`` at ``hidden_size`` (CPU lowering checks; the default
+    ``num_cores`` and ``num_partials`` are the Ascend 950's, no NPU needed)."""
+    ENGRAM_HC_MULT.require("engram_grad_w_reduce", hc_mult)
+    ENGRAM_HIDDEN.require("engram_grad_w_reduce", hidden_size)
+    return {"engram_grad_w_reduce": build_engram_grad_w_reduce(num_partials, hc_mult * hidden_size, num_cores)}

@@ -1,23 +1,31 @@
-"""Ascend 950 (TileLang Ascend dialect) kernels of the mHC primitives (OPS.md §B.2, §C).
+"""Ascend 950 (TileLang Ascend dialect) kernels of the mHC ops: one kernel module per op module
+(``cann_ops_tilelang.mhc.<op module>``), with its launchers, key functions, builders and lowering cases;
+``_common``, ``_streaming`` and ``_per_token`` hold what several of them share.
 
-Three modules: ``streaming`` (expand, normw merge, pre apply mix, post: bandwidth-bound over H),
-``gemm`` (the pre-norm GEMM with sum of squares and its backward) and ``small`` (per-token ops:
-reduce + RMSNorm, split mixes, Sinkhorn, head mix). Every op has one launcher named as the op, taking
-the op's arguments in schema order followed by its new outputs; see each module for the kernels.
+This package only aggregates the lowering cases; importing it imports no kernel module (nor TileLang).
 """
 
-from . import gemm, small, streaming
-from .gemm import *  # noqa: F403
-from .small import *  # noqa: F403
-from .streaming import *  # noqa: F403
+import importlib
 
-_MODULES = {"streaming": streaming, "gemm": gemm, "small": small}
+__all__ = ["OP_MODULES", "lowering_cases"]
+
+OP_MODULES = (
+    "expand",
+    "fn_normw_merge",
+    "gemm_with_sqrsum",
+    "reduce_partials_and_rmsnorm",
+    "pre_split_mixes",
+    "sinkhorn",
+    "pre_apply_mix",
+    "post",
+    "head_compute_mix",
+)
 
 
 def lowering_cases(hidden_size: int) -> dict:
-    """Every kernel variant of the family at ``hidden_size``, keyed ``<module>/<case>``."""
-    return {
-        f"{name}/{case}": prim_func
-        for name, module in _MODULES.items()
-        for case, prim_func in module.lowering_cases(hidden_size).items()
-    }
+    """Every kernel variant of the family at ``hidden_size``, keyed ``<op module>/<case>``."""
+    cases = {}
+    for name in OP_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        cases.update({f"{name}/{case}": prim_func for case, prim_func in module.lowering_cases(hidden_size).items()})
+    return cases

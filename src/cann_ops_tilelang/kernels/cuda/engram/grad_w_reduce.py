@@ -1,4 +1,4 @@
-"""CUDA kernel of ``engram_grad_w_reduce`` (OPS.md B.1.4).
+"""CUDA kernel of ``engram_grad_w_reduce`` (docs/ops/engram.md#grad_w_reduce).
 
 Both schedules sum every column's ``P`` partial rows in one thread, sequentially in ascending ``p``
 (fixed order, deterministic, from ``-0.0``, the identity of fp32 addition), and finally update the two
@@ -23,41 +23,27 @@ import functools
 
 import torch
 
+from .... import config
 from ...._checks import misalignment
+from ....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange
 from .._build import jit_compile
 
 __all__ = [
+    "ARGUMENTS",
+    "LAUNCHER_CHECKED",
     "VECTOR_MAX_PARTIALS",
     "VECTOR_UPDATE_WIDTHS",
     "build_engram_grad_w_reduce",
+    "chunk_plan",
     "engram_grad_w_reduce",
     "engram_grad_w_reduce_key",
     "get_engram_grad_w_reduce_kernel",
+    "lowering_cases",
 ]
 
-# NOTE tuned for H200 (P = 132 and 66, m = 4, cupti, cold L2, 3 interleaved rounds): 128 columns per CTA
-# and two TMA chunks of 66 rows: 6.93 / 4.85 us at H = 7168 / 4096 (peer 6.96 / 5.21 us). One chunk: 7.13 /
-# 5.07 us; 64 columns: 7.11 / 4.94 (two chunks), 7.24 / 5.12 us (one). The earlier all-threads load of 64
-# columns x 132 rows into shared memory (16-byte loads, 256 threads): 7.40 / 5.47 us; with cp.async in
-# 2 / 4 / 8 row batches, each summed while the later ones load, it was slower still (H = 7168, an earlier
-# run: 7.67 / 7.98 / 8.32 us against 7.43 us). At P = 66 (the backward's rows at H = 7168 since one worker
-# per 2-CTA cluster; 7 rotated rounds): at least two chunks (2 x 33 rows) 4.71 us against one of 66 rows
-# 4.83, three 4.71, four (3 buffers) 4.96 (peer 4.53; at P = 132 all 6.90-6.95 against the peer's 6.91).
-# NOTE (2026-12-02, P = 66 / 132, 7-9 rotated rounds): at P = 66 the TMA schedule stays at 4.57-4.76 us
-# whatever its shape (128 / 224 / 256 columns over the flattened (P, m * H) view, 2 or 3 chunks; 4 to 8
-# chunks all in flight: 4.75-5.28; peer 4.53-4.63 in those runs), and plain per-thread loads of all rows
-# into registers take 4.76-4.91. The vector schedule: 4.34 us with 256 columns per CTA (4.32-4.45 with
-# 128-512); in 2 groups of 33 rows 4.63, in 8 of 9 rows 4.37. The copies spread over all threads with a
-# barrier per group (one thread per column in the sum): 4.61-4.79. At P = 132 cp.async took 5.10-5.30
-# against TMA's 4.85-4.93, so TMA keeps P > 66 (only P = 66 and 132 were measured: where between them
-# cp.async stops winning is not known).
-# NOTE (2026-12-02, next session, P = 66, 9 rotated rounds; vector schedule 4.35, TMA 4.70, peer 4.54 us
-# in that run): cp.async with the weights and buffers accessed one element at a time, which would take
-# main_grad views at any offset, stays behind TMA or barely ahead: 4 adjacent columns a thread 4.83 us; the
-# sums passed through shared memory (one barrier) to a coalesced layout, thread t owning columns t + 64 j,
-# 4.86-4.92 (4.63 with the buffers read by volatile ld.global, which ptxas issues earlier). So unaligned
-# calls take TMA. In the benchmark harness (3 rotated rounds): the vector schedule 4.27 us against the
-# peer's 4.44 (P = 66, H = 7168).
+# Chosen on the H200: the vector schedule up to 66 rows, TMA beyond (cp.async lost at P = 132) and for
+# unaligned buffers (element-wise cp.async stayed behind TMA); TMA in 128-column CTAs with at least two
+# chunks. The "grad_w_reduce" entries of docs/perf/h200/engram.md (2026-11-30, 2026-12-02).
 VECTOR_MAX_PARTIALS = 66  # most partial rows the vector schedule takes
 _VECTOR_COLS = 256  # columns per CTA, 4 per thread
 _VECTOR_GROUPS = 4  # commit groups, all issued at once
@@ -68,6 +54,13 @@ _COLS = 128
 _CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
 _MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
 _MIN_CHUNKS = 2  # at least this many chunks (the sum of one overlaps the load of the next)
+
+# kernel parameters named differently from the op argument they receive (the TMA schedule takes the
+# partials through a descriptor)
+ARGUMENTS = {"grad_w_partial_desc": "grad_w_partial"}
+# lowering cases whose launcher checks the alignment of some op arguments itself, launching another kernel
+# where one is not aligned: {case: {argument: bytes}} (these need not be declared in the op's vector_args)
+LAUNCHER_CHECKED = {"engram_grad_w_reduce_vector": dict(VECTOR_UPDATE_WIDTHS)}
 
 
 def chunk_plan(num_partials: int) -> tuple[int, int, int]:
@@ -105,11 +98,13 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     """Builds the reduction prim_func.
 
     Args:
-        hidden_size: ``H`` (multiple of 256).
-        hc_mult: ``m``.
+        hidden_size: ``H`` in ``limits.ENGRAM_HIDDEN``.
+        hc_mult: ``m`` in ``limits.ENGRAM_HC_MULT``.
         num_partials: ``P >= 1`` (any value for TMA, see :func:`chunk_plan`; at most 66 for vectors).
         vector: the vector schedule (module docstring), whose kernel needs the weights and buffers aligned
             as :data:`VECTOR_UPDATE_WIDTHS` says; else the TMA schedule (any 4-byte aligned buffers).
+
+    Values outside these ranges raise ``limits.LimitError``.
 
     Returns:
         ``T.prim_func(grad_w_partial (P, m, H) f32, wh (m, H) bf16, we (m, H) bf16, gwh (m, H) f32,
@@ -117,12 +112,10 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     """
     from tilelang import language as T
 
-    H, m, P = hidden_size, hc_mult, num_partials
-    if H % _VECTOR_COLS != 0 or P < 1 or (vector and P > VECTOR_MAX_PARTIALS):
-        raise ValueError(
-            f"engram_grad_w_reduce: needs H % {_VECTOR_COLS} == 0 and 1 <= P (<= {VECTOR_MAX_PARTIALS} for the "
-            f"vector schedule), got H={H}, P={P}, vector={vector}"
-        )
+    where = "engram_grad_w_reduce" + (" (vector schedule)" if vector else "")
+    H = ENGRAM_HIDDEN.require(where, hidden_size)
+    m = ENGRAM_HC_MULT.require(where, hc_mult)
+    P = IntRange("num_partials", 1, VECTOR_MAX_PARTIALS if vector else None).require(where, num_partials)
     if vector:
         return _build_vector(H, m, P)
     f32, bf16 = T.float32, T.bfloat16
@@ -262,3 +255,17 @@ def engram_grad_w_reduce(
     key = engram_grad_w_reduce_key(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
     kernel = get_engram_grad_w_reduce_kernel(*key)
     kernel(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Both schedules at ``hidden_size`` as un-compiled prim_funcs (for the CPU build tests):
+    ``engram_grad_w_reduce`` (TMA) at the backward's CUDA partial count ``P`` of ``config.grad_w_partials``
+    and ``engram_grad_w_reduce_vector`` (aligned buffers) at ``min(P, VECTOR_MAX_PARTIALS)``."""
+    H, m = hidden_size, hc_mult
+    num_partials = config.grad_w_partials("cuda", H, m)
+    return {
+        "engram_grad_w_reduce": build_engram_grad_w_reduce(H, m, num_partials),
+        "engram_grad_w_reduce_vector": build_engram_grad_w_reduce(
+            H, m, min(num_partials, VECTOR_MAX_PARTIALS), vector=True
+        ),
+    }

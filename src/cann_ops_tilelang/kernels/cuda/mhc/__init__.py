@@ -1,23 +1,30 @@
-"""CUDA (TileLang) kernels of the mHC primitives (OPS.md §B.2, §C).
+"""CUDA (TileLang) kernels of the mHC primitives (docs/ops/mhc.md), one module per op module.
 
-Three modules: ``streaming`` (expand, normw merge, pre apply mix, post: bandwidth-bound over H),
-``gemm`` (the pre-norm GEMM with sum of squares and its backward) and ``small`` (per-token ops:
-reduce + RMSNorm, split mixes, Sinkhorn, head mix). Every op has one launcher named as the op, taking
-the op's arguments in schema order followed by its new outputs; see each module for the kernels.
+Each module (``expand``, ``fn_normw_merge``, ``gemm_with_sqrsum``, ...) holds its ops' launchers (named as the
+op, keyword arguments named as the op's), their ``*_key``, ``get_*_kernel`` and ``build_*`` functions and its
+``lowering_cases``; the op layer imports the module of an op on its first launch. This package only aggregates
+the lowering cases. Importing it imports neither TileLang nor a kernel module.
 """
 
-from . import gemm, small, streaming
-from .gemm import *  # noqa: F403
-from .small import *  # noqa: F403
-from .streaming import *  # noqa: F403
+import importlib
 
-_MODULES = {"streaming": streaming, "gemm": gemm, "small": small}
+MODULES = (
+    "expand",
+    "fn_normw_merge",
+    "gemm_with_sqrsum",
+    "reduce_partials_and_rmsnorm",
+    "pre_split_mixes",
+    "sinkhorn",
+    "pre_apply_mix",
+    "post",
+    "head_compute_mix",
+)
 
 
 def lowering_cases(hidden_size: int) -> dict:
-    """Every kernel variant of the family at ``hidden_size``, keyed ``<module>/<case>``."""
-    return {
-        f"{name}/{case}": prim_func
-        for name, module in _MODULES.items()
-        for case, prim_func in module.lowering_cases(hidden_size).items()
-    }
+    """Every kernel variant of the family at ``hidden_size``, un-compiled: ``{"<op module>/<case>": prim_func}``."""
+    cases = {}
+    for name in MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        cases.update({f"{name}/{case}": prim_func for case, prim_func in module.lowering_cases(hidden_size).items()})
+    return cases

@@ -1,4 +1,4 @@
-"""CUDA kernel of ``engram_gate_fwd`` (OPS.md B.1.2).
+"""CUDA kernel of ``engram_gate_fwd`` and ``engram_gate_fwd_inplace`` (docs/ops/engram.md#gate).
 
 Schedule: one CTA per token; the CTA holds ``m`` groups of ``32 * wps`` threads, group ``h`` serving
 stream ``h``. Each thread owns ``nv`` 8-element column vectors per summation group it serves (see
@@ -9,16 +9,17 @@ memory and a barrier where several warps serve a stream, in registers where one 
 of the stream adds the same values in the same order, so they are bitwise equal).
 Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x`` and ``kv`` are
 read from HBM exactly once. The kernel always writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
-without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see the
-NOTE of :func:`engram_gate_fwd`). The token count is a dynamic dimension."""
+without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see
+:func:`engram_gate_fwd`). The token count is a dynamic dimension."""
 
 import functools
 
 import torch
 
-from .._build import jit_compile
+from .....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN
+from ..._build import jit_compile
 
-__all__ = ["build_engram_gate_fwd", "engram_gate_fwd", "engram_gate_fwd_key", "get_engram_gate_fwd_kernel"]
+__all__ = ["build_engram_gate_fwd", "engram_gate_fwd", "engram_gate_fwd_key", "fwd_layout", "get_engram_gate_fwd_kernel"]
 
 _VEC = 8  # bf16 elements per 16-byte access
 _MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see fwd_layout)
@@ -34,22 +35,12 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int
     whether the last vector slot can fall outside ``H``; ``min_blocks`` is the number of resident CTAs
     per SM the register budget is sized for.
 
-    NOTE tuned for H200: at most 8 vectors per group lane (16 B x 8 of ``x`` kept in 32 registers, plus
-    ``k`` in flight) and up to 4 groups of one warp each per stream (512 threads for m = 4), which keeps
-    ~115 KB of loads in flight per CTA at H = 7168 and lets two CTAs share an SM (this layout serves
-    H > 4096 and guarded rows). Measured earlier at H = 4096 with this layout, against 2 warps per stream
-    (8 vectors per thread, 4 CTAs per SM at 64 registers): T = 512 18.1 vs 18.3 us (the kernel without
-    statistics stores) and 18.4 vs 17.4 us (with them), T = 8192 209 vs 223 us and 211 vs 208 us; against
-    staging ``v`` in shared memory with the pass-1 loads: 18.1 vs 18.8 us, 209 vs 230 us; against an L2
-    prefetch of ``v`` issued with the pass-1 loads: 18.1 vs 19.2 us, 210 vs 224 us (and 30.6 vs 32.9 us,
-    386 vs 407 us at H = 7168).
-
-    At ``H <= 4096`` without a guarded slot, one warp serves all groups of a stream (up to 16 vectors per
-    thread, 128 registers, 4 CTAs of 128 threads per SM: the 512 tokens of T = 512 run in one wave); its
-    lanes hold the group sums after the butterflies, so there is no shared-memory step and no barrier.
-    NOTE measured on the H200 at H = 4096 (3-4 interleaved rounds): T = 512 16.6 us, T = 8192 203.8 us
-    (with the shared-memory step and barrier 17.2 / 205.9 us; one warp per group 18.2 / 211.0 us; the
-    peer 17.4 / 229 us); 5 CTAs per SM (102 registers) was slower.
+    Chosen on the H200: up to 8 vectors per group lane and up to 4 one-warp groups per stream (512 threads at
+    m = 4, two CTAs per SM) for H > 4096 and guarded rows; at ``H <= 4096`` without a guarded slot one warp
+    serves all groups of a stream (up to 16 vectors per thread, 128 registers, four 128-thread CTAs per SM):
+    its lanes hold the group sums after the butterflies, so there is no shared-memory step and no barrier
+    (docs/perf/h200/engram.md, 2026-11-30 — gate forward: thread layout and CTAs per SM; 2026-12-01 — gate
+    forward: one warp per stream at H <= 4096).
     """
     n32 = hidden_size // (32 * _VEC)
     max_gps = max(1, min(4, 32 // hc_mult))
@@ -73,8 +64,8 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     """Builds the forward prim_func.
 
     Args:
-        hidden_size: ``H`` (multiple of 256).
-        hc_mult: ``m``.
+        hidden_size: ``H`` in ``limits.ENGRAM_HIDDEN`` (else ``limits.LimitError``).
+        hc_mult: ``m`` in ``limits.ENGRAM_HC_MULT`` (else ``limits.LimitError``).
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
         inplace: Write the output into ``hidden_states`` (no ``out`` parameter).
 
@@ -84,7 +75,8 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     """
     from tilelang import language as T
 
-    H, m = hidden_size, hc_mult
+    H = ENGRAM_HIDDEN.require("engram_gate_fwd", hidden_size)
+    m = ENGRAM_HC_MULT.require("engram_gate_fwd", hc_mult)
     wps, gps, nv, guarded, min_blocks = fwd_layout(H, m)
     q = gps // wps  # summation groups per warp
     warp_local = wps == 1  # one warp per stream: no shared-memory step, no barrier
@@ -100,11 +92,9 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     @T.macro
     def body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k):
         with T.Kernel(num_tokens, threads=threads) as t:
-            # NOTE tuned for H200: with several warps per stream, two CTAs (tokens) per SM overlap one
-            # token's reduction and barrier with the other's loads; this caps registers at 64 per thread
-            # (the one-warp-per-stream layout: four CTAs of 128 threads at 128 registers). Measured at
-            # T = 8192 (earlier kernels): 211 us vs 267 us (H = 4096, before it took one warp per stream)
-            # and 355 us vs 426 us (H = 7168) against one CTA per SM.
+            # Two CTAs (tokens) per SM with several warps per stream overlap one token's reduction and
+            # barrier with the other's loads (64 registers per thread; the one-warp-per-stream layout: four
+            # CTAs at 128): docs/perf/h200/engram.md, 2026-11-30 — gate forward: thread layout and CTAs per SM.
             T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             h = tid // tps
@@ -260,15 +250,10 @@ def engram_gate_fwd(
         dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 each, or all None (statistics not saved: the kernel
             writes them into a scratch buffer of ``4 T m`` floats instead).
 
-    NOTE measured on the H200 (3-4 interleaved rounds, cupti, cold L2; one sweep, so the figures differ
-    slightly from those of :func:`fwd_layout`, another run): the kernel without the four
-    statistics stores, otherwise identical, was slower than the one with them (ptxas schedules pass 2
-    differently): 17.9 vs 16.6 us at T = 512 and 210.0 vs 206.0 us at T = 8192 (H = 4096), 30.7 vs 28.7
-    us and 386.5 vs 355.7 us (H = 7168); the peer without statistics 17.4 / 226.6 / 30.9 / 401.9 us.
-    A ``__syncwarp`` between the reduction and pass 2 did not change the store-free kernel. So without
-    ``save_for_backward`` the same kernel runs with its statistics pointed at scratch memory (64 bytes
-    per token against 26 * H read or written; rows padded to 16 tokens so that each of the four starts
-    64-byte aligned), and the output is bitwise the same either way.
+    Without ``save_for_backward`` the same kernel runs with its statistics pointed at scratch memory (64
+    bytes per token, rows padded to 16 tokens so that each of the four starts 64-byte aligned): the kernel
+    without the statistics stores was slower (docs/perf/h200/engram.md, 2026-12-01 — gate forward: statistics
+    always written), and the output is bitwise the same either way.
     """
     key = engram_gate_fwd_key(hidden_states, out, image_token_mask)
     kernel = get_engram_gate_fwd_kernel(*key)

@@ -1,44 +1,31 @@
-"""CUDA kernel of ``engram_gate_bwd`` (OPS.md B.1.3).
+"""CUDA kernel of ``engram_gate_bwd`` (docs/ops/engram.md#gate).
 
-Schedule: ``P`` persistent workers (``P = grad_w_partial.shape[0]``). Worker ``w`` owns the fixed token
-range ``[w*ceil(T/P), min((w+1)*ceil(T/P), T))`` and writes row ``w`` of the weight-gradient partials
-(zeros when its range is empty), so the result is deterministic without atomics. Where the whole width
-fits one CTA's budget (see :func:`bwd_plan`), CTA ``p`` of a grid of ``P`` is worker ``p``. Otherwise
-(``split = S > 1``, e.g. H = 7168 at m = 4) a grid of ``S * P`` CTAs forms clusters of ``S``: cluster
-``w`` is worker ``w``, and its CTA rank ``r`` owns the columns ``[r*H/S, (r+1)*H/S)`` of every token
-(hence ``P = #SMs / S``, see :func:`num_partials`: 66 rows at H = 7168 on the H200). Each thread owns
-``nc`` 8-element column vectors for all ``m`` streams; its fp32 share of ``grad_wf`` lives in registers
-or in a shared-memory tile that only it touches. Per token:
-
-1. load ``go`` (kept in registers) and ``v``; accumulate ``G_h = <go_h, v>`` and write the value
-   gradient ``sum_h go_h * g_h`` (ascending ``h``);
-2. reduce ``G_h`` over the CTA, or the cluster (warp shuffles; every warp's partial is stored into the
-   shared memory of every CTA of the cluster, then one CTA or cluster barrier, then a second shuffle
-   reduction that every warp performs identically, so all threads of all CTAs hold bitwise-equal sums);
-3. read ``x``, ``k`` and ``wf``; write ``grad_x``, ``grad_k`` and accumulate ``beta * x * k``.
-
-Where the split's shared memory has room for a second x/k buffer, the key also compiles a token-pipelined
-variant (phase 1 and the cluster exchange of token ``t+1`` overlap phase 2 of token ``t``, its loads and
-the scalars of token ``t+2`` issued after the exchange's arrive; the worker's first x/k and second go/v
-are loaded with its first go/v; bitwise the same results), which the launcher takes for at most
-``_PIPE_MAX_PER`` tokens per worker.
-
-Latency hiding of the unpipelined kernel (compile-time, by register and shared-memory budget, see
-:func:`bwd_plan`): each thread ``cp.async``-stages its own ``x``/``k`` columns at the start of the token
-where they fit, so they travel together with the ``go``/``v`` loads of step 1, and prefetches the next
-token's ``go``/``v`` by ``cp.async`` during steps 2-3 where that fits too (at m = 4: both at H <= 4096
-and, split over two CTAs, at H % 512 == 0 up to 8192; staging only at the other H up to 7168 (H = 4352,
-4864, ...), whose weight-gradient tile stays in shared memory). Every staged element is
-written and read by the same thread, so only ``cp.async.wait_group`` is needed, no barrier.
+``P`` persistent workers (``P = grad_w_partial.shape[0]``): worker ``w`` owns the token range
+``[w*ceil(T/P), min((w+1)*ceil(T/P), T))`` and writes row ``w`` of the weight-gradient partials (zeros when
+its range is empty): deterministic without atomics. Worker ``w`` is CTA ``w``, or, where :func:`bwd_plan`
+splits the columns (``S > 1``, e.g. H = 7168), cluster ``w`` of ``S`` CTAs whose rank ``r`` owns the
+columns ``[r*H/S, (r+1)*H/S)`` (``P = #SMs / S``, :func:`num_partials`). Each thread owns ``nc`` 8-element
+column vectors of all ``m`` streams, its fp32 share of ``grad_wf`` in registers or in a shared-memory tile
+only it touches. Per token: (1) ``go`` (kept) and ``v``: ``G_h = <go_h, v>`` and the value gradient
+``sum_h go_h * g_h`` (ascending ``h``); (2) ``G_h`` reduced over the CTA or cluster (warp shuffles, every
+warp's partial stored into every CTA's shared memory, one barrier, then one identical shuffle reduction per
+warp: bitwise-equal sums everywhere); (3) ``x``, ``k``, ``wf``: ``grad_x``, ``grad_k`` and ``beta * x * k``.
+Latency hiding (:class:`BwdPlan`): thread-private ``cp.async`` staging of x/k and prefetch of the next
+go/v (only ``cp.async.wait_group``, no barrier); where a second x/k buffer fits, a token-pipelined variant
+(:func:`build_engram_gate_bwd`) for at most ``_PIPE_MAX_PER`` tokens per worker. Measurements: the "gate
+backward" entries of docs/perf/h200/engram.md.
 """
 
 import functools
 
 import torch
 
-from .._build import jit_compile, smem_budget_bytes
+from .....limits import IntRange, LimitError
+from ..._build import jit_compile
+from ._plan import BwdPlan, bwd_plan, num_partials
 
 __all__ = [
+    "BwdPlan",
     "bwd_plan",
     "build_engram_gate_bwd",
     "engram_gate_bwd",
@@ -48,18 +35,9 @@ __all__ = [
 ]
 
 _VEC = 8
-_MAX_THREADS = 1024  # upper bound on the CTA size (A/B switch)
-_STAGE_XK = True
-_PREFETCH_GO_V = True  # prefetch the next token's go/v into shared memory where it fits
-_WF_SMEM = True  # keep the thread's wf columns in shared memory where it fits (loaded once)
-_GW_REGS = True  # weight-gradient accumulators in registers where the thread's share is small
-_GW_REGS_MAX = 32  # fp32 accumulators per thread (nc * m * 8) that registers take
-_WF_PIPE = True  # wf from global memory: software-pipelined one (vector, stream) step ahead
-_SMEM_BYTES = smem_budget_bytes("sm_90a")  # one CTA's shared memory on the H200
-_SPLIT = 2  # cluster size of the column split (where only the split schedule holds grad_wf in registers)
-_PIPE = True  # split schedule: a second kernel whose phase 1 of the next token overlaps phase 2 of this one
-_PIPE_MAX_PER = 32  # ... launched for at most this many tokens per worker (more: the unpipelined kernel)
-_PIPE_SCALARS_AHEAD = True  # pipelined kernel: the per-stream scalars of token t+2 loaded with its go/v
+# the pipelined kernel for at most this many tokens per worker (T <= 2112 at P = 66), the unpipelined one
+# beyond (docs/perf/h200/engram.md, 2026-12-02 — gate backward: one worker per 2-CTA cluster (P = 66))
+_PIPE_MAX_PER = 32
 
 _PRELUDE = r"""
 __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float value) {
@@ -69,175 +47,6 @@ __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float v
   asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
 }
 """
-
-
-def _smem_parts(columns: int, hc_mult: int) -> tuple[int, int, int, int, int]:
-    """Shared-memory bytes of one CTA owning ``columns`` columns: ``(fixed, tile, xk, gov, wf)`` = the reduction
-    and scalar buffers, the fp32 weight-gradient tile, one x/k staging buffer, the go/v prefetch buffer, wf."""
-    H, m = columns, hc_mult
-    return 2 * m * 32 * 4 + 2 * 4 * m * 4, 4 * m * H, 4 * m * H, 2 * (m + 1) * H, 4 * m * H
-
-
-def _column_plan(columns: int, hc_mult: int) -> dict:
-    """The schedule of one CTA that owns ``columns`` columns of every stream (see :func:`bwd_plan`)."""
-    H, m = columns, hc_mult
-    fixed, tile, xk_bytes, gov_bytes, wf_bytes = _smem_parts(H, m)
-    stage_xk = _STAGE_XK and fixed + tile + xk_bytes <= _SMEM_BYTES
-    nvec = H // _VEC
-    n32 = nvec // 32
-    cap = min(1024 if stage_xk else 512, _MAX_THREADS)
-    nc = next((c for c in range(1, n32 + 1) if n32 % c == 0 and nvec // c <= cap), None)
-    if nc is None:
-        raise ValueError(f"engram_gate_bwd: unsupported hidden_size (columns per CTA {columns})")
-    threads = nvec // nc
-    gw_regs = _GW_REGS and threads <= 512 and nc * m * _VEC <= _GW_REGS_MAX
-    smem = fixed + (0 if gw_regs else tile) + (xk_bytes if stage_xk else 0)
-    wf_smem = _WF_SMEM and stage_xk and smem + wf_bytes <= _SMEM_BYTES
-    smem += wf_bytes if wf_smem else 0
-    pre_gov = _PREFETCH_GO_V and smem + gov_bytes <= _SMEM_BYTES
-    return dict(threads=threads, nc=nc, gw_regs=gw_regs, stage_xk=stage_xk, pre_gov=pre_gov, wf_smem=wf_smem, pipe=False)
-
-
-def _pipe_fits(columns: int, hc_mult: int, plan: dict) -> bool:
-    """Whether the token-pipelined variant fits at ``columns`` per CTA: it needs the tile in registers, the
-    x/k staging, wf in shared memory and the go/v prefetch, plus a second x/k buffer."""
-    fixed, _, xk_bytes, gov_bytes, wf_bytes = _smem_parts(columns, hc_mult)
-    need = fixed + 2 * xk_bytes + wf_bytes + gov_bytes
-    return all(plan[k] for k in ("gw_regs", "stage_xk", "pre_gov", "wf_smem")) and need <= _SMEM_BYTES
-
-
-@functools.lru_cache(maxsize=None)
-def _split(hidden_size: int, hc_mult: int) -> int:
-    return bwd_plan(hidden_size, hc_mult)["split"]
-
-
-def num_partials(hidden_size: int, hc_mult: int, workers: int) -> int:
-    """``P``, the rows of ``grad_w_partial`` on a device with ``workers`` SMs: one worker per SM, or per
-    cluster of ``split`` SMs where :func:`bwd_plan` splits the columns (``workers // split``, at least 1).
-    ``H`` and ``m`` may be symbolic sizes of a traced graph; they are read as ints (a guard on them)."""
-    return max(1, workers // _split(int(hidden_size), int(hc_mult)))
-
-
-def bwd_plan(hidden_size: int, hc_mult: int = 4) -> dict:
-    """The backward's compile-time schedule at ``(H, m)``.
-
-    Keys: ``split`` (a cluster of ``split`` CTAs shares each token, CTA ``r`` owning the columns
-    ``[r*H/split, (r+1)*H/split)``), ``threads`` and ``nc`` (each thread owns ``nc`` 8-element column
-    vectors of its CTA's columns), ``gw_regs`` (weight-gradient accumulators in registers, else a
-    shared-memory tile), ``stage_xk`` (the token's
-    ``x``/``k`` staged in shared memory by ``cp.async`` at the start of the token, travelling together
-    with the ``go``/``v`` loads), ``pre_gov`` (the next token's ``go``/``v`` prefetched into shared
-    memory while the current token finishes) and ``wf_smem`` (``wf`` loaded once into shared memory).
-
-    Steps: the layout is chosen with the tile in shared memory (x/k staged where tile and staging fit
-    the 227 KiB of an H200 SM; then one column vector per thread up to 1024 threads, else at most 512
-    threads so that the phase-2 loads of several vectors stay in the 128-register budget); the tile
-    moves to registers where the thread's share is at most ``_GW_REGS_MAX`` floats at <= 512 threads
-    (128 registers per thread); the shared memory left goes to wf, then to the go/v prefetch. Where the
-    tile stays in shared memory at full width and ``H / 2`` is a multiple of 256, the same steps at
-    ``H / 2`` columns per CTA are taken instead if they put the tile in registers (``split`` 2; one worker
-    per cluster, ``P = #SMs / 2``).
-
-    NOTE tuned for H200 (cupti, cold L2; peer = DeepSeek TileKernels in the same run):
-    H = 4096 (512 threads): tile in shared memory, x/k staged, wf in shared memory: 34.1 us (T = 512),
-    380 us (T = 8192); tile in registers with the go/v prefetch added: 31.5 / 388 us (peer 32.2 / 419).
-    H = 7168 (896 threads, 72 registers): the tile stays in shared memory (224 KiB with the x/k staging);
-    in registers it spills (97.7 / 1408 us against 59.4 / 691 us), as does 448 threads x 2 vectors
-    (59.97 / 755 us with the tile in shared memory). wf, read from global memory there, is pipelined one
-    step ahead (``_WF_PIPE``: 58.9 -> 57.3 us, 688 -> 680 us). Prefetching go/v instead of staging x/k
-    (448 threads) gives 53.8 us at T = 512 but 736 us at T = 8192 (peer: 48.7 / 660 us). Issuing the
-    next token's x/k cp.async (and at H = 4096 its go/v register loads) inside phase 2, slot by slot as
-    they are consumed, was slower everywhere: 34.8 / 412 us at H = 4096, 63.1 / 845 us at H = 7168.
-    Earlier: staging 381 us vs 417 us (prefetch only) and 397 us (plain loads) at T = 8192, H = 4096.
-    Split over a 2-CTA cluster (448 threads, tile in registers, staging, wf and prefetch): H = 7168
-    57.5 -> 55.8 us (T = 512), 680 -> 662 us (T = 8192; peer 48.8 / 661 us in the same runs). Not adopted:
-    the split at H = 4096 (256 threads per CTA: 36.5 / 429 us against 31.5 / 387 us unsplit), and at
-    H = 7168 the next token's x/k staged one token ahead into a second buffer (56.5 / 699 us).
-    The next token's per-stream scalars (gate, dot, rstd) loaded one token ahead: H = 4096 31.5 -> 29.7 us
-    (T = 512), 388 -> 381 us (T = 8192); not in the split schedule (H = 7168: 55.8 -> 56.0 us, 669 -> 691
-    us). Loading the first token's go/v before wf (phase 1 not waiting for wf) was slower at both H.
-    Not adopted either: each CTA of the split reducing dL/dg over the full width itself (reading the other
-    half's go/v as well, no cluster exchange; bitwise the same sums): H = 7168 51.2 us at T = 512 (peer
-    48.7) but 690 us at T = 8192 (cluster 667, peer 664); H = 8192 854 vs 756 us at T = 8192; only
-    H = 5120 gained at every T (38.7 / 472 vs 42.7 / 500 us). Chosen at run time for at most 16 tokens
-    per worker (one kernel, both paths): H = 7168 53.0 / 95.1 / 178.2 us at T = 512 / 1024 / 2048 against
-    55.8 / 96.1 / 176.1 us, the second path costing registers (small spills with the mask).
-    ncu at T = 512, H = 7168 shows the cluster barrier's release fence (membar) as the largest stall
-    reason (the peer has none); exchanging the partials by st.async onto an mbarrier of the partner
-    instead (no fence, bitwise the same) was slower all the same: 56.2 / 709 us against 55.8 / 666 us at
-    T = 512 / 8192 (H = 5120: 42.7 / 513 vs 42.7 / 500 us).
-    Not adopted: a stream-major schedule (one CTA per worker at full width, ``tps`` threads per stream,
-    each thread owning ``H / tps`` columns of one stream with its weight-gradient share in registers, so
-    that dL/dg is one value per thread reduced over the stream's warps; go / v of the next token
-    prefetched and x / k staged in shared memory, 185 KiB at H = 7168): 56.5 / 704 us at T = 512 / 8192
-    with 512 threads and 61.3 / 777 us with 256 threads (H = 7168; current 55.6 / 664, peer 48.6 / 662),
-    33.3 / 388 us at H = 4096 (current 29.6 / 382); staging the next token's x / k stripe by stripe in
-    phase 2 instead: 59.3 / 780 us. ncu at T = 512, H = 7168 (same DRAM bytes as the peer, 96 MB read,
-    55-58 MB written): the peer keeps L2 79 % busy for 48.8 us, the stream-major kernel 79 % for 57.3 us
-    and the current kernel 71 % for 60.5 us (ncu clocks), i.e. ours put 11-17 % more work on L2.
-    The extra store bytes were the weight-gradient flush: each lane's 8 fp32 columns went out as two
-    16-byte stores that each half-filled 32 sectors (3.01 M store sectors for 158,592 warp stores; the
-    peer 2.65 M). Storing each warp's two contiguous 512-byte halves instead (lanes exchange by shuffle,
-    bitwise the same partials): H = 7168 55.6 -> 53.8 us (T = 512), 662.5 -> 661.5 us (T = 8192);
-    H = 4096 29.7 -> 29.1 / 382.5 -> 382.4 us (peer 48.7 / 659 and 32.1 / 417 in the same runs).
-    Not adopted: issuing the token's x/k staging before waiting for its prefetched go/v (H = 7168
-    54.2 / 672.5 us against 53.8 / 661.4; H = 4096 28.7 / 380.9 against 28.9 / 382.7).
-    Token-pipelined split (``pipe``, a second kernel, see :func:`build_engram_gate_bwd`; bitwise equal to
-    the unpipelined one at T in {1, 2, 3, 133, 509, 512, 1000, 8001}, masks on and off,
-    H in {5120, 6144, 7168}), 4 interleaved rounds against the unpipelined kernel and the peer:
-    H = 7168 T = 512 / 1024 / 2048 / 4096 / 8192: 51.3 / 93.0 / 174.3 / 338.6 / 669.7 us against 54.5 /
-    94.6 / 175.5 / 338.4 / 667.8 (peer 48.9 / 90.6 / 172.6 / 334.2 / 666.1); H = 5120 T = 512 / 8192:
-    40.3 / 539.3 against 41.5 / 499.5 (peer 38.8 / 520.2); H = 6144 46.5 / 621.2 against 47.2 / 572.4
-    (peer 43.5 / 574.4). Hence the pipelined kernel for at most 16 tokens per worker (T <= 2112 at
-    P = 132; 32 per worker since P = 66, below). Both paths in one kernel with a run-time switch spilled
-    (128 registers at 448 threads); one pipeline over the cluster's two workers (row flush inside it)
-    instead of one per worker: 51.4 us at T = 512, no gain.
-    The pipelined kernel's loads after the cluster arrive (2026-12; 7 rotated rounds, H = 7168, bitwise
-    equal to the unpipelined kernel at T in {1, 3, 133, 264, 509, 512, 2112}, masks on and off,
-    H in {5120, 7168}): the arrive's release fence is a MEMBAR.ALL.GPU, which waits for the thread's
-    outstanding memory operations. Issuing token t+1's x/k staging (before: ahead of its phase 1) and
-    token t+2's go/v prefetch (before: after the go/v reads, ahead of the exchange) after the arrive:
-    T = 512 / 1024 / 2048 / 8192 49.95 / 92.51 / 174.70 / 665.2 us against 51.12 / 92.67 / 173.36 / 667.9
-    (peer 48.88 / 90.06 / 172.04 / 660.8). With the ramp below (both adopted): 49.88 / 91.72 / 173.69 /
-    661.2 us. Not adopted: the value-gradient stores after the arrive, alone 52.2 / 96.5 / 183.3 / 714.9 us,
-    with the ramp 51.6 / 95.7 / 185.1 / 719.4 us, with the loads 50.2 / 92.7 / 175.6 / 672.0 us.
-    The ramp: the x/k of a worker's first token staged in the prologue (with its go/v; the wait of the
-    cluster's start barrier after both instead of before) or by the previous worker after its last
-    phase 2 (in flight during the row flush), the first phase 1 peeled so that it does not wait for the
-    x/k (in the first worker it waits for wf, committed before the go/v):
-    alone 50.58 / 50.64 us against 51.02 / 51.12 us at T = 512 (two runs), adopted with the loads after
-    the arrive (above). Not adopted: wf
-    committed after the first x/k (49.89 against 49.79 us), x/k staged one token ahead across the worker
-    boundary inside the loop (51.3 / 688 us against 51.0 / 669 us at T = 512 / 8192), one pipeline over
-    both workers again (49.83 / 668.4 against 49.78 / 663.9 us). A 2-CTA cluster launch costs 0.1 us and
-    its start barrier 0.33 us over a plain 132-CTA launch (trivial kernel, 204 KB of shared memory).
-    2026-12 (7 rotated rounds, H = 7168, T = 512 / 1024 / 2048 / 8192, the pipelined kernel at every T;
-    bitwise equal to the unpipelined kernel at T in {1, 2, 3, 66, 67, 133, 264, 265, 509, 512, 1000, 2112,
-    2113}, masks on and off, H in {5120, 7168}): one worker per 2-CTA cluster (P = 66; before, a cluster
-    served two workers of P = 132 one after the other, with a row flush and a pipeline fill between them;
-    the entries above that name a cluster's two workers, the row flush or a worker boundary measured that
-    schedule), with the worker's second go/v loaded into its free x/k buffer with the first go/v and the scalars of
-    token t+2 loaded after the arrive: 46.9 / 88.6 / 171.1 / 661.7 us against 49.7 / 91.6 / 174.2 / 662.6
-    (peer 48.7 / 89.9 / 172.3 / 659.6, writing 132 partial rows); the unpipelined kernel at P = 66 173.0 /
-    662.1 us at T = 2048 / 8192 (at P = 132 175.7 / 660.4), hence the pipelined kernel up to 32 tokens per
-    worker (T <= 2112) as before. The second go/v alone: 49.7 against 49.9 us at T = 512, with the scalars
-    ahead 49.7 / 91.2 / 172.7 / 663.0 us. Not adopted: the streamed inputs read with an L2 evict-first
-    policy (createpolicy + cp.async.L2::cache_hint): 51.3 / 95.5 / 182.7 / 702.4 us (the unpipelined
-    kernel 717.2 against 663.7 us at T = 8192).
-    """
-    H, m = hidden_size, hc_mult
-    plan = _column_plan(H, m)
-    split = 1
-    S = _SPLIT
-    if S > 1 and not plan["gw_regs"] and H % (256 * S) == 0:
-        # S CTAs of a cluster per token, H / S columns each: the narrower schedule keeps grad_wf in
-        # registers and has room for the x/k staging, wf and the go/v prefetch.
-        part = _column_plan(H // S, m)
-        if part["gw_regs"] and S * (part["threads"] // 32) <= 32:
-            plan, split = part, S
-            plan["pipe"] = _PIPE and _pipe_fits(H // S, m, part)
-    plan["split"] = split
-    return plan
 
 
 def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
@@ -250,12 +59,12 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     """Builds the backward prim_func.
 
     Args:
-        hidden_size: ``H`` (multiple of 256, at most 8192 at m = 4; see :func:`bwd_plan`).
-        hc_mult: ``m``.
+        hidden_size: ``H`` in ``limits.ENGRAM_HIDDEN`` (see :func:`bwd_plan`).
+        hc_mult: ``m`` in ``limits.ENGRAM_HC_MULT``.
         num_partials: ``P``, the number of workers / rows of ``grad_w_partial`` (the grid is ``S * P`` CTAs
             at the split ``S`` of :func:`bwd_plan`, one worker per cluster).
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
-        pipelined: The token-pipelined variant of the split schedule (only where ``bwd_plan(...)["pipe"]``):
+        pipelined: The token-pipelined variant of the split schedule (only where ``bwd_plan(...).pipe``):
             iteration ``t`` runs phase 1 of token ``t+1`` and sends its dL/dg partials, stages its x/k and
             loads the go/v and the scalars of token ``t+2`` (after the cluster arrive), runs phase 2 of token
             ``t``, then waits for the cluster, so that the exchange and the loads overlap a phase 2. The
@@ -268,23 +77,24 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     """
     from tilelang import language as T
 
-    H, m, P = hidden_size, hc_mult, num_partials
-    plan = bwd_plan(H, m)
-    S, threads, nc = plan["split"], plan["threads"], plan["nc"]
-    gw_regs, stage_xk, pre_gov, wf_smem = plan["gw_regs"], plan["stage_xk"], plan["pre_gov"], plan["wf_smem"]
-    if pipelined and not plan["pipe"]:
-        raise ValueError(f"engram_gate_bwd: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
-    pipe = pipelined  # implies S > 1, x/k staging, the go/v prefetch, wf in shared memory, tile in registers
-    assert not pipe or (plan["split"] > 1 and stage_xk and pre_gov and wf_smem and gw_regs), plan
+    plan = bwd_plan(hidden_size, hc_mult)  # limits.LimitError outside the Engram ranges
+    H, m = int(hidden_size), int(hc_mult)
+    P = IntRange("num_partials", 1).require("engram_gate_bwd", num_partials)
+    S, threads, nc = plan.split, plan.threads, plan.nc
+    gw_regs, stage_xk, pre_gov, wf_smem = plan.gw_regs, plan.stage_xk, plan.pre_gov, plan.wf_smem
+    if pipelined and not plan.pipe:
+        raise LimitError(f"engram_gate_bwd: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
+    # the pipelined kernel implies S > 1, x/k staging, the go/v prefetch, wf in shared memory, tile in registers
+    # (plan.pipe is set only where _plan._pipe_fits says all hold)
+    pipe = pipelined
     if threads % 32 != 0:
         # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
-        raise ValueError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
-    wf_pipe = _WF_PIPE and not wf_smem
-    sc_ahead = pipe and _PIPE_SCALARS_AHEAD
+        raise LimitError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
+    wf_pipe = not wf_smem  # wf from global memory: software-pipelined one (vector, stream) step ahead
     gov0 = 4 * m if pipe else 0  # first go/v row (in the pipelined kernel, after the two x/k buffers)
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
-    # the unpipelined split schedule, where it measured slower (see the NOTE of bwd_plan); the pipelined
-    # kernel loads token t+2's after the arrive instead (sc_ahead).
+    # the unpipelined split schedule, where it measured slower (docs/perf/h200/engram.md, 2026-11-30 — gate
+    # backward: column split over a 2-CTA cluster); the pipelined kernel loads token t+2's after the arrive.
     scalars_ahead = S == 1
     nwarps = threads // 32
     HC = H // S  # columns per CTA
@@ -638,10 +448,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             else:
                 pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, sb, red, scs, gon, vr, vf, gv,
                             gl, acc, sc, gln, scn, parity, gov0, t_lo, t_pf, t_hi, tid, lane, wid, rank, c0, False)
-            if sc_ahead:
-                # token t_lo+1's scalars, in flight during the exchange (after the arrive)
-                if t_lo + 1 < t_hi:
-                    load_scalars(dot, gate, rstd_x, rstd_k, scn, gln, t_lo + 1, tid)
+            # token t_lo+1's scalars, in flight during the exchange (after the arrive)
+            if t_lo + 1 < t_hi:
+                load_scalars(dot, gate, rstd_x, rstd_k, scn, gln, t_lo + 1, tid)
             if not (has_mask and mask[t_lo]):
                 pipe_take(red, scs, gl, acc, beta, ax, ak, parity, lane, gor, gon)
         for t in T.serial(t_lo, t_hi):
@@ -656,11 +465,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 else:
                     pipe_phase1(go, x, kv, dot, gate, rstd_x, rstd_k, clamp, grad_kv, sb, red, scs, gon, vr, vf,
                                 gv, gl, acc, sc, gln, scn, parity, r0, t + 1, t + 2, pf_stop, tid, lane, wid, rank, c0,
-                                True, sc_ahead)
-                if sc_ahead:
-                    # token t+2's scalars, in flight during phase 2 of token t (after the arrive)
-                    if t + 2 < t_hi:
-                        load_scalars(dot, gate, rstd_x, rstd_k, scn, gln, t + 2, tid)
+                                True, True)
+                # token t+2's scalars, in flight during phase 2 of token t (after the arrive)
+                if t + 2 < t_hi:
+                    load_scalars(dot, gate, rstd_x, rstd_k, scn, gln, t + 2, tid)
             if not (has_mask and mask[t]):
                 pipe_phase2(grad_x, grad_kv, sb, wf_s, gwr, gor, xr, kr, wr, cp, beta, ax, ak, t, tid, c0)
             if t + 1 < t_hi:
@@ -714,8 +522,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             ak = T.alloc_local((m,), f32)
             sc = T.alloc_local((4,), f32)
             # the next token's gate scores and its dot, rstd_x, rstd_k (threads h < m), loaded one token ahead
-            gln = T.alloc_local((m,), f32) if scalars_ahead or sc_ahead else None
-            scn = T.alloc_local((3,), f32) if scalars_ahead or sc_ahead else None
+            gln = T.alloc_local((m,), f32) if scalars_ahead or pipe else None
+            scn = T.alloc_local((3,), f32) if scalars_ahead or pipe else None
             parity = T.alloc_local((1,), T.int32)  # reduction buffer of this token
             gon = T.alloc_local((nc, m, _VEC), bf16) if pipe else None  # the next token's go (pipelined)
 
@@ -841,7 +649,7 @@ def get_engram_gate_bwd_kernel(*key):
     ``_PIPE_MAX_PER`` tokens per worker."""
     H, m, P, _ = key
     kernel = jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
-    if not bwd_plan(H, m)["pipe"]:
+    if not bwd_plan(H, m).pipe:
         return kernel, None
     return kernel, jit_compile("engram_gate_bwd_pipelined", key, build_engram_gate_bwd(*key, pipelined=True))
 

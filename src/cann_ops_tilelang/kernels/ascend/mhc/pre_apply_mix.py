@@ -1,0 +1,191 @@
+"""Ascend 950 kernels of ``mhc_pre_apply_mix_forward`` / ``_backward`` (docs/ops/mhc.md#pre_apply_mix), m = 4.
+
+* ``mhc_pre_apply_mix_forward(x, mix, out)``: ``out = bf16(sum_i mix_i * f32(x_i))``, i ascending.
+* ``mhc_pre_apply_mix_backward(out_grad, x, mix, x_grad, mix_grad)``: ``x_grad += mix_i * og`` (bf16
+  read-modify-write), ``mix_grad[t, i] = sum_d og * x_i`` (new tensor).
+
+Streaming scheme of :mod:`._streaming`; launchers take the op's arguments in schema order followed by
+its new outputs (docs/ops/mhc.md#conventions).
+"""
+
+# NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
+import functools
+
+import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
+from tilelang.ascend import language as T
+from tilelang.ascend.language import simd as S
+
+from .. import num_vector_cores
+from ._common import CASE_NUM_CORES, LANES
+from ._streaming import PAD, StreamingPlan, bf16_to_f32, check, to_bf16
+
+__all__ = [
+    "build_mhc_pre_apply_mix_backward",
+    "build_mhc_pre_apply_mix_forward",
+    "get_mhc_pre_apply_mix_backward_kernel",
+    "get_mhc_pre_apply_mix_forward_kernel",
+    "lowering_cases",
+    "mhc_pre_apply_mix_backward",
+    "mhc_pre_apply_mix_backward_key",
+    "mhc_pre_apply_mix_forward",
+    "mhc_pre_apply_mix_forward_key",
+]
+
+# Forward three stages (the whole row up to H = 7936), backward two (the whole row up to H = 6656)
+# (docs/perf/ascend950/mhc.md, 2026-11-30 — pre_apply_mix: UB tiles).
+FORWARD_PLAN = StreamingPlan(stages=3)
+BACKWARD_PLAN = StreamingPlan(stages=2)
+
+
+def mhc_pre_apply_mix_forward_key(x, num_cores: int) -> tuple:
+    """(H, m, num_cores); never T."""
+    return (int(x.shape[-1]), int(x.shape[-2]), int(num_cores))
+
+
+def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int, num_cores: int):
+    """prim_func(x (T,m,H) bf16, mix (T,m) f32, out (T,H) bf16): ``out = bf16(sum_i mix_i * x_i)``."""
+    H, m = check("mhc_pre_apply_mix_forward", hidden_size, hc_mult)
+    stages = FORWARD_PLAN.stages
+    h_blk = FORWARD_PLAN.hidden_tile(H, 2 * (m + 1))  # m bf16 inputs + 1 bf16 output per column
+    n_tiles = H // h_blk
+    n_chunks = h_blk // LANES
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_apply_mix_forward_asc(
+        x: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        mix: T.Tensor[(num_tokens, m), T.float32],
+        out: T.Tensor[(num_tokens, H), T.bfloat16],
+    ):
+        with T.Kernel(num_cores) as core_id:
+            x_ub = T.alloc_shared((m, h_blk), T.bfloat16)
+            mix_ub = T.alloc_shared((PAD,), T.float32)
+            o_ub = T.alloc_shared((h_blk,), T.bfloat16)
+            T.annotate_buffer_versions({x_ub: stages, mix_ub: stages, o_ub: stages})
+            for t, ht in T.Persistent([num_tokens, n_tiles], num_cores, core_id, group_size=1, num_stages=stages):
+                h0 = ht * h_blk
+                T.copy(mix[t, :], mix_ub[0:m])
+                T.copy(x[t, :, h0 : h0 + h_blk], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
+                with T.SimdVF():
+                    w = S.alloc_local((m,), T.float32)
+                    for i in T.unroll(m, explicit=True):
+                        w[i] = S.vld(mix_ub[i], dist="BRC_B32")
+                    acc = S.alloc_local((1,), T.float32)
+                    for c in T.serial(n_chunks):
+                        d = c * LANES
+                        acc[0] = S.vmul(bf16_to_f32(x_ub[0, d]), w[0])
+                        for i in T.unroll(1, m, explicit=True):
+                            S.vmula(acc[0], bf16_to_f32(x_ub[i, d]), w[i])
+                        S.vsts(o_ub[d], to_bf16(acc[0]), dist="PK_B32")
+                T.copy(o_ub, out[t, h0 : h0 + h_blk])
+
+    return mhc_pre_apply_mix_forward_asc
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_apply_mix_forward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
+    from .._build import jit_compile
+
+    key = (hidden_size, hc_mult, num_cores)
+    return jit_compile("mhc_pre_apply_mix_forward", key, build_mhc_pre_apply_mix_forward(*key))
+
+
+def mhc_pre_apply_mix_forward(x, mix, out) -> None:
+    """x (T,m,H) bf16, mix (T,m) f32 -> out (T,H) bf16 (overwritten). Current stream, no sync."""
+    kernel = get_mhc_pre_apply_mix_forward_kernel(*mhc_pre_apply_mix_forward_key(x, num_vector_cores()))
+    kernel(x, mix.reshape(x.shape[0], x.shape[1]), out)
+
+
+def mhc_pre_apply_mix_backward_key(x, num_cores: int) -> tuple:
+    """(H, m, num_cores); never T."""
+    return (int(x.shape[-1]), int(x.shape[-2]), int(num_cores))
+
+
+def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int, num_cores: int):
+    """prim_func(out_grad (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32, x_grad (T,m,H) bf16 in/out,
+    mix_grad (T,m) f32 out).
+
+    One task per token (it owns the H reduction of ``mix_grad``), hidden tiles in ascending order.
+    """
+    H, m = check("mhc_pre_apply_mix_backward", hidden_size, hc_mult)
+    stages = BACKWARD_PLAN.stages
+    h_blk = BACKWARD_PLAN.hidden_tile(H, 2 + 4 * m)  # og (2) + x (2m) + x_grad (2m) bytes per column
+    n_tiles = H // h_blk
+    n_chunks = h_blk // LANES
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_apply_mix_backward_asc(
+        out_grad: T.Tensor[(num_tokens, H), T.bfloat16],
+        x: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        mix: T.Tensor[(num_tokens, m), T.float32],
+        x_grad: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        mix_grad: T.Tensor[(num_tokens, m), T.float32],
+    ):
+        with T.Kernel(num_cores) as core_id:
+            og_ub = T.alloc_shared((h_blk,), T.bfloat16)
+            x_ub = T.alloc_shared((m, h_blk), T.bfloat16)
+            xg_ub = T.alloc_shared((m, h_blk), T.bfloat16)
+            mix_ub = T.alloc_shared((PAD,), T.float32)
+            acc_ub = T.alloc_shared((m, LANES), T.float32)  # 64-lane partial sums of mix_grad
+            mg_ub = T.alloc_shared((PAD,), T.float32)
+            T.annotate_buffer_versions({og_ub: stages, x_ub: stages, xg_ub: stages, mix_ub: stages, mg_ub: stages})
+            for (t,) in T.Persistent([num_tokens], num_cores, core_id, group_size=1, num_stages=stages):
+                T.copy(mix[t, :], mix_ub[0:m])
+                with T.SimdVF():
+                    zero = S.vdup(0.0, T.float32)
+                    for i in T.unroll(m, explicit=True):
+                        S.vsts(acc_ub[i, 0], zero)
+                for ht in T.serial(n_tiles):
+                    h0 = ht * h_blk
+                    T.copy(out_grad[t, h0 : h0 + h_blk], og_ub)
+                    T.copy(x[t, :, h0 : h0 + h_blk], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
+                    T.copy(x_grad[t, :, h0 : h0 + h_blk], xg_ub)
+                    with T.SimdVF():
+                        w = S.alloc_local((m,), T.float32)
+                        acc = S.alloc_local((m,), T.float32)
+                        r = S.alloc_local((1,), T.float32)
+                        for i in T.unroll(m, explicit=True):
+                            w[i] = S.vld(mix_ub[i], dist="BRC_B32")
+                            acc[i] = S.vld(acc_ub[i, 0])
+                        for c in T.serial(n_chunks):
+                            d = c * LANES
+                            og = bf16_to_f32(og_ub[d])
+                            for i in T.unroll(m, explicit=True):
+                                S.vmula(acc[i], og, bf16_to_f32(x_ub[i, d]))
+                                r[0] = bf16_to_f32(xg_ub[i, d])
+                                S.vmula(r[0], og, w[i])
+                                S.vsts(xg_ub[i, d], to_bf16(r[0]), dist="PK_B32")
+                        for i in T.unroll(m, explicit=True):
+                            S.vsts(acc_ub[i, 0], acc[i])
+                    T.copy(xg_ub, x_grad[t, :, h0 : h0 + h_blk])
+                with T.SimdVF():
+                    for i in T.unroll(m, explicit=True):
+                        S.vsts(mg_ub[i], S.vcadd(S.vld(acc_ub[i, 0])), dist="ONEPT_B32")
+                T.copy(mg_ub[0:m], mix_grad[t, :])
+
+    return mhc_pre_apply_mix_backward_asc
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_pre_apply_mix_backward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
+    from .._build import jit_compile
+
+    key = (hidden_size, hc_mult, num_cores)
+    return jit_compile("mhc_pre_apply_mix_backward", key, build_mhc_pre_apply_mix_backward(*key))
+
+
+def mhc_pre_apply_mix_backward(out_grad, x, mix, x_grad, mix_grad) -> None:
+    """out_grad (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32; x_grad (T,m,H) bf16 accumulated in place;
+    mix_grad (T,m) f32 (new, overwritten). Current stream, no sync."""
+    kernel = get_mhc_pre_apply_mix_backward_kernel(*mhc_pre_apply_mix_backward_key(x, num_vector_cores()))
+    n, m = x.shape[0], x.shape[1]
+    kernel(out_grad, x, mix.reshape(n, m), x_grad, mix_grad.reshape(n, m))
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
+    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks)."""
+    return {
+        "mhc_pre_apply_mix_forward": build_mhc_pre_apply_mix_forward(hidden_size, hc_mult, num_cores),
+        "mhc_pre_apply_mix_backward": build_mhc_pre_apply_mix_backward(hidden_size, hc_mult, num_cores),
+    }

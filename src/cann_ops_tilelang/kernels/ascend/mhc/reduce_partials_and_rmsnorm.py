@@ -1,0 +1,295 @@
+"""Ascend 950 kernels of ``mhc_reduce_partials_and_rmsnorm_forward`` / ``_backward``
+(docs/ops/mhc.md#reduce_partials_and_rmsnorm), G = 1; forward M3 = 24, backward M3 <= 32, any number of
+splits S.
+
+``r = 1/sqrt(sq*(1/Rg) + eps)`` is the Ascend form of ``rsqrt(sq/Rg + eps)``: ``vmuls(sq, fp32(1/Rg))``,
+``vadds(eps)``, ``vsqrt``, correctly rounded ``vdiv(1, .)``. Layouts (numerics and tails: :mod:`._per_token`):
+
+* Forward: the (64, 24) block is 24 vectors in the compact token-major layout; the per-token ``r`` (one
+  64-lane vector for the block) is spread over the mixes with ``vselr`` and a constant lane -> token
+  table built once per core.
+* Backward: rows padded to 32 floats in UB (two tokens per vector); the row sums ``rho`` come from
+  ``vcgadd`` (8-lane group sums) and a two-round ``vdintlv`` transpose of the group sums.
+"""
+
+# NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
+import dataclasses
+import functools
+
+import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
+from tilelang.ascend import language as T
+from tilelang.ascend.language import simd as S
+
+from .... import limits
+from .. import num_vector_cores
+from ._common import CASE_NUM_CORES, LANES, M3, require_m3, require_mixes
+from ._per_token import TokenPlan
+
+__all__ = [
+    "build_mhc_reduce_partials_and_rmsnorm_backward",
+    "build_mhc_reduce_partials_and_rmsnorm_forward",
+    "get_mhc_reduce_partials_and_rmsnorm_backward_kernel",
+    "get_mhc_reduce_partials_and_rmsnorm_forward_kernel",
+    "lowering_cases",
+    "mhc_reduce_partials_and_rmsnorm_backward",
+    "mhc_reduce_partials_and_rmsnorm_backward_key",
+    "mhc_reduce_partials_and_rmsnorm_forward",
+    "mhc_reduce_partials_and_rmsnorm_forward_key",
+]
+
+_ROW_PAD = 32  # backward UB row of one token: M3 <= 32 floats, so two tokens per vector register
+_SPLITS = limits.IntRange("n_splits", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan(TokenPlan):
+    """The splits of one token block arrive in equal DMAs of at most ``max_splits_per_copy`` splits."""
+
+    max_splits_per_copy: int = 8
+
+    def split_chunk(self, n_splits: int) -> int:
+        """Largest divisor of S that is <= ``max_splits_per_copy``: S/chunk equal DMAs per block."""
+        for c in range(min(n_splits, self.max_splits_per_copy), 0, -1):
+            if n_splits % c == 0:
+                return c
+        return 1
+
+
+# Eight splits per DMA: S = 16 takes ~134 KiB of UB; the backward ~50 KiB
+# (docs/perf/ascend950/mhc.md, 2026-11-30 — reduce_partials_and_rmsnorm: UB).
+FORWARD_PLAN = ForwardPlan()
+BACKWARD_PLAN = TokenPlan()
+
+
+def mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted, num_cores: int) -> tuple:
+    """(S, num_cores); never T. ``rms_group_size`` and ``rms_eps`` are runtime scalars."""
+    return (int(out_mul_splitted.shape[0]), int(num_cores))
+
+
+def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, num_cores: int):
+    """prim_func(out_mul_splitted (S,T,24) f32, sqrsum_splitted (S,T) f32, out_mul (T,24) f32,
+    sqrsum (T,) f32, out (T,24) f32, inv_group f32 = fp32(1/Rg), rms_eps f32); T is a dynamic dim.
+
+    ``sq = sum_s sq_s`` and ``om = sum_s om_s`` in split order (from 0: ``0 + v`` is ``v``),
+    ``r = 1/sqrt(sq*inv_group + eps)``, ``out = om*r``.
+    """
+    S_ = _SPLITS.require("mhc_reduce_partials_and_rmsnorm_forward", int(n_splits))
+    B, stages = FORWARD_PLAN.tokens, FORWARD_PLAN.stages
+    NV = B * M3 // LANES  # 24 vectors per block in the compact layout
+    SC = FORWARD_PLAN.split_chunk(S_)
+    n_chunks = S_ // SC
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_reduce_partials_and_rmsnorm_forward_asc(
+        out_mul_splitted: T.Tensor[(S_, num_tokens, M3), T.float32],
+        sqrsum_splitted: T.Tensor[(S_, num_tokens), T.float32],
+        out_mul: T.Tensor[(num_tokens, M3), T.float32],
+        sqrsum: T.Tensor[(num_tokens,), T.float32],
+        out: T.Tensor[(num_tokens, M3), T.float32],
+        inv_group: T.float32,
+        rms_eps: T.float32,
+    ):
+        with T.Kernel(num_cores) as core_id:
+            part_ub = T.alloc_shared((SC, B, M3), T.float32)
+            sqp_ub = T.alloc_shared((SC, B), T.float32)
+            acc_ub = T.alloc_shared((B, M3), T.float32)
+            sq_ub = T.alloc_shared((B,), T.float32)
+            out_ub = T.alloc_shared((B, M3), T.float32)
+            tok_ub = T.alloc_shared((NV, LANES), T.int32)  # lane -> token of vector v
+            T.annotate_buffer_versions(
+                {part_ub: stages, sqp_ub: stages, acc_ub: stages, sq_ub: stages, out_ub: stages}
+            )
+            # token of element e = 64v + lane in the compact (64, 24) block: floor(e/24) =
+            # ((e >> 3) * 171) >> 9 (exact for e < 1536), with the multiply as shifts and adds.
+            with T.SimdVF():
+                lane = S.vci(0, T.int32)
+                for v in T.unroll(NV, explicit=True):
+                    e8 = S.vshrs(S.vadds(lane, v * LANES), 3)
+                    p = S.vadd(S.vadd(S.vshls(e8, 7), S.vshls(e8, 5)), S.vadd(S.vshls(e8, 3), S.vadd(S.vshls(e8, 1), e8)))
+                    S.vsts(tok_ub[v, 0], S.vshrs(p, 9))
+
+            for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
+                t0 = blk * B
+                if n_chunks == 1:
+                    T.copy(out_mul_splitted[:, t0 : t0 + B, :], part_ub)
+                    T.copy(sqrsum_splitted[:, t0 : t0 + B], sqp_ub)
+                    with T.SimdVF():
+                        a = S.alloc_local((1,), T.float32)
+                        for v in T.unroll(NV, explicit=True):
+                            a[0] = S.vld(part_ub[0, (v * LANES) // M3, (v * LANES) % M3])
+                            for s in T.serial(1, SC):  # fixed order: s ascending
+                                a[0] = S.vadd(a[0], S.vld(part_ub[s, (v * LANES) // M3, (v * LANES) % M3]))
+                            S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], a[0])
+                        a[0] = S.vld(sqp_ub[0, 0])
+                        for s in T.serial(1, SC):
+                            a[0] = S.vadd(a[0], S.vld(sqp_ub[s, 0]))
+                        S.vsts(sq_ub[0], a[0])
+                else:
+                    with T.SimdVF():
+                        zero = S.vdup(0.0, T.float32)
+                        for v in T.unroll(NV, explicit=True):
+                            S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], zero)
+                        S.vsts(sq_ub[0], zero)
+                    for c in T.serial(n_chunks):
+                        T.copy(out_mul_splitted[c * SC : c * SC + SC, t0 : t0 + B, :], part_ub)
+                        T.copy(sqrsum_splitted[c * SC : c * SC + SC, t0 : t0 + B], sqp_ub)
+                        with T.SimdVF():
+                            a = S.alloc_local((1,), T.float32)
+                            for v in T.unroll(NV, explicit=True):
+                                a[0] = S.vld(acc_ub[(v * LANES) // M3, (v * LANES) % M3])
+                                for s in T.serial(SC):  # fixed order: s ascending
+                                    a[0] = S.vadd(a[0], S.vld(part_ub[s, (v * LANES) // M3, (v * LANES) % M3]))
+                                S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], a[0])
+                            a[0] = S.vld(sq_ub[0])
+                            for s in T.serial(SC):
+                                a[0] = S.vadd(a[0], S.vld(sqp_ub[s, 0]))
+                            S.vsts(sq_ub[0], a[0])
+                with T.SimdVF():
+                    one = S.vdup(1.0, T.float32)
+                    r = S.vdiv(one, S.vsqrt(S.vadds(S.vmuls(S.vld(sq_ub[0]), inv_group), rms_eps)))
+                    for v in T.unroll(NV, explicit=True):
+                        om = S.vld(acc_ub[(v * LANES) // M3, (v * LANES) % M3])
+                        rv = S.vselr(r, S.vld(tok_ub[v, 0]))
+                        S.vsts(out_ub[(v * LANES) // M3, (v * LANES) % M3], S.vmul(om, rv))
+                with T.Task():
+                    T.copy(acc_ub, out_mul[t0 : t0 + B, :])
+                    T.copy(sq_ub, sqrsum[t0 : t0 + B])
+                    T.copy(out_ub, out[t0 : t0 + B, :])
+
+    return mhc_reduce_partials_and_rmsnorm_forward_asc
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_reduce_partials_and_rmsnorm_forward_kernel(n_splits, num_cores):
+    from .._build import jit_compile
+
+    key = (n_splits, num_cores)
+    return jit_compile("mhc_reduce_partials_and_rmsnorm_forward", key, build_mhc_reduce_partials_and_rmsnorm_forward(*key))
+
+
+def mhc_reduce_partials_and_rmsnorm_forward(
+    out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, rms_group_size, rms_eps, n_splits
+) -> None:
+    """out_mul_splitted (S,T,1,24) f32, sqrsum_splitted (S,T,1) f32 -> out_mul (T,1,24), sqrsum (T,1),
+    out (T,24) (all f32, written). G must be 1 and M3 24 (validated by the op layer). Current stream."""
+    s, t = int(out_mul_splitted.shape[0]), int(out_mul_splitted.shape[1])
+    m3 = require_m3("mhc_reduce_partials_and_rmsnorm_forward", out_mul_splitted.shape[-1])
+    if s != int(n_splits):
+        raise limits.LimitError(
+            f"mhc_reduce_partials_and_rmsnorm_forward: out_mul_splitted holds {s} splits, n_splits is {n_splits}"
+        )
+    key = mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted, num_vector_cores())
+    kernel = get_mhc_reduce_partials_and_rmsnorm_forward_kernel(*key)
+    kernel(
+        out_mul_splitted.view(s, t, m3), sqrsum_splitted.view(s, t), out_mul.view(t, m3), sqrsum.view(t),
+        out.view(t, m3), float(1.0 / int(rms_group_size)), float(rms_eps),
+    )
+
+
+def mhc_reduce_partials_and_rmsnorm_backward_key(out_grad, num_cores: int) -> tuple:
+    """(M3, num_cores); never T. ``rms_group_size`` and ``rms_eps`` are runtime scalars."""
+    return (int(out_grad.shape[-1]), int(num_cores))
+
+
+def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: int):
+    """prim_func(out_grad (T,M3) f32, out_mul (T,M3) f32, sqrsum (T,) f32, out_mul_grad (T,M3) f32,
+    sqrsum_grad (T,) f32, inv_group f32 = fp32(1/Rg), rms_eps f32, eps_group f32 = fp32(eps*Rg)).
+
+    ``r = 1/sqrt(sq*inv_group + eps)``, ``out_mul_grad = og*r``, ``rho = sum_j og*om``,
+    ``sqrsum_grad = ((rho*r) / (sq + eps*Rg)) * -0.5`` (= -rho*r/(2(sq + eps*Rg)), the halving is exact).
+    """
+    # the M3 <= 32 mixes of a token fill half a vector
+    M3 = require_mixes("mhc_reduce_partials_and_rmsnorm_backward", mhc_mult3, _ROW_PAD)
+    B, stages = BACKWARD_PLAN.tokens, BACKWARD_PLAN.stages
+    n_pairs = B // 2
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_reduce_partials_and_rmsnorm_backward_asc(
+        out_grad: T.Tensor[(num_tokens, M3), T.float32],
+        out_mul: T.Tensor[(num_tokens, M3), T.float32],
+        sqrsum: T.Tensor[(num_tokens,), T.float32],
+        out_mul_grad: T.Tensor[(num_tokens, M3), T.float32],
+        sqrsum_grad: T.Tensor[(num_tokens,), T.float32],
+        inv_group: T.float32,
+        rms_eps: T.float32,
+        eps_group: T.float32,
+    ):
+        with T.Kernel(num_cores) as core_id:
+            og_ub = T.alloc_shared((B, _ROW_PAD), T.float32)
+            om_ub = T.alloc_shared((B, _ROW_PAD), T.float32)
+            omg_ub = T.alloc_shared((B, _ROW_PAD), T.float32)
+            sq_ub = T.alloc_shared((B,), T.float32)
+            sqg_ub = T.alloc_shared((B,), T.float32)
+            gs_ub = T.alloc_shared((4 * B,), T.float32)  # (token, 8-lane group) sums of og*om
+            T.annotate_buffer_versions({og_ub: stages, om_ub: stages, omg_ub: stages, sq_ub: stages, sqg_ub: stages})
+            for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
+                t0 = blk * B
+                T.copy(out_grad[t0 : t0 + B, :], og_ub[:, 0:M3])
+                T.copy(out_mul[t0 : t0 + B, :], om_ub[:, 0:M3])
+                T.copy(sqrsum[t0 : t0 + B], sq_ub)
+                with T.SimdVF():
+                    one = S.vdup(1.0, T.float32)
+                    vl8 = S.pset(32, "PAT_VL8")
+                    lane = S.vci(0, T.int32)
+                    half = S.vshrs(lane, 5)  # 0: token 2p, 1: token 2p + 1
+                    col_ok = S.vcmps(S.vand(lane, S.vdup(_ROW_PAD - 1, T.int32)), M3, op="lt")
+                    sq = S.vld(sq_ub[0])
+                    r = S.vdiv(one, S.vsqrt(S.vadds(S.vmuls(sq, inv_group), rms_eps)))
+                    for pr in T.unroll(n_pairs, explicit=True):
+                        g = S.vld(og_ub[2 * pr, 0])
+                        rp = S.vselr(r, S.vadds(half, 2 * pr))
+                        S.vsts(omg_ub[2 * pr, 0], S.vmul(g, rp))
+                        # padding lanes (column >= M3) are zeroed by the predicated multiply
+                        prod = S.vmul(g, S.vld(om_ub[2 * pr, 0]), col_ok)
+                        S.vsts(gs_ub[8 * pr], S.vcgadd(prod), vl8, extent=8)
+                    S.mem_bar("VST_VLD")
+                    # gs_ub[4t + k] = group k of token t; two deinterleave rounds give one register
+                    # per group k with the 64 tokens in lane order.
+                    e01, o01 = S.vdintlv(S.vld(gs_ub[0]), S.vld(gs_ub[LANES]))
+                    e23, o23 = S.vdintlv(S.vld(gs_ub[2 * LANES]), S.vld(gs_ub[3 * LANES]))
+                    g0, g2 = S.vdintlv(e01, e23)
+                    g1, g3 = S.vdintlv(o01, o23)
+                    rho = S.vadd(S.vadd(S.vadd(g0, g1), g2), g3)
+                    den = S.vadds(sq, eps_group)
+                    S.vsts(sqg_ub[0], S.vmuls(S.vdiv(S.vmul(rho, r), den), -0.5))
+                with T.Task():
+                    T.copy(omg_ub[:, 0:M3], out_mul_grad[t0 : t0 + B, :])
+                    T.copy(sqg_ub, sqrsum_grad[t0 : t0 + B])
+
+    return mhc_reduce_partials_and_rmsnorm_backward_asc
+
+
+@functools.lru_cache(maxsize=None)
+def get_mhc_reduce_partials_and_rmsnorm_backward_kernel(mhc_mult3, num_cores):
+    from .._build import jit_compile
+
+    key = (mhc_mult3, num_cores)
+    return jit_compile("mhc_reduce_partials_and_rmsnorm_backward", key, build_mhc_reduce_partials_and_rmsnorm_backward(*key))
+
+
+def mhc_reduce_partials_and_rmsnorm_backward(
+    out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_group_size, rms_eps
+) -> None:
+    """out_grad (T,M3), out_mul (T,1,M3), sqrsum (T,1) -> out_mul_grad (T,1,M3), sqrsum_grad (T,1)
+    (all f32, written). G must be 1 and M3 <= 32. Current stream."""
+    t, m3 = int(out_grad.shape[0]), int(out_grad.shape[-1])
+    key = mhc_reduce_partials_and_rmsnorm_backward_key(out_grad, num_vector_cores())
+    kernel = get_mhc_reduce_partials_and_rmsnorm_backward_kernel(*key)
+    group = int(rms_group_size)
+    kernel(
+        out_grad, out_mul.view(t, m3), sqrsum.view(t), out_mul_grad.view(t, m3), sqrsum_grad.view(t),
+        float(1.0 / group), float(rms_eps), float(rms_eps) * group,
+    )
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
+    """Every kernel variant -> prim_func (for CPU lowering checks); per-token kernels, independent of
+    ``hidden_size`` and ``hc_mult`` (M3 = 24 forward; the backward also at its largest M3, 32)."""
+    del hidden_size, hc_mult
+    forward, backward = build_mhc_reduce_partials_and_rmsnorm_forward, build_mhc_reduce_partials_and_rmsnorm_backward
+    cases = {f"mhc_reduce_partials_and_rmsnorm_forward_s{s}": forward(s, num_cores) for s in (1, 3, 16)}
+    for m3 in (24, 32):
+        cases[f"mhc_reduce_partials_and_rmsnorm_backward_m3_{m3}"] = backward(m3, num_cores)
+    return cases

@@ -1,0 +1,185 @@
+"""CUDA kernels of ``expand_to_mhc_forward`` / ``_backward`` (docs/ops/mhc.md#expand).
+
+Forward: ``out[t, i, :] = x[t, :]`` (a bit copy); backward: ``x_grad = bf16(sum_i f32(out_grad[t, i]))``
+(``i`` ascending, overwrite). Both run a flat grid over the ``T * H / 8`` 8-element vectors of the
+token-major tensors, ``vectors`` per thread strided by the CTA size so that every warp access is coalesced;
+each thread issues all its loads before it stores. ``H`` in ``limits.MHC_HIDDEN``, any ``T > 0``,
+``T * m * H < 2**31`` (32-bit element offsets).
+"""
+
+import dataclasses
+import functools
+
+import torch
+
+from ....limits import MHC_HC_MULT, MHC_HIDDEN
+from .._build import jit_compile
+from ._common import VEC, min_blocks
+
+__all__ = [
+    "build_expand_to_mhc_backward",
+    "build_expand_to_mhc_forward",
+    "expand_to_mhc_backward",
+    "expand_to_mhc_backward_key",
+    "expand_to_mhc_forward",
+    "expand_to_mhc_forward_key",
+    "get_expand_to_mhc_backward_kernel",
+    "get_expand_to_mhc_forward_kernel",
+    "lowering_cases",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPlan:
+    """A flat grid over the vectors: CTAs of ``threads`` threads, ``vectors`` vectors per thread."""
+
+    threads: int
+    vectors: int
+
+
+# Forward 128 x 2 (one wave at T = 512, H = 7168, where 256 x 1 / 512 x 1 take two); the backward (4 loads per
+# vector) 256 x 2, the others level or slower (docs/perf/h200/mhc.md, 2026-11-30).
+FORWARD = FlatPlan(threads=128, vectors=2)
+BACKWARD = FlatPlan(threads=256, vectors=2)
+
+
+def _check(op: str, hidden_size: int, hc_mult: int) -> None:
+    MHC_HIDDEN.require(op, hidden_size)
+    MHC_HC_MULT.require(op, hc_mult)
+
+
+def expand_to_mhc_forward_key(x: torch.Tensor, out: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    key = (int(x.shape[-1]), int(out.shape[1]))
+    _check("expand_to_mhc_forward", *key)
+    return key
+
+
+def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int):
+    """Builds the expand forward: ``out[t, i, :] = x[t, :]`` (bit copy).
+
+    Args:
+        hidden_size: ``H`` (``limits.MHC_HIDDEN``).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(x (T, H) bf16, out (T, m, H) bf16)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    nvec = H // VEC
+    threads, nvt = FORWARD.threads, FORWARD.vectors
+    bf16 = T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def expand_to_mhc_forward_cuda(x: T.Tensor((num_tokens, H), bf16), out: T.Tensor((num_tokens, m, H), bf16)):
+        with T.Kernel(T.ceildiv(num_tokens * nvec, threads * nvt), threads=threads) as bid:
+            T.annotate_min_blocks_per_sm(min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            xr = T.alloc_local((nvt, VEC), bf16)
+            total = num_tokens * nvec
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for k in T.vectorized(VEC):
+                        xr[j, k] = x[((bid * nvt + j) * threads + tid) // nvec, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k]
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for i in T.unroll(m):
+                        for k in T.vectorized(VEC):
+                            out[((bid * nvt + j) * threads + tid) // nvec, i, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k] = xr[j, k]
+
+    return expand_to_mhc_forward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_expand_to_mhc_forward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`expand_to_mhc_forward_key`), built once per key."""
+    return jit_compile("expand_to_mhc_forward", key, build_expand_to_mhc_forward(*key))
+
+
+def expand_to_mhc_forward(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Launches ``out[t, i, :] = x[t, :]`` on the current stream (inputs validated upstream).
+
+    Args:
+        x: ``(T, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
+        out: ``(T, m, H)`` bf16, written.
+    """
+    kernel = get_expand_to_mhc_forward_kernel(*expand_to_mhc_forward_key(x, out))
+    kernel(x, out)
+
+
+def expand_to_mhc_backward_key(out_grad: torch.Tensor, x_grad: torch.Tensor) -> tuple:
+    """Compile-time key ``(H, m)`` (never the token count)."""
+    key = (int(out_grad.shape[-1]), int(out_grad.shape[1]))
+    _check("expand_to_mhc_backward", *key)
+    return key
+
+
+def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
+    """Builds the expand backward: ``x_grad = bf16(sum_i f32(out_grad[t, i]))`` (i ascending, overwrite).
+
+    Args:
+        hidden_size: ``H`` (``limits.MHC_HIDDEN``).
+        hc_mult: ``m``.
+
+    Returns:
+        ``T.prim_func(out_grad (T, m, H) bf16, x_grad (T, H) bf16)``; ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    H, m = hidden_size, hc_mult
+    nvec = H // VEC
+    threads, nvt = BACKWARD.threads, BACKWARD.vectors
+    f32, bf16 = T.float32, T.bfloat16
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def expand_to_mhc_backward_cuda(out_grad: T.Tensor((num_tokens, m, H), bf16), x_grad: T.Tensor((num_tokens, H), bf16)):
+        with T.Kernel(T.ceildiv(num_tokens * nvec, threads * nvt), threads=threads) as bid:
+            T.annotate_min_blocks_per_sm(min_blocks(threads, 64))
+            tid = T.get_thread_binding()
+            gr = T.alloc_local((nvt, m, VEC), bf16)
+            acc = T.alloc_local((VEC,), f32)
+            total = num_tokens * nvec
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for i in T.unroll(m):
+                        for k in T.vectorized(VEC):
+                            gr[j, i, k] = out_grad[((bid * nvt + j) * threads + tid) // nvec, i, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k]
+            for j in T.unroll(nvt):
+                if (bid * nvt + j) * threads + tid < total:
+                    for k in T.unroll(VEC):
+                        acc[k] = T.cast(gr[j, 0, k], f32)
+                        for i in T.unroll(1, m):
+                            acc[k] += T.cast(gr[j, i, k], f32)
+                    for k in T.vectorized(VEC):
+                        x_grad[((bid * nvt + j) * threads + tid) // nvec, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k] = T.cast(acc[k], bf16)
+
+    return expand_to_mhc_backward_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_expand_to_mhc_backward_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`expand_to_mhc_backward_key`), built once per key."""
+    return jit_compile("expand_to_mhc_backward", key, build_expand_to_mhc_backward(*key))
+
+
+def expand_to_mhc_backward(out_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
+    """Launches ``x_grad = bf16(sum_i f32(out_grad[:, i]))`` on the current stream (overwrites ``x_grad``).
+
+    Args:
+        out_grad: ``(T, m, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
+        x_grad: ``(T, H)`` bf16, written.
+    """
+    kernel = get_expand_to_mhc_backward_kernel(*expand_to_mhc_backward_key(out_grad, x_grad))
+    kernel(out_grad, x_grad)
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """Both kernels at ``hidden_size``, un-compiled: ``{case: prim_func}``."""
+    return {
+        "expand_to_mhc_forward": build_expand_to_mhc_forward(hidden_size, hc_mult),
+        "expand_to_mhc_backward": build_expand_to_mhc_backward(hidden_size, hc_mult),
+    }
