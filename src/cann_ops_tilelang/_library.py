@@ -94,13 +94,6 @@ def _backend_module(backend: str, family: str, module: str):
     return importlib.import_module(f"{__package__}.kernels.{backend}.{family}.{module}")
 
 
-def _has_memory(tensor: torch.Tensor) -> bool:
-    """Whether the tensor has real memory whose addresses can be compared (not fake, not meta)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return tensor.device.type != "meta" and not is_fake(tensor)
-
-
 # annotation -> (check, what is expected) for the pre-dispatch kind check of the public function
 def _is_int(value: Any) -> bool:
     return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
@@ -135,6 +128,7 @@ class _Op:
                 raise ValueError(f"{NAMESPACE}::{decl.name}: {what} names no argument of the op: {unknown}")
         hints = typing.get_type_hints(prepare)
         self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
+        self.names = tuple(self.signature.parameters)
         self.launch: Callable[..., None] | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
@@ -145,26 +139,29 @@ class _Op:
         bound.apply_defaults()
         return bound
 
-    def check_kinds(self, arguments: Mapping[str, Any]) -> None:
-        err = OpError(self.decl.name)
-        for name, (ok, expected) in self.kinds.items():
-            value = arguments[name]
-            if not ok(value):
-                raise err.type(name, f"expected {expected}, got {type(value).__name__}")
-
-    def check_autograd(self, arguments: Mapping[str, Any]) -> None:
-        if not torch.is_grad_enabled():
-            return
-        for name in self.decl.mutates_args:
-            value = arguments[name]
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                leaf = "a leaf tensor that requires grad" if value.is_leaf else "a tensor that requires grad"
-                raise OpError(self.decl.name).value(
-                    name, f"expected a buffer that autograd does not track (the op writes it in place), got {leaf}; "
-                    "pass a detached buffer or call under torch.no_grad()")
+    def check_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """The public function's checks before the dispatcher: the kinds of the given arguments against the
+        annotations, and no written buffer that autograd tracks. Positional and keyword arguments are read
+        in place (no signature binding: this runs on every eager call); defaults are valid by construction."""
+        err = None
+        given = list(zip(self.names, args)) + list(kwargs.items())
+        for name, value in given:
+            kind = self.kinds.get(name)
+            if kind is not None and not kind[0](value):
+                err = err or OpError(self.decl.name)
+                raise err.type(name, f"expected {kind[1]}, got {type(value).__name__}")
+        if self.decl.mutates_args and torch.is_grad_enabled():
+            for name, value in given:
+                if name in self.decl.mutates_args and isinstance(value, torch.Tensor) and value.requires_grad:
+                    what = "a leaf tensor that requires grad" if value.is_leaf else "a tensor that requires grad"
+                    raise OpError(self.decl.name).value(
+                        name, f"expected a buffer that autograd does not track (the op writes it in place), got "
+                              f"{what}; pass a detached buffer or call under torch.no_grad()")
 
     def check_aliasing(self, arguments: Mapping[str, Any]) -> None:
         """No written buffer shares memory with another argument (on real, meta and fake tensors alike)."""
+        if not self.decl.mutates_args:
+            return
         tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
         for name in self.decl.mutates_args:
             if name not in tensors:
@@ -176,10 +173,11 @@ class _Op:
                               f"while it reads or writes '{other}'), got an overlapping one")
 
     def check_alignment(self, arguments: Mapping[str, Any]) -> None:
-        """Every argument the kernels access in vectors starts on a multiple of the access width (real tensors)."""
+        """Every argument the kernels access in vectors starts on a multiple of the access width (the device
+        kernels and the no-kernel path get real tensors; meta and fake ones take the fake)."""
         for name, width in self.decl.vector_args.items():
             value = arguments.get(name)
-            if isinstance(value, torch.Tensor) and _has_memory(value) and misalignment(value, width):
+            if isinstance(value, torch.Tensor) and misalignment(value, width):
                 raise OpError(self.decl.name).value(
                     name,
                     f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
@@ -291,9 +289,7 @@ def declare(
         @functools.wraps(prepare)
         def public(*args: Any, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():  # a traced graph gets the schema's own conversion
-                bound = op.bind(args, kwargs)
-                op.check_kinds(bound.arguments)
-                op.check_autograd(bound.arguments)
+                op.check_call(args, kwargs)
             return overload(*args, **kwargs)
 
         def set_launch(fn: Callable[..., None]) -> Callable[..., None]:

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from ....chips import H200
-from ....limits import MHC_HC_MULT, MHC_HEAD_MIX_PARTIALS, IntRange
+from ....limits import MHC_HC_MULT, MHC_HEAD_MIX_PARTIALS
 from .._build import jit_compile
 from ._common import vec_width
 
@@ -151,6 +151,8 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
         input_mix_grad (T, m), mhc_scale_grad_partial (P, 1), mhc_base_grad_partial (P, m))``, all f32;
         ``T`` is dynamic.
     """
+    MHC_HC_MULT.require("mhc_head_compute_mix_backward", hc_mult)
+    PARTIALS.require("mhc_head_compute_mix_backward", num_partials)
     from tilelang import language as T
 
     m, P, TB = hc_mult, num_partials, PLAN.backward_tokens

@@ -189,6 +189,7 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     Returns:
         ``T.prim_func(comb (T, m*m) f32, comb_out (T, m*m) f32, eps: f32)``; ``T`` is dynamic.
     """
+    _check("mhc_sinkhorn_forward", hc_mult, repeat)
     from tilelang import language as T
 
     m, R = hc_mult, repeat
@@ -278,6 +279,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
         ``T.prim_func(grad_output (T, m*m) f32, x (T, m*m) f32, grad_input (T, m*m) f32, eps: f32)``;
         ``T`` is dynamic.
     """
+    _check("mhc_sinkhorn_backward", hc_mult, repeat)
     from tilelang import language as T
 
     m, R = hc_mult, repeat
