@@ -78,9 +78,12 @@ def corruptions(name: str) -> list[tuple[str, str]]:
                 out.append((arg, "tiny"))
         if kind is bool:
             out.append((arg, "string"))
+        if isinstance(value, list):
+            out += [(arg, "element_dtype"), (arg, "element_shape"), (arg, "tensor_for_list")]
     for arg in decl.mutates_args:
         out += [(arg, "alias"), (arg, "overlap")]
-        if call[arg].is_floating_point():
+        first = call[arg][0] if isinstance(call[arg], list) else call[arg]
+        if first.is_floating_point():
             out.append((arg, "requires_grad"))
     return out
 
@@ -88,9 +91,39 @@ def corruptions(name: str) -> list[tuple[str, str]]:
 CASES = [(name, arg, how) for name in OPS for arg, how in corruptions(name)]
 
 
+def _all_tensors(call: dict) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for k, v in call.items():
+        if isinstance(v, torch.Tensor):
+            out.append((k, v))
+        elif isinstance(v, list):
+            out += [(f"{k}[{i}]", t) for i, t in enumerate(v) if isinstance(t, torch.Tensor)]
+    return out
+
+
 def corrupt(name: str, call: dict, arg: str, how: str) -> dict:
     value = call[arg]
-    if how == "list":
+    if isinstance(value, list) and how in ("alias", "overlap", "requires_grad"):
+        # the written list's first element is the buffer; the list itself is rebuilt around it
+        call[arg] = list(value)
+        element = f"{arg}[0]"
+        others = [(k, t) for k, t in _all_tensors(call) if k != element and t.numel() > 0]
+        if how == "alias":
+            other = next((t for _, t in others if t.shape == value[0].shape and t.dtype == value[0].dtype), None)
+            call[arg][0] = other if other is not None else _view_of(others[0][1], value[0])
+        elif how == "overlap":
+            key, other = next((k, t) for k, t in others if "[" not in k)
+            call[arg][0], call[key] = _overlapping(value[0], other)
+        else:
+            call[arg][0] = value[0].detach().clone().requires_grad_(True)
+        return call
+    if how == "element_dtype":
+        call[arg] = [value[0].to(torch.float64), *value[1:]]
+    elif how == "element_shape":
+        call[arg] = [value[0].reshape(-1), *value[1:]]
+    elif how == "tensor_for_list":
+        call[arg] = value[0]
+    elif how == "list":
         call[arg] = value.tolist()
     elif how == "dtype":
         call[arg] = value.to(torch.float64 if value.dtype != torch.float64 else torch.float32)
@@ -143,7 +176,7 @@ def _overlapping(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 def test_every_op_has_corruptions_of_every_kind():
     kinds = {how for _, _, how in CASES}
     assert kinds == {"list", "dtype", "shape", "bool", "float", "huge", "tiny", "string", "alias", "overlap",
-                     "requires_grad"}
+                     "requires_grad", "element_dtype", "element_shape", "tensor_for_list"}
     assert {name for name, _, _ in CASES} == set(OPS)
     for name in OPS:  # every op writing a buffer is probed for aliasing
         if ops.registered_ops()[name].declaration.mutates_args:
@@ -156,20 +189,25 @@ def test_bad_calls_raise_before_anything_is_written(case, seed):
     name, arg, how = case
     torch.manual_seed(seed)
     call = corrupt(name, valid_call(name), arg, how)
-    before = {k: _bits(v) for k, v in call.items() if isinstance(v, torch.Tensor)}
+    before = {k: _bits(v) for k, v in _all_tensors(call)}
     public = ops.registered_ops()[name]
     with without_cpu_references(), pytest.raises((TypeError, ValueError)) as info:
         public(**call)
     message = str(info.value)
     assert f"cann_ops_tilelang::{name}: argument '" in message, message
-    if how in ("list", "dtype", "bool", "float", "huge", "tiny", "string", "requires_grad", "alias"):
-        named = arg if how != "alias" else None
-        if named is not None:
-            assert f"argument '{named}'" in message, (how, message)
-    expected = TypeError if how in ("list", "dtype", "bool", "float", "string") else ValueError
+    is_list = isinstance(valid_call(name)[arg], list)
+    if how in ("list", "dtype", "bool", "float", "huge", "tiny", "string", "requires_grad", "tensor_for_list"):
+        # the corrupted argument itself is named (a list's element by its index)
+        named = f"{arg}[0]" if is_list and how == "requires_grad" else arg
+        assert f"argument '{named}'" in message, (how, message)
+    if how in ("element_dtype", "element_shape") and is_list:
+        assert f"argument '{arg}[0]'" in message, (how, message)
+    expected = TypeError if how in ("list", "dtype", "bool", "float", "string", "element_dtype",
+                                    "tensor_for_list") else ValueError
     assert isinstance(info.value, expected), (how, message)
+    after = dict(_all_tensors(call))
     for k, bits in before.items():
-        assert torch.equal(_bits(call[k]), bits), f"{name}: argument {k} was written ({how} of {arg})"
+        assert torch.equal(_bits(after[k]), bits), f"{name}: argument {k} was written ({how} of {arg})"
 
 
 @pytest.mark.parametrize("name", OPS)

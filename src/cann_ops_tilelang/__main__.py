@@ -1,7 +1,8 @@
 """``python -m cann_ops_tilelang``: versions, devices and registered ops, then a demonstration.
 
-With a CUDA GPU or an Ascend NPU it runs every Engram op once at a model shape and a few training
-steps of a small model that uses the Engram gate, with timings. Without one (or with ``--lower``) it
+With a CUDA GPU or an Ascend NPU it runs every Engram op once at a model shape and trains a small model
+(mHC sublayers, an Engram gate, the mHC head) for a few steps, eager and compiled, with timings. Without one
+(or with ``--lower``) it
 instead lowers every kernel for both targets (AscendC source for Ascend 950, checked against the UB
 budget; an sm_90a cubin for CUDA, checked against the shared-memory budget, when nvcc is found) and ends
 with a summary, so the package can be seen working anywhere.
@@ -316,25 +317,18 @@ def _run_on_device(device: str, tokens: int, hidden_size: int, steps: int) -> No
 
     if steps == 0:
         return
-    print(f"training {steps} steps of a small Engram-gated model (T={tokens}, H={hidden_size}):")
-    torch.manual_seed(0)
-    gate = EngramGate(hidden_size, device=device)
-    embed_dim = 256
-    proj = torch.nn.Linear(embed_dim, (m + 1) * hidden_size, device=device, dtype=torch.bfloat16)
-    head = torch.nn.Linear(hidden_size, 1, device=device, dtype=torch.bfloat16)
-    params = [*gate.parameters(), *proj.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    memory = torch.randn(tokens, embed_dim, device=device, dtype=torch.bfloat16)
-    target = torch.randn(tokens, 1, device=device)
-    for step in range(steps):
-        start = time.perf_counter()
-        hidden = gate(x, proj(memory), None)
-        loss = (head(hidden.mean(1)).float() - target).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        _synchronize()
-        print(f"  step {step}: loss {loss.item():.5f}  {(time.perf_counter() - start) * 1e3:8.2f} ms")
+    from cann_ops_tilelang._demo import SmallModel, train
+
+    print(f"training a small model (embedding, 3 mHC-wrapped FFNs, an Engram gate, the mHC head; H=512) for "
+          f"{steps} steps of {tokens} tokens:")
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = SmallModel(device=device)
+        losses, times = train(model, steps, tokens, device, compiled=compiled, synchronize=_synchronize)
+        label = "torch.compile" if compiled else "eager"
+        steady = times[1:] or times
+        print(f"  {label:13} loss {losses[0]:.4f} -> {losses[-1]:.4f}   step {sum(steady) / len(steady):8.2f} ms "
+              f"(first {times[0]:.0f} ms, with compilation)")
 
 
 # --- arguments --------------------------------------------------------------------------------------

@@ -109,7 +109,20 @@ _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     int: (_is_int, "an int"),
     float: (_is_float, "a float"),
     bool: (lambda v: isinstance(v, bool), "a bool"),
+    list[torch.Tensor]: (lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v),
+                         "a list of torch.Tensor"),
 }
+
+
+def _tensors(arguments: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the arguments, list elements named ``arg[i]``."""
+    out = []
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            out.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            out += [(f"{name}[{i}]", t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+    return out
 
 
 class _Op:
@@ -151,39 +164,40 @@ class _Op:
                 err = err or OpError(self.decl.name)
                 raise err.type(name, f"expected {kind[1]}, got {type(value).__name__}")
         if self.decl.mutates_args and torch.is_grad_enabled():
-            for name, value in given:
-                if name in self.decl.mutates_args and isinstance(value, torch.Tensor) and value.requires_grad:
+            for name, value in _tensors({k: v for k, v in given if k in self.decl.mutates_args}):
+                if value.requires_grad:
                     what = "a leaf tensor that requires grad" if value.is_leaf else "a tensor that requires grad"
                     raise OpError(self.decl.name).value(
                         name, f"expected a buffer that autograd does not track (the op writes it in place), got "
                               f"{what}; pass a detached buffer or call under torch.no_grad()")
 
     def check_aliasing(self, arguments: Mapping[str, Any]) -> None:
-        """No written buffer shares memory with another argument (on real, meta and fake tensors alike)."""
+        """No written buffer (or element of a written list) shares memory with another argument (on real,
+        meta and fake tensors alike)."""
         if not self.decl.mutates_args:
             return
-        tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
-        for name in self.decl.mutates_args:
-            if name not in tensors:
-                continue
-            for other, value in tensors.items():
-                if other != name and overlap(tensors[name], value):
+        tensors = _tensors(arguments)
+        written = _tensors({name: arguments[name] for name in self.decl.mutates_args})
+        for name, buffer in written:
+            for other, value in tensors:
+                if other != name and overlap(buffer, value):
                     raise OpError(self.decl.name).value(
                         name, f"expected a buffer that shares no memory with '{other}' (the op writes '{name}' "
                               f"while it reads or writes '{other}'), got an overlapping one")
 
     def check_alignment(self, arguments: Mapping[str, Any]) -> None:
-        """Every argument the kernels access in vectors starts on a multiple of the access width (the device
-        kernels and the no-kernel path get real tensors; meta and fake ones take the fake)."""
+        """Every argument the kernels access in vectors (each element of a list argument) starts on a multiple
+        of the access width (the device kernels and the no-kernel path get real tensors; meta and fake ones
+        take the fake)."""
         for name, width in self.decl.vector_args.items():
-            value = arguments.get(name)
-            if isinstance(value, torch.Tensor) and misalignment(value, width):
-                raise OpError(self.decl.name).value(
-                    name,
-                    f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
-                    f"vectors), got an address {misalignment(value, width)} bytes past one (a view at storage "
-                    f"offset {value.storage_offset()}); pass a copy (.clone())",
-                )
+            for arg, value in _tensors({name: arguments.get(name)}):
+                if misalignment(value, width):
+                    raise OpError(self.decl.name).value(
+                        arg,
+                        f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
+                        f"vectors), got an address {misalignment(value, width)} bytes past one (a view at storage "
+                        f"offset {value.storage_offset()}); pass a copy (.clone())",
+                    )
 
     def fake(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.bind(args, kwargs)

@@ -18,6 +18,7 @@ __all__ = [
     "MHC_HEAD_MIX_PARTIALS",
     "MHC_HIDDEN",
     "MHC_MIX",
+    "MHC_RECOMPUTE_LAYERS",
     "MHC_RMS_GROUPS",
     "MHC_SINKHORN_REPEAT",
     "IntRange",
@@ -121,6 +122,9 @@ MHC_SINKHORN_REPEAT = PerBackend({"cuda": IntRange("repeat", 1, 64), "ascend": I
 # bounded at 4096; the Ascend kernel spreads any count over its cores
 MHC_HEAD_MIX_PARTIALS = PerBackend({"cuda": IntRange("partial rows P", 1, 4096),
                                     "ascend": IntRange("partial rows P", 1)})
+# sublayers L of one mhc_multilayer_recompute chunk: the CUDA kernel takes each list tensor as its own parameter
+# (6 L + 1 pointers, within the 4 KiB of classic kernel parameters) and unrolls the layers
+MHC_RECOMPUTE_LAYERS = IntRange("layers L", 1, 64)
 # split-K of the pre-norm GEMM: split s owns whole 64-column blocks of K = m * H
 MHC_GEMM_BLOCK = 64
 

@@ -10,6 +10,7 @@ EPS = 1e-6
 SPLITS = 16
 PARTIALS = 8
 SINKHORN_REPEAT = 10
+RECOMPUTE_LAYERS = (3, 2)  # (L, Lp)
 
 
 def _maker(gen, device):
@@ -88,6 +89,19 @@ def make_args(op: str, tokens: int, hidden: int, *, seed: int = 0, device="cpu",
     if op == "mhc_head_compute_mix_backward":
         return [randn(tokens, M), randn(tokens, M), randn(1), randn(M), torch.empty(tokens, M, device=device),
                 torch.empty(PARTIALS, 1, device=device), torch.empty(PARTIALS, M, device=device)]
+    if op == "mhc_pre_big_fuse":
+        return [randn(splits, tokens, M3), positive_sq(splits, tokens) / splits, randn(3, scale=0.1),
+                randn(M3, scale=0.1), residual(), torch.empty(tokens, M, device=device),
+                torch.empty(tokens, M * M, device=device), torch.empty(tokens, hidden, dtype=bf16, device=device),
+                EPS, EPS, sinkhorn_eps, 2.0, repeat, splits]
+    if op == "mhc_multilayer_recompute":
+        layers, kept = RECOMPUTE_LAYERS
+        return [residual(), [torch.softmax(randn(tokens, M), -1) for _ in range(layers)],
+                [randn(tokens, hidden, dtype=bf16) for _ in range(kept)],
+                [torch.sigmoid(randn(tokens, M)) * 2 for _ in range(kept)],
+                [torch.softmax(randn(tokens, M, M), -1) for _ in range(kept)],
+                [torch.empty(tokens, hidden, dtype=bf16, device=device) for _ in range(layers)],
+                [torch.empty(tokens, M, hidden, dtype=bf16, device=device) for _ in range(kept)]]
     raise KeyError(op)
 
 
@@ -97,8 +111,11 @@ OPS = [
     "mhc_reduce_partials_and_rmsnorm_backward", "mhc_pre_split_mixes_forward", "mhc_pre_split_mixes_backward",
     "mhc_sinkhorn_forward", "mhc_sinkhorn_backward", "mhc_pre_apply_mix_forward", "mhc_pre_apply_mix_backward",
     "mhc_post_forward", "mhc_post_forward_out", "mhc_post_backward", "mhc_head_compute_mix_forward",
-    "mhc_head_compute_mix_backward",
+    "mhc_head_compute_mix_backward", "mhc_pre_big_fuse", "mhc_multilayer_recompute",
 ]
+
+# fused ops: held to the chains they replace, bit for bit (tests/mhc/test_mhc_fused_device.py)
+FUSED_OPS = {"mhc_pre_big_fuse", "mhc_multilayer_recompute"}
 
 # token-independent ops (weights only)
 WEIGHT_OPS = {"mhc_fn_normw_merge_forward", "mhc_fn_normw_merge_backward"}

@@ -268,3 +268,34 @@ def mhc_head_compute_mix_backward_ref(output_mix_grad, input_mix, mhc_scale, mhc
 
 def head_mix_model(input_mix, mhc_scale, mhc_base, pre_eps):
     return torch.sigmoid(input_mix * mhc_scale[0] + mhc_base) + pre_eps
+
+
+# --- fused ops: the chains they must equal bit for bit ------------------------------------------------------
+
+
+def mhc_pre_big_fuse_ref(gemm_out_mul, gemm_out_sqrsum, mhc_scale, mhc_base, residual, post_mix, comb_mix,
+                         layer_input, rms_eps, pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat,
+                         n_splits=16) -> None:
+    splits, tokens, mixes_n = gemm_out_mul.shape
+    m, hidden = residual.shape[1:]
+    new = lambda *shape: gemm_out_mul.new_empty(shape)  # noqa: E731
+    out_mul, sqrsum, mixes = new(tokens, 1, mixes_n), new(tokens, 1), new(tokens, mixes_n)
+    mhc_reduce_partials_and_rmsnorm_forward_ref(gemm_out_mul.view(splits, tokens, 1, mixes_n),
+                                                gemm_out_sqrsum.view(splits, tokens, 1), out_mul, sqrsum, mixes,
+                                                m * hidden, rms_eps, splits)
+    pre, comb_logits = new(tokens, m), new(tokens, m * m)
+    mhc_pre_split_mixes_forward_ref(mixes, mhc_scale, mhc_base, pre, post_mix, comb_logits, post_mult_value, pre_eps)
+    mhc_sinkhorn_forward_ref(comb_logits.view(tokens, m, m), comb_mix.view(tokens, m, m), sinkhorn_repeat,
+                             sinkhorn_eps)
+    mhc_pre_apply_mix_forward_ref(residual, pre, layer_input)
+
+
+def mhc_multilayer_recompute_ref(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list,
+                                 layer_input_list, residual_list) -> None:
+    residual = initial_residual
+    for layer, pre in enumerate(pre_mix_list):
+        mhc_pre_apply_mix_forward_ref(residual, pre, layer_input_list[layer])
+        if layer < len(layer_output_list):
+            residual = mhc_post_forward_ref(layer_output_list[layer], residual, post_mix_list[layer],
+                                            comb_mix_list[layer])
+            residual_list[layer].copy_(residual)

@@ -130,3 +130,78 @@ def test_bench_per_token(bench, device, name, tokens):
 @pytest.mark.parametrize("name", ["mhc_sinkhorn_forward", "mhc_sinkhorn_backward"])
 def test_bench_sinkhorn(bench, device, name, tokens, repeat):
     bench_op(bench, device, name, tokens, 4096, f"{name}-T{tokens}-R{repeat}", repeat=repeat)
+
+
+# --- fused ops: against the peer and against the chains of our own kernels they replace ---------------------
+
+
+def _unfused_pre(args):
+    from test_mhc_fused_device import unfused_pre
+
+    mul, sq, scale, base, residual = args[:5]
+    rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, splits = args[8:14]
+    return lambda: unfused_pre(mul, sq, scale, base, residual, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat,
+                               splits)
+
+
+@pytest.mark.parametrize("repeat", [10, 20])
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_bench_pre_big_fuse(bench, device, tokens, hidden, repeat):
+    name = "mhc_pre_big_fuse"
+    args = make_args(name, tokens, hidden, device=device, repeat=repeat)
+    op = torch.ops.cann_ops_tilelang.mhc_pre_big_fuse.default
+    op(*args)
+    nbytes = tensor_bytes(args)
+    compiled = torch.compile(ref.mhc_pre_big_fuse_ref, fullgraph=True, dynamic=False)
+    impls = {"ours": lambda: op(*args), "unfused": _unfused_pre(args), "eager": lambda: ref.mhc_pre_big_fuse_ref(*args),
+             "inductor": lambda: compiled(*args)}
+    if HAVE_PEER:
+        from tile_kernels import mhc
+
+        impls["peer"] = lambda: mhc.mhc_pre_big_fuse_fwd(*args)
+    _side_by_side_tolerant(bench, f"{name}-T{tokens}-H{hidden}-R{repeat}", impls, nbytes)
+
+
+@pytest.mark.parametrize("kept", [9, 10])
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_bench_multilayer_recompute(bench, device, tokens, hidden, kept, monkeypatch):
+    import mhc_cases
+
+    name = "mhc_multilayer_recompute"
+    monkeypatch.setattr(mhc_cases, "RECOMPUTE_LAYERS", (10, kept))
+    args = make_args(name, tokens, hidden, device=device)
+    op = torch.ops.cann_ops_tilelang.mhc_multilayer_recompute.default
+    op(*args)
+    nbytes = sum(tensor_bytes(a) if isinstance(a, list) else tensor_bytes([a]) for a in args)
+    r0, pres, ys, posts, combs, inputs, residuals = args
+
+    def unfused():
+        r = r0
+        for layer, pre in enumerate(pres):
+            torch.ops.cann_ops_tilelang.mhc_pre_apply_mix_forward(r, pre, inputs[layer])
+            if layer < len(ys):
+                torch.ops.cann_ops_tilelang.mhc_post_forward_out(ys[layer], r, posts[layer], combs[layer],
+                                                                 residuals[layer])
+                r = residuals[layer]
+
+    impls = {"ours": lambda: op(*args), "unfused": unfused, "eager": lambda: ref.mhc_multilayer_recompute_ref(*args)}
+    if HAVE_PEER:
+        from tile_kernels import mhc
+
+        impls["peer"] = lambda: mhc.mhc_multilayer_recompute(
+            r0.unsqueeze(0), [p.view(1, tokens, 4, 1) for p in pres], [y.unsqueeze(0) for y in ys],
+            [p.view(1, tokens, 4, 1) for p in posts], [c.unsqueeze(0) for c in combs],
+            [li.unsqueeze(0) for li in inputs], [r.unsqueeze(0) for r in residuals])
+    _side_by_side_tolerant(bench, f"{name}-T{tokens}-H{hidden}-L10-Lp{kept}", impls, nbytes)
+
+
+def _side_by_side_tolerant(bench, case, impls, nbytes):
+    """Times every implementation that runs; one that raises (e.g. the peer's layout asserts) is recorded."""
+    runnable = {}
+    for impl, fn in impls.items():
+        try:
+            fn()
+            runnable[impl] = fn
+        except Exception as exc:
+            bench.record(case, impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
+    bench.side_by_side(case, runnable, bytes=nbytes)

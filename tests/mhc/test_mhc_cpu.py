@@ -3,6 +3,7 @@ the pre/post chain without recompilation, and the references' backward against f
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map_only
 from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
 from mhc_cases import M, M3, OPS, make_args
@@ -122,10 +123,10 @@ def test_cpu_tensors_have_no_kernel(name):
 @pytest.mark.parametrize("name", OPS)
 def test_fakes_match_references(name, tokens, seed):
     args = make_args(name, tokens, HIDDEN, seed=seed)
-    real = as_tuple(namespace_op(name)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+    real = as_tuple(namespace_op(name)(*tree_map_only(torch.Tensor, torch.clone, args)))
     mode = FakeTensorMode()
     with mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
         fake = as_tuple(namespace_op(name)(*fake_args))
     assert [meta_of(t) for t in fake] == [meta_of(t) for t in real]
 

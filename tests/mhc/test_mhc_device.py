@@ -7,7 +7,7 @@ import pytest
 import torch
 from _plugins.device import requires_cuda, requires_device
 from _plugins.levels import level_choice
-from mhc_cases import OPS, make_args
+from mhc_cases import FUSED_OPS, OPS, make_args
 
 import mhc_ref as ref
 
@@ -17,7 +17,7 @@ TOKENS = level_choice([1, 509], [0, 1, 509, 1001, 8192], [0, 1, 509, 1001, 4096,
 HIDDEN_SIZES = level_choice([1280, 4096], [1280, 2560, 4096, 7168], [1280, 2560, 4096, 5120, 7168])
 HIDDEN = [pytest.param(h, marks=pytest.mark.xdist_group(f"mhc-H{h}")) for h in HIDDEN_SIZES]
 PER_TOKEN_OPS = [op for op in OPS if any(k in op for k in ("split_mixes", "sinkhorn", "head", "reduce_partials"))]
-STREAMING_OPS = [op for op in OPS if op not in PER_TOKEN_OPS]
+STREAMING_OPS = [op for op in OPS if op not in PER_TOKEN_OPS and op not in FUSED_OPS]
 
 
 def calc_diff(x, y):

@@ -1,5 +1,7 @@
-"""Autograd wrappers and modules that chain the forward and backward primitives."""
+"""Autograd functions and modules over the ops: the Engram gate and the mHC training chain."""
 
 from .engram_gate import EngramGate, engram_gate
+from .mhc import MHCHead, MHCSublayer, expand_from_embedding, mhc_head, mhc_multilayer_recompute, mhc_post, mhc_pre
 
-__all__ = ["EngramGate", "engram_gate"]
+__all__ = ["EngramGate", "MHCHead", "MHCSublayer", "engram_gate", "expand_from_embedding", "mhc_head",
+           "mhc_multilayer_recompute", "mhc_post", "mhc_pre"]

@@ -19,6 +19,8 @@ OP_MODULES = (
     "pre_apply_mix",
     "post",
     "head_compute_mix",
+    "pre_big_fuse",
+    "multilayer_recompute",
 )
 
 

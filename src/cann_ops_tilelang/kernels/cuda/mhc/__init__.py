@@ -18,6 +18,8 @@ MODULES = (
     "pre_apply_mix",
     "post",
     "head_compute_mix",
+    "pre_big_fuse",
+    "multilayer_recompute",
 )
 
 

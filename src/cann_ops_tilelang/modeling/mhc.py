@@ -1,0 +1,482 @@
+"""The mHC training chain (docs/ops/mhc.md#modeling): autograd functions over the mHC primitives and the
+modules that hold an mHC sublayer's parameters.
+
+* :func:`expand_from_embedding` makes the ``m`` residual streams of a token from its embedding.
+* :func:`mhc_pre` computes a sublayer's input and its post and combination mixes from the residual: the
+  pre-norm GEMM, reduce + RMSNorm, split mixes, Sinkhorn and the pre mix with gradients, or
+  ``mhc_pre_big_fuse`` in one pass when no gradient is needed (bitwise the same results).
+* :func:`mhc_post` combines the sublayer output with the residual into the next residual.
+* :func:`mhc_head` is the final mix of the streams before the LM head.
+* :class:`MHCSublayer` wraps any sublayer (attention, FFN...) with its mHC parameters; :class:`MHCHead`
+  holds the head's.
+
+Residual gradient. The residual ``R`` of a sublayer receives three contributions: through the post mix's
+combination term, through the pre mix and through the pre-norm GEMM. They are summed in one bf16 buffer in
+that order (each kernel accumulates into it, one bf16 rounding per step). The mechanism is explicit: with
+``return_residual=True`` :func:`mhc_pre` also returns ``residual`` as an output of its autograd node, and the
+caller passes that tensor to :func:`mhc_post`; the gradient post writes for it reaches the pre node, which
+then accumulates its own two contributions into that same buffer. :class:`MHCSublayer` always does this.
+Without the link (plain functional calls) or where no post follows (the head), the pre node starts from
+zeros and autograd adds the post's contribution afterwards (the same terms, rounded in another order).
+
+Parameters with an fp32 ``main_grad`` attribute (Megatron style) get their gradients accumulated there in
+eager mode (the parameter then gets no ``.grad``), as :mod:`.engram_gate` does.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import limits
+from .._checks import OpError
+from ..mhc import (
+    expand_to_mhc_backward,
+    expand_to_mhc_forward,
+    mhc_fn_normw_merge_backward,
+    mhc_fn_normw_merge_forward,
+    mhc_gemm_with_sqrsum_backward,
+    mhc_gemm_with_sqrsum_forward,
+    mhc_head_compute_mix_backward,
+    mhc_head_compute_mix_forward,
+    mhc_multilayer_recompute,
+    mhc_post_backward,
+    mhc_post_forward,
+    mhc_pre_apply_mix_backward,
+    mhc_pre_apply_mix_forward,
+    mhc_pre_big_fuse,
+    mhc_pre_split_mixes_backward,
+    mhc_pre_split_mixes_forward,
+    mhc_reduce_partials_and_rmsnorm_backward,
+    mhc_reduce_partials_and_rmsnorm_forward,
+    mhc_sinkhorn_backward,
+    mhc_sinkhorn_forward,
+)
+
+__all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
+           "mhc_pre"]
+
+M = limits.MHC_HC_MULT.low
+M3 = limits.MHC_MIX
+# the rows of the head-mix backward's parameter-gradient partials (reduced here with .sum(0))
+_HEAD_PARTIALS = 64
+
+
+def _main_grad(param: Optional[Tensor], op: str) -> Optional[Tensor]:
+    """The fp32 ``main_grad`` of a parameter, honoured in eager mode only (a compiled graph sees tensors)."""
+    if param is None or torch.compiler.is_compiling():
+        return None
+    buffer = getattr(param, "main_grad", None)
+    if buffer is None:
+        return None
+    if not isinstance(buffer, Tensor) or buffer.dtype != torch.float32 or buffer.shape != param.shape \
+            or buffer.device != param.device or not buffer.is_contiguous():
+        raise OpError(op).value("main_grad", f"expected a contiguous fp32 buffer of the parameter's shape "
+                                             f"{tuple(param.shape)} on {param.device}, got {buffer!r:.80}")
+    return buffer
+
+
+def _grad_out(grad: Optional[Tensor], main: Optional[Tensor]) -> Optional[Tensor]:
+    """Accumulates a parameter gradient into its ``main_grad`` (returning None) or returns it."""
+    if main is None:
+        return grad
+    main.add_(grad)
+    return None
+
+
+def _flat_residual(op: str, residual: Tensor) -> tuple[Tensor, tuple[int, ...], int, int]:
+    err = OpError(op)
+    if not isinstance(residual, Tensor):
+        raise err.type("residual", f"expected a torch.Tensor, got {type(residual).__name__}")
+    if residual.dim() < 2:
+        raise err.value("residual", f"expected (*, m, H), got shape {tuple(residual.shape)}")
+    lead = tuple(residual.shape[:-2])
+    m, hidden = residual.shape[-2:]
+    return residual.reshape(-1, m, hidden).contiguous(), lead, m, hidden
+
+
+def _check_params(op: str, hidden: int, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Optional[Tensor],
+                  rows: int, scales: int, bases: int) -> None:
+    err = OpError(op)
+    k = M * hidden
+    for arg, value, shape in (("fn", fn, (rows, k)), ("scale", scale, (scales,)), ("base", base, (bases,)),
+                              ("norm_weight", norm_weight, (k,))):
+        if value is None and arg == "norm_weight":
+            continue
+        if not isinstance(value, Tensor):
+            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+        if value.dtype != torch.float32 or tuple(value.shape) != shape:
+            raise err.value(arg, f"expected an fp32 tensor of shape {shape}, got {value.dtype} {tuple(value.shape)}")
+
+
+# --- expand ------------------------------------------------------------------------------------------------
+
+
+class _Expand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.new_empty(x.shape[0], M, x.shape[1])
+        expand_to_mhc_forward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_grad = grad.new_empty(grad.shape[0], grad.shape[2])
+        expand_to_mhc_backward(grad.contiguous(), x_grad)
+        return x_grad
+
+
+def expand_from_embedding(x: Tensor, hc_mult: int = M) -> Tensor:
+    """The ``m`` residual streams of each token, copies of its embedding.
+
+    Args:
+        x: ``(*, H)`` bf16.
+        hc_mult: ``m`` (4, the only value with kernels).
+
+    Returns:
+        ``(*, m, H)`` bf16; its gradient is the bf16 sum of the streams' gradients.
+    """
+    err = OpError("modeling.expand_from_embedding")
+    if not isinstance(x, Tensor):
+        raise err.type("x", f"expected a torch.Tensor, got {type(x).__name__}")
+    if hc_mult not in limits.MHC_HC_MULT:
+        raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult}")
+    if x.dim() < 1:
+        raise err.value("x", "expected (*, H), got a 0-D tensor")
+    out = _Expand.apply(x.reshape(-1, x.shape[-1]).contiguous())
+    return out.view(*x.shape[:-1], M, x.shape[-1])
+
+
+# --- pre ---------------------------------------------------------------------------------------------------
+
+
+def _mixes_forward(residual, fn_m, norm_eps, n_splits):
+    """GEMM partials, then reduce + RMSNorm: ``(out_mul, sqrsum, mixes)``; ``residual`` (T, m, H)."""
+    tokens, m, hidden = residual.shape
+    parts, sq_parts = mhc_gemm_with_sqrsum_forward(residual.view(tokens, m * hidden), fn_m, n_splits)
+    out_mul, sqrsum = parts.new_empty(tokens, 1, fn_m.shape[0]), parts.new_empty(tokens, 1)
+    mixes = parts.new_empty(tokens, fn_m.shape[0])
+    mhc_reduce_partials_and_rmsnorm_forward(parts.view(n_splits, tokens, 1, -1), sq_parts.view(n_splits, tokens, 1),
+                                            out_mul, sqrsum, mixes, m * hidden, norm_eps, n_splits)
+    return out_mul, sqrsum, mixes
+
+
+def _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad):
+    """Reduce + RMSNorm and GEMM backward; accumulates into ``residual_grad`` (T, m, H) and returns d fn_m."""
+    tokens, m, hidden = residual.shape
+    d_out_mul, d_sqrsum = torch.empty_like(out_mul), torch.empty_like(sqrsum)
+    mhc_reduce_partials_and_rmsnorm_backward(d_mixes, out_mul, sqrsum, d_out_mul, d_sqrsum, m * hidden, norm_eps)
+    return mhc_gemm_with_sqrsum_backward(d_out_mul.view(tokens, -1), d_sqrsum.view(tokens), residual.view(tokens, -1),
+                                         fn_m, residual_grad.view(tokens, -1))
+
+
+def _merged_fn(fn, norm_weight):
+    if norm_weight is None:
+        return fn
+    out = torch.empty_like(fn)
+    mhc_fn_normw_merge_forward(fn, norm_weight, out)
+    return out
+
+
+def _fn_grads(fn, norm_weight, d_fn_m, mains):
+    """Gradients of ``fn`` and ``norm_weight`` from the merged weight's, into their main_grads where present."""
+    main_fn, main_nw = mains
+    if norm_weight is None:
+        return _grad_out(d_fn_m, main_fn), None
+    fn_grad = main_fn if main_fn is not None else torch.zeros_like(fn)
+    nw_grad = main_nw if main_nw is not None else torch.zeros_like(norm_weight)
+    mhc_fn_normw_merge_backward(fn, norm_weight, d_fn_m, fn_grad, nw_grad)
+    return (None if main_fn is not None else fn_grad), (None if main_nw is not None else nw_grad)
+
+
+class _Pre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, residual, fn, scale, base, norm_weight, norm_eps, post_mult_value, pre_eps, sinkhorn_eps,
+                sinkhorn_repeat, n_splits, mains):
+        tokens, m, hidden = residual.shape
+        fn_m = _merged_fn(fn, norm_weight)
+        out_mul, sqrsum, mixes = _mixes_forward(residual, fn_m, norm_eps, n_splits)
+        pre, post, comb_logits = (mixes.new_empty(tokens, n) for n in (m, m, m * m))
+        mhc_pre_split_mixes_forward(mixes, scale, base, pre, post, comb_logits, post_mult_value, pre_eps)
+        comb = mixes.new_empty(tokens, m, m)
+        mhc_sinkhorn_forward(comb_logits.view(tokens, m, m), comb, sinkhorn_repeat, sinkhorn_eps)
+        layer_input = residual.new_empty(tokens, hidden)
+        mhc_pre_apply_mix_forward(residual, pre, layer_input)
+        ctx.save_for_backward(residual, fn, fn_m, scale, base, norm_weight, out_mul, sqrsum, mixes, pre, post,
+                              comb_logits)
+        ctx.hyper = (norm_eps, post_mult_value, sinkhorn_eps, sinkhorn_repeat)
+        ctx.mains = mains
+        # the residual again, as this node's output: the gradient mhc_post writes for it arrives here
+        return layer_input, post, comb, residual.view_as(residual)
+
+    @staticmethod
+    def backward(ctx, d_layer_input, d_post, d_comb, d_residual_link):
+        residual, fn, fn_m, scale, base, norm_weight, out_mul, sqrsum, mixes, pre, post, comb_logits = \
+            ctx.saved_tensors
+        norm_eps, post_mult_value, sinkhorn_eps, sinkhorn_repeat = ctx.hyper
+        tokens, m, hidden = residual.shape
+        zeros = torch.zeros_like
+        # the one bf16 buffer of the residual gradient: post's contribution first (or zeros), then ours
+        residual_grad = d_residual_link.contiguous().clone() if d_residual_link is not None else zeros(residual)
+        d_li = d_layer_input.contiguous() if d_layer_input is not None else residual.new_zeros(tokens, hidden)
+        d_pre = mhc_pre_apply_mix_backward(d_li, residual, pre, residual_grad)
+        d_comb_logits = torch.empty_like(comb_logits)
+        d_comb = d_comb.contiguous() if d_comb is not None else comb_logits.new_zeros(tokens, m, m)
+        mhc_sinkhorn_backward(d_comb, comb_logits.view(tokens, m, m), d_comb_logits.view(tokens, m, m),
+                              sinkhorn_repeat, sinkhorn_eps)
+        d_mixes, d_scale, d_base = torch.empty_like(mixes), torch.empty_like(scale), torch.empty_like(base)
+        d_post = d_post.contiguous() if d_post is not None else zeros(post)
+        mhc_pre_split_mixes_backward(d_pre, d_post, d_comb_logits, mixes, post, scale, base, d_mixes, d_scale,
+                                     d_base, post_mult_value)
+        d_fn_m = _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad)
+        main_fn, main_scale, main_base, main_nw = ctx.mains
+        fn_grad, nw_grad = _fn_grads(fn, norm_weight, d_fn_m, (main_fn, main_nw))
+        return (residual_grad, fn_grad, _grad_out(d_scale, main_scale), _grad_out(d_base, main_base), nw_grad,
+                None, None, None, None, None, None, None)
+
+
+def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_weight: Optional[Tensor] = None,
+            norm_eps: float = 1e-6, post_mult_value: float = 2.0, pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6,
+            sinkhorn_repeat: int = 20, n_splits: int = 16, return_residual: bool = False):
+    """The pre stage of an mHC sublayer.
+
+    Args:
+        residual: ``(*, m, H)`` bf16, the residual streams.
+        fn: ``(M3, m*H)`` fp32, the pre-norm projection (``M3 = m*(m+2) = 24``).
+        scale: ``(3,)`` fp32, the scales of the pre, post and combination logits.
+        base: ``(M3,)`` fp32, their biases.
+        norm_weight: optional ``(m*H,)`` fp32 RMSNorm weight of the flattened residual (folded into ``fn``).
+        norm_eps, pre_eps, sinkhorn_eps: epsilons (>= 0); defaults of DeepSeek-V4.
+        post_mult_value: the post mix's multiplier (2.0).
+        sinkhorn_repeat: Sinkhorn iterations (20).
+        n_splits: split-K count of the pre-norm GEMM (in [1, m*H/64]).
+        return_residual: also return ``residual`` as an output of this node, to be passed to
+            :func:`mhc_post` so that the residual gradient is accumulated in one buffer (module docstring).
+
+    Returns:
+        ``(layer_input (*, H) bf16, (post_mix (*, m, 1) fp32, comb_mix (*, m, m) fp32))``, and the linked
+        residual ``(*, m, H)`` when ``return_residual``. With gradients enabled the unfused primitives run (their
+        backward needs their intermediates); without, ``mhc_pre_big_fuse`` gives bitwise the same results.
+    """
+    op = "modeling.mhc_pre"
+    flat, lead, m, hidden = _flat_residual(op, residual)
+    _check_params(op, hidden, fn, scale, base, norm_weight, M3, 3, M3)
+    tensors = (residual, fn, scale, base) + (() if norm_weight is None else (norm_weight,))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        mains = tuple(_main_grad(p, op) for p in (fn, scale, base, norm_weight))
+        layer_input, post, comb, link = _Pre.apply(flat, fn, scale, base, norm_weight, norm_eps, post_mult_value,
+                                                   pre_eps, sinkhorn_eps, sinkhorn_repeat, n_splits, mains)
+    else:
+        tokens = flat.shape[0]
+        fn_m = _merged_fn(fn, norm_weight)
+        parts, sq_parts = mhc_gemm_with_sqrsum_forward(flat.view(tokens, m * hidden), fn_m, n_splits)
+        post, comb = parts.new_empty(tokens, m), parts.new_empty(tokens, m, m)
+        layer_input = flat.new_empty(tokens, hidden)
+        mhc_pre_big_fuse(parts, sq_parts, scale, base, flat, post, comb.view(tokens, m * m), layer_input, norm_eps,
+                         pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat, n_splits)
+        link = flat
+    result = (layer_input.view(*lead, hidden), (post.view(*lead, m, 1), comb.view(*lead, m, m)))
+    return (*result, link.view(residual.shape)) if return_residual else result
+
+
+# --- post --------------------------------------------------------------------------------------------------
+
+
+class _Post(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, post, comb):
+        ctx.save_for_backward(x, residual, post, comb)
+        return mhc_post_forward(x, residual, post, comb)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, residual, post, comb = ctx.saved_tensors
+        return mhc_post_backward(x, residual, post, comb, d_out.contiguous())
+
+
+def mhc_post(layer_output: Tensor, residual: Tensor, post_mix: Tensor, comb_mix: Tensor) -> Tensor:
+    """The next residual: ``out[..., o, :] = post[..., o] * layer_output + sum_i comb[..., i, o] * residual[..., i, :]``.
+
+    Args:
+        layer_output: ``(*, H)`` bf16, the sublayer's output.
+        residual: ``(*, m, H)`` bf16 (the linked residual of :func:`mhc_pre` for the ordered residual gradient).
+        post_mix: ``(*, m, 1)`` or ``(*, m)`` fp32; comb_mix: ``(*, m, m)`` fp32 (from :func:`mhc_pre`).
+
+    Returns:
+        ``(*, m, H)`` bf16.
+    """
+    op = "modeling.mhc_post"
+    flat, lead, m, hidden = _flat_residual(op, residual)
+    err = OpError(op)
+    for arg, value, shapes in (("layer_output", layer_output, [lead + (hidden,)]),
+                               ("post_mix", post_mix, [lead + (m, 1), lead + (m,)]),
+                               ("comb_mix", comb_mix, [lead + (m, m)])):
+        if not isinstance(value, Tensor):
+            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+        if tuple(value.shape) not in shapes:
+            raise err.value(arg, f"expected shape {' or '.join(map(str, shapes))}, got {tuple(value.shape)}")
+    out = _Post.apply(layer_output.reshape(-1, hidden).contiguous(), flat, post_mix.reshape(-1, m).contiguous(),
+                      comb_mix.reshape(-1, m, m).contiguous())
+    return out.view(residual.shape)
+
+
+# --- head --------------------------------------------------------------------------------------------------
+
+
+class _Head(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, residual, fn_head, scale, base, norm_weight, norm_eps, pre_eps, n_splits, mains):
+        tokens, m, hidden = residual.shape
+        fn_m = _merged_fn(torch.cat([fn_head, fn_head.new_zeros(M3 - m, fn_head.shape[1])]), norm_weight)
+        out_mul, sqrsum, mixes = _mixes_forward(residual, fn_m, norm_eps, n_splits)
+        input_mix = mixes[:, :m].contiguous()
+        output_mix = input_mix.new_empty(tokens, m)
+        mhc_head_compute_mix_forward(input_mix, scale, base, output_mix, pre_eps)
+        out = residual.new_empty(tokens, hidden)
+        mhc_pre_apply_mix_forward(residual, output_mix, out)
+        ctx.save_for_backward(residual, fn_head, fn_m, scale, base, norm_weight, out_mul, sqrsum, input_mix,
+                              output_mix)
+        ctx.hyper = (norm_eps,)
+        ctx.mains = mains
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        residual, fn_head, fn_m, scale, base, norm_weight, out_mul, sqrsum, input_mix, output_mix = ctx.saved_tensors
+        (norm_eps,) = ctx.hyper
+        tokens, m, hidden = residual.shape
+        # no post follows the head: its residual gradient starts from zeros
+        residual_grad = torch.zeros_like(residual)
+        d_output_mix = mhc_pre_apply_mix_backward(d_out.contiguous(), residual, output_mix, residual_grad)
+        d_input_mix = torch.empty_like(input_mix)
+        scale_part = scale.new_empty(_HEAD_PARTIALS, 1)
+        base_part = base.new_empty(_HEAD_PARTIALS, m)
+        mhc_head_compute_mix_backward(d_output_mix, input_mix, scale, base, d_input_mix, scale_part, base_part)
+        d_mixes = out_mul.new_zeros(tokens, M3)
+        d_mixes[:, :m] = d_input_mix
+        d_fn_m = _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad)
+        main_fn, main_scale, main_base, main_nw = ctx.mains
+        if norm_weight is not None:
+            padded = torch.cat([fn_head, fn_head.new_zeros(M3 - m, fn_head.shape[1])])
+            fn_grad, nw_grad = torch.zeros_like(padded), main_nw if main_nw is not None else torch.zeros_like(norm_weight)
+            mhc_fn_normw_merge_backward(padded, norm_weight, d_fn_m, fn_grad, nw_grad)
+            nw_grad = None if main_nw is not None else nw_grad
+        else:
+            fn_grad, nw_grad = d_fn_m, None
+        return (residual_grad, _grad_out(fn_grad[:m].contiguous(), main_fn),
+                _grad_out(scale_part.sum(0), main_scale), _grad_out(base_part.sum(0), main_base), nw_grad,
+                None, None, None, None)
+
+
+def mhc_head(residual: Tensor, fn_head: Tensor, scale_head: Tensor, base_head: Tensor, *,
+             norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6, pre_eps: float = 1e-6,
+             n_splits: int = 16) -> Tensor:
+    """The final mix of the residual streams before the LM head.
+
+    ``mixes`` of the pre-norm GEMM with ``fn_head`` padded with zero rows to ``M3`` (reduce + RMSNorm), then
+    ``w = sigmoid(mixes[:, :m] * scale_head + base_head) + pre_eps`` and ``out = sum_i w[:, i] * residual[:, i]``.
+
+    Args:
+        residual: ``(*, m, H)`` bf16.
+        fn_head: ``(m, m*H)`` fp32; scale_head ``(1,)`` fp32; base_head ``(m,)`` fp32.
+        norm_weight: optional ``(m*H,)`` fp32 RMSNorm weight folded into ``fn_head``.
+        norm_eps, pre_eps: epsilons; n_splits: split-K count of the GEMM.
+
+    Returns:
+        ``(*, H)`` bf16. The residual gradient starts from zeros (no post follows the head).
+    """
+    op = "modeling.mhc_head"
+    flat, lead, m, hidden = _flat_residual(op, residual)
+    _check_params(op, hidden, fn_head, scale_head, base_head, norm_weight, m, 1, m)
+    mains = tuple(_main_grad(p, op) for p in (fn_head, scale_head, base_head, norm_weight))
+    out = _Head.apply(flat, fn_head, scale_head, base_head, norm_weight, norm_eps, pre_eps, n_splits, mains)
+    return out.view(*lead, hidden)
+
+
+# --- modules -----------------------------------------------------------------------------------------------
+
+
+def _init_base(m: int) -> Tensor:
+    """Biases that start the block as a plain residual connection: ``pre = 1/m`` (the layer input is the mean
+    of the streams), ``post = 1`` (with post_mult_value 2: ``2 * sigmoid(0)``), ``comb`` near the identity
+    (diagonal logits 4, off-diagonal 0: Sinkhorn keeps about 0.95 on the diagonal)."""
+    base = torch.zeros(M3)
+    base[:m] = math.log(1.0 / (m - 1))  # sigmoid(x) = 1/m
+    base[2 * m:] = torch.eye(m).flatten() * 4.0
+    return base
+
+
+class MHCSublayer(nn.Module):
+    """One sublayer (attention, FFN...) wrapped in manifold-constrained hyper-connections.
+
+    ``forward(residual (*, m, H) bf16) -> (*, m, H) bf16``: ``layer_input, mixes = mhc_pre(residual)``,
+    ``y = sublayer(layer_input)``, ``mhc_post(y, residual, *mixes)``, with the residual gradient accumulated
+    in the order of the module docstring.
+
+    Parameters (fp32): ``fn (M3, m*H)`` initialized ``N(0, 1e-4)`` (small: the mixes start from the biases),
+    ``scale (3,)`` ones, ``base (M3,)`` as :func:`_init_base` (a plain residual connection at start), and with
+    ``norm_weight=True`` an RMSNorm weight ``(m*H,)`` of ones.
+
+    Args:
+        hidden_size: ``H`` (a multiple of 64 in [256, 8192]).
+        sublayer: maps ``(*, H)`` bf16 to ``(*, H)`` bf16.
+        hc_mult: ``m`` (4).
+        norm_weight: keep an RMSNorm weight of the flattened residual.
+        post_mult_value, sinkhorn_repeat, eps, n_splits: as :func:`mhc_pre` (DeepSeek-V4 defaults).
+    """
+
+    def __init__(self, hidden_size: int, sublayer: nn.Module, hc_mult: int = M, *, norm_weight: bool = False,
+                 post_mult_value: float = 2.0, sinkhorn_repeat: int = 20, eps: float = 1e-6, n_splits: int = 16,
+                 device=None):
+        super().__init__()
+        err = OpError("modeling.MHCSublayer")
+        limits.MHC_HIDDEN.check(err, "hidden_size", hidden_size)
+        if hc_mult not in limits.MHC_HC_MULT:
+            raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult}")
+        self.sublayer = sublayer
+        self.hidden_size, self.hc_mult = hidden_size, hc_mult
+        self.post_mult_value, self.sinkhorn_repeat, self.eps, self.n_splits = post_mult_value, sinkhorn_repeat, eps, \
+            n_splits
+        k = hc_mult * hidden_size
+        self.fn = nn.Parameter(torch.randn(M3, k, device=device) * 1e-4)
+        self.scale = nn.Parameter(torch.ones(3, device=device))
+        self.base = nn.Parameter(_init_base(hc_mult).to(device))
+        self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
+
+    def forward(self, residual: Tensor) -> Tensor:
+        layer_input, (post, comb), linked = mhc_pre(
+            residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
+            post_mult_value=self.post_mult_value, pre_eps=self.eps, sinkhorn_eps=self.eps,
+            sinkhorn_repeat=self.sinkhorn_repeat, n_splits=self.n_splits, return_residual=True)
+        return mhc_post(self.sublayer(layer_input), linked, post, comb)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, hc_mult={self.hc_mult}, post_mult_value={self.post_mult_value}, "
+                f"sinkhorn_repeat={self.sinkhorn_repeat}, eps={self.eps}, n_splits={self.n_splits}")
+
+
+class MHCHead(nn.Module):
+    """The head's mix of the residual streams: ``forward(residual (*, m, H)) -> (*, H)`` (:func:`mhc_head`).
+
+    Parameters (fp32): ``fn (m, m*H)`` ``N(0, 1e-4)``, ``scale (1,)`` ones, ``base (m,)`` with
+    ``sigmoid(base) = 1/m`` (the mean of the streams at start), optional ``norm_weight (m*H,)`` ones.
+    """
+
+    def __init__(self, hidden_size: int, hc_mult: int = M, *, norm_weight: bool = False, eps: float = 1e-6,
+                 n_splits: int = 16, device=None):
+        super().__init__()
+        limits.MHC_HIDDEN.check(OpError("modeling.MHCHead"), "hidden_size", hidden_size)
+        k = hc_mult * hidden_size
+        self.eps, self.n_splits = eps, n_splits
+        self.fn = nn.Parameter(torch.randn(hc_mult, k, device=device) * 1e-4)
+        self.scale = nn.Parameter(torch.ones(1, device=device))
+        self.base = nn.Parameter(torch.full((hc_mult,), math.log(1.0 / (hc_mult - 1)), device=device))
+        self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
+
+    def forward(self, residual: Tensor) -> Tensor:
+        return mhc_head(residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
+                        pre_eps=self.eps, n_splits=self.n_splits)
+
+
+mhc_multilayer_recompute = mhc_multilayer_recompute  # re-exported for users who checkpoint chunks of sublayers
