@@ -53,7 +53,7 @@ def test_import_touches_no_device_and_no_tilelang():
         "mhc_pre_split_mixes_forward", "mhc_pre_split_mixes_backward", "mhc_sinkhorn_forward",
         "mhc_sinkhorn_backward", "mhc_pre_apply_mix_forward", "mhc_pre_apply_mix_backward", "mhc_post_forward",
         "mhc_post_forward_out", "mhc_post_backward", "mhc_head_compute_mix_forward",
-        "mhc_head_compute_mix_backward",
+        "mhc_head_compute_mix_backward", "mhc_pre_big_fuse", "mhc_multilayer_recompute",
     ])
     assert found["ops"] == want
     assert found["schemas"] == [f"cann_ops_tilelang::{n}" for n in want]
