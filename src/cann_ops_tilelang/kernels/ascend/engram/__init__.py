@@ -9,19 +9,11 @@ synchronization). This package only aggregates the kernel modules' lowering case
 neither a kernel module nor TileLang).
 """
 
-import importlib
+from ... import _family
 
-__all__ = ["OP_MODULES", "lowering_cases"]
-
-OP_MODULES = ("fused_weight", "gate", "grad_w_reduce")
+__all__ = ["lowering_cases"]
 
 
 def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Every kernel variant of the family at ``hidden_size``, keyed ``"<op module>/<case>"`` (at the Ascend
-    950's vector cores and partial rows: no NPU needed)."""
-    cases = {}
-    for name in OP_MODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        for case, prim_func in module.lowering_cases(hidden_size, hc_mult).items():
-            cases[f"{name}/{case}"] = prim_func
-    return cases
+    """Every kernel variant of the family at ``hidden_size``, keyed ``"<op module>/<case>"``."""
+    return _family.lowering_cases(__name__, hidden_size, hc_mult=hc_mult)

@@ -8,18 +8,11 @@ it; ``<launcher>(...)`` launches on the current torch stream into caller-allocat
 only aggregates the kernel modules' lowering cases (importing it imports no kernel module).
 """
 
-import importlib
+from ... import _family
 
-__all__ = ["OP_MODULES", "lowering_cases"]
-
-OP_MODULES = ("fused_weight", "gate", "grad_w_reduce")
+__all__ = ["lowering_cases"]
 
 
 def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     """Every kernel variant of the family at ``hidden_size``, keyed ``"<op module>/<case>"``."""
-    cases = {}
-    for name in OP_MODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        for case, prim_func in module.lowering_cases(hidden_size, hc_mult).items():
-            cases[f"{name}/{case}"] = prim_func
-    return cases
+    return _family.lowering_cases(__name__, hidden_size, hc_mult=hc_mult)

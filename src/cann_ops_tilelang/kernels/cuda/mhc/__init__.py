@@ -6,27 +6,11 @@ op, keyword arguments named as the op's), their ``*_key``, ``get_*_kernel`` and 
 the lowering cases. Importing it imports neither TileLang nor a kernel module.
 """
 
-import importlib
+from ... import _family
 
-MODULES = (
-    "expand",
-    "fn_normw_merge",
-    "gemm_with_sqrsum",
-    "reduce_partials_and_rmsnorm",
-    "pre_split_mixes",
-    "sinkhorn",
-    "pre_apply_mix",
-    "post",
-    "head_compute_mix",
-    "pre_big_fuse",
-    "multilayer_recompute",
-)
+__all__ = ["lowering_cases"]
 
 
 def lowering_cases(hidden_size: int) -> dict:
-    """Every kernel variant of the family at ``hidden_size``, un-compiled: ``{"<op module>/<case>": prim_func}``."""
-    cases = {}
-    for name in MODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        cases.update({f"{name}/{case}": prim_func for case, prim_func in module.lowering_cases(hidden_size).items()})
-    return cases
+    """Every kernel variant of the family at ``hidden_size``, keyed ``"<op module>/<case>"``."""
+    return _family.lowering_cases(__name__, hidden_size)
