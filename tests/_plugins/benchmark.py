@@ -182,6 +182,13 @@ class Bench:
         us, self.last_timer = device_time_us(fn, self.kind)
         return us
 
+    def stream_time_us(self, fn: Callable[[], Any]) -> float:
+        """Time of ``fn()`` on the device stream between CUDA events, launch gaps included (``time_us`` with the
+        CUPTI timer sums kernel durations only); wall time without a device."""
+        if self.kind is None:
+            return _time_wall(fn)
+        return _time_cuda_events(fn, self.kind)
+
     def side_by_side(self, case: str, impls: dict[str, Callable[[], Any] | None], rounds: int = ROUNDS,
                      **fields: Any) -> dict[str, float]:
         """Times several implementations of one case against each other and records each one.

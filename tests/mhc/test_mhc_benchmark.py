@@ -205,3 +205,93 @@ def _side_by_side_tolerant(bench, case, impls, nbytes):
         except Exception as exc:
             bench.record(case, impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
     bench.side_by_side(case, runnable, bytes=nbytes)
+
+
+# --- one sublayer forward + backward through the modeling API -----------------------------------------------
+
+
+def _peer_chain(monkeypatch):
+    """Points the modeling chain's kernels at the peer's: the peer (2.1.0) ships the mHC primitives but no mHC
+    autograd Functions and no pre-norm GEMM, so its users' chain is ours with its kernels and a TF32 matmul."""
+    import cann_ops_tilelang.modeling.mhc as chain
+
+    def peer(name, shape_like=None):
+        def call(*args):
+            result = peer_call(name, args)()
+            if shape_like is None:
+                return result
+            if isinstance(result, tuple):
+                return tuple(r.view(args[i].shape) for r, i in zip(result, shape_like))
+            return result.view(args[shape_like].shape)
+        return call
+
+    def gemm_forward(x, fn, n_splits):  # one split: the chain's reduce runs with n_splits = 1
+        xf = x.float()
+        return (xf @ fn.T).unsqueeze(0), xf.square().sum(-1).unsqueeze(0)
+
+    def gemm_backward(d_mul, d_sqrsum, x, fn, x_grad):
+        xf = x.float()
+        x_grad.copy_((x_grad.float() + d_mul @ fn + 2 * xf * d_sqrsum[:, None]).bfloat16())
+        return d_mul.T @ xf
+
+    for name in ("mhc_reduce_partials_and_rmsnorm_forward", "mhc_reduce_partials_and_rmsnorm_backward",
+                 "mhc_pre_split_mixes_forward", "mhc_pre_split_mixes_backward", "mhc_sinkhorn_forward",
+                 "mhc_sinkhorn_backward", "mhc_pre_apply_mix_forward"):
+        monkeypatch.setattr(chain, name, peer(name))
+    monkeypatch.setattr(chain, "mhc_pre_apply_mix_backward", peer("mhc_pre_apply_mix_backward", 2))
+    monkeypatch.setattr(chain, "mhc_post_forward", peer("mhc_post_forward", 1))
+    monkeypatch.setattr(chain, "mhc_post_backward", peer("mhc_post_backward", (0, 1, 2, 3)))
+    monkeypatch.setattr(chain, "mhc_gemm_with_sqrsum_forward", gemm_forward)
+    monkeypatch.setattr(chain, "mhc_gemm_with_sqrsum_backward", gemm_backward)
+
+
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_bench_sublayer_fwd_bwd(bench, device, tokens, hidden, monkeypatch):
+    """``MHCSublayer`` around an identity sublayer, forward + backward: compiled and eager against the sum of
+    the kernels' device times (CUPTI) and against the peer's kernels in the same chain, with peak memory."""
+    from torch import nn
+
+    from cann_ops_tilelang.modeling import MHCSublayer
+
+    torch.manual_seed(0)
+    residual = torch.randn(tokens, 4, hidden, device=device).bfloat16().requires_grad_()
+    grad = torch.randn_like(residual)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    def stepper(layer):
+        def step():
+            residual.grad = None
+            for p in layer.parameters():
+                p.grad = None
+            layer(residual).backward(grad)
+        return step
+
+    def peak_bytes(step):
+        step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    layer = MHCSublayer(hidden, nn.Identity(), device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    impls = {"ours": stepper(compiled), "eager": stepper(layer)}
+    if HAVE_PEER:
+        peer_layer = MHCSublayer(hidden, nn.Identity(), n_splits=1, device=device)
+        peer_layer.load_state_dict(layer.state_dict())
+        with monkeypatch.context() as patch:
+            _peer_chain(patch)
+            peer_step = stepper(peer_layer)
+            peer_step()
+            stream = bench.stream_time_us(peer_step)
+            bench.record(f"sublayer-T{tokens}-H{hidden}", impl="peer", time_us=stream, kernels_us=bench.time_us(peer_step),
+                         peak_bytes=peak_bytes(peer_step), timer="event")
+    for impl, step in impls.items():
+        step()
+        kernels = bench.time_us(step)
+        stream = bench.stream_time_us(step)
+        bench.record(f"sublayer-T{tokens}-H{hidden}", impl=impl, time_us=stream, kernels_us=kernels,
+                     over_kernels=stream / kernels, peak_bytes=peak_bytes(step), timer="event")

@@ -26,8 +26,8 @@ from cann_ops_tilelang.limits import MHC_RECOMPUTE_LAYERS, LimitError  # noqa: E
 
 HAVE_NVCC = shutil.which("nvcc") is not None
 LAYERS = [(1, 1), (3, 2), (3, 3), (10, 9), (10, 10)]
-# the range's edges and a guarded layout (H / 8 = 40 vectors: 64 threads, the last 24 slots guarded)
-HIDDEN = [256, 320, 8192]
+# the range's edges, a guarded layout (H / 8 = 40 vectors: 64 threads, the last 24 slots guarded) and model sizes
+HIDDEN = [256, 320, 4096, 7168, 8192]
 
 
 def test_lowering_cases_cover_the_layer_counts():
