@@ -52,7 +52,7 @@ def test_compiles_to_sm90a_cubin(hidden, index):
     threads, tokens, _ = pbf.grid_layout(hidden)
     assert built.threads == threads
     layout = pbf.stream_layout(hidden)
-    assert built.smem_bytes >= pbf.PLAN.stages * 4 * layout.threads * 16 + tokens * 4 * 4  # ring + pre table
+    assert built.smem_bytes >= pbf.plan_for(hidden).stages * 4 * layout.threads * 16 + tokens * 4 * 4  # ring + pre table
     assert not undeclared(f"pre_big_fuse/{name}", built.source, declared_vector_args())
 
 

@@ -12,13 +12,13 @@ goes through the fp32 operations of the kernel it replaces, in the same order:
   same expression, which nvcc contracts the same way), one round-to-nearest-even cast to bf16 at the store.
 
 Schedule: a 1-D grid of ``ceil(T / TB) * chunks`` CTAs over ``(token group, column chunk)`` pairs, chunks fastest
-(``TB = PLAN.tokens``; the chunks of the pre-apply-mix forward's row layout: 4 x 128 threads of one 16-byte vector
+(``TB = plan.tokens``; the chunks of the pre-apply-mix forward's row layout: 4 x 128 threads of one 16-byte vector
 per stream at H = 4096, 7 x 128 at 7168, 1 x 160 at 1280). A CTA has its streaming threads and one mix warp:
 
 * mix warp: ``pre`` of the group's tokens (lane ``p``: token ``p // m``, pre mix ``p % m``; all ``2S`` partials
   in flight) into shared memory, one barrier, then the group's Sinkhorn passes with their ``post`` (two tokens of
   16 lanes at m = 4), shared out over the group's chunk CTAs (one each at H = 4096, 4 of 7 CTAs at 7168);
-* streaming threads: a thread-private cp.async ring of ``PLAN.stages`` items (one 16-byte vector of each stream
+* streaming threads: a thread-private cp.async ring of ``plan.stages`` items (one 16-byte vector of each stream
   of one token), ``stages - 1`` issued before the barrier so that they cover the pre chain, then per item the
   apply-mix arithmetic and one 16-byte bf16 store, beside the Sinkhorn chain.
 
@@ -67,16 +67,20 @@ class BigFusePlan:
     sinkhorn_warps: int = 0
 
 
-# 8 tokens x 1 vector per streaming thread and CTA, a 4-deep ring (3 items in flight: 6 CTAs of 160 threads per SM
-# at 64 registers, 33 KB of shared memory each), the Sinkhorn passes in the mix warp after the pre phase. On the
-# H200 (T = 512 / 8192, S = 16, R = 10 / 20; CUDA events around one launch after an L2 flush, which give the
-# pre-apply-mix forward 9.8 / 83.6 us at H = 4096, 14.0 / 139.7 at 7168): H = 4096 13.0 / 14.4 and 90.9 / 92.5 us,
-# H = 7168 18.0 / 19.1 and 148.3 / 149.8 us (the peer 11.5 / 11.5, 89.5 / 90.9, 16.0 / 16.1, 146.5 / 146.0; the
-# four unfused kernels 19.2 / 20.6, 97.2 / 99.1, 23.4 / 24.5, 153.8 / 155.2). Rings of 3 / 6 / 8 items, 4 tokens per
-# CTA, and (token, chunk) CTAs of one token beside one Sinkhorn CTA per 8 tokens (117.7 us at H = 4096, T = 8192)
-# were level or slower (docs/perf/h200/mhc.md, 2026-12-02). ``sinkhorn_warps = 1`` (the Sinkhorn chain off the
-# path of the pre phase, expected to help T = 512 at R = 20) is built and lowered but not measured yet.
-PLAN = BigFusePlan(stream_threads=128, stream_fallback_threads=256, tokens=8, stages=4, split_batch=16, regs=64)
+# 8 tokens x 1 vector per streaming thread and CTA, a 4-deep ring (6 CTAs of 192 threads per SM at 64 registers),
+# a Sinkhorn warp of its own from the start (off the pre phase's path: R = 20 costs T = 512 0.3 us instead of 1.4).
+# Wide rows (7 chunk CTAs per token group at H = 7168, each redoing the group's split reduction) gain from loading 8
+# split partials at a time, a 3-deep ring and 48 registers. H200 figures, rejected variants: docs/perf/h200/mhc.md,
+# 2026-12-02 entries.
+PLAN = BigFusePlan(stream_threads=128, stream_fallback_threads=256, tokens=8, stages=4, split_batch=16, regs=64,
+                   sinkhorn_warps=1)
+WIDE_PLAN = dataclasses.replace(PLAN, stages=3, split_batch=8, regs=48)
+WIDE_FROM = 6144  # hidden sizes from which WIDE_PLAN is used (measured at 4096 and 7168)
+
+
+def plan_for(hidden_size: int) -> BigFusePlan:
+    """The schedule at ``hidden_size``: :data:`PLAN`, or :data:`WIDE_PLAN` from ``WIDE_FROM`` columns."""
+    return WIDE_PLAN if hidden_size >= WIDE_FROM else PLAN
 
 
 def _sinkhorn_warps(hidden_size: int, hc_mult: int, plan: BigFusePlan) -> int:
@@ -90,7 +94,7 @@ def _sinkhorn_warps(hidden_size: int, hc_mult: int, plan: BigFusePlan) -> int:
     return max(1, min(plan.sinkhorn_warps, -(-passes // chunks)))
 
 
-def _check(hidden_size: int, hc_mult: int, n_splits: int, repeat: int, plan: BigFusePlan = PLAN) -> None:
+def _check(hidden_size: int, hc_mult: int, n_splits: int, repeat: int, plan: BigFusePlan) -> None:
     MHC_HIDDEN.require(OP, hidden_size)
     MHC_HC_MULT.require(OP, hc_mult)
     if hc_mult < 2 or hc_mult & (hc_mult - 1) or hc_mult * hc_mult > 32 or plan.tokens * hc_mult > 32:
@@ -100,15 +104,17 @@ def _check(hidden_size: int, hc_mult: int, n_splits: int, repeat: int, plan: Big
     MHC_SINKHORN_REPEAT["cuda"].require(OP, repeat)
 
 
-def stream_layout(hidden_size: int, plan: BigFusePlan = PLAN) -> RowLayout:
-    """Row layout of a CTA's streaming threads (see :class:`BigFusePlan`)."""
+def stream_layout(hidden_size: int, plan: BigFusePlan | None = None) -> RowLayout:
+    """Row layout of a CTA's streaming threads (see :class:`BigFusePlan`; ``plan_for(hidden_size)`` by default)."""
+    plan = plan or plan_for(hidden_size)
     layout = row_layout(hidden_size, plan.stream_threads)
     return layout if layout.threads >= plan.stream_threads else row_layout(hidden_size, plan.stream_fallback_threads)
 
 
-def grid_layout(hidden_size: int, plan: BigFusePlan = PLAN, hc_mult: int = 4) -> tuple[int, int, int]:
+def grid_layout(hidden_size: int, plan: BigFusePlan | None = None, hc_mult: int = 4) -> tuple[int, int, int]:
     """``(threads, tokens, chunks)``: threads per CTA (the streaming threads, the pre warp and the Sinkhorn warps),
     tokens per CTA and column chunks per row; the grid is ``ceil(T / tokens) * chunks`` CTAs."""
+    plan = plan or plan_for(hidden_size)
     layout = stream_layout(hidden_size, plan)
     return (layout.threads + 32 * (1 + _sinkhorn_warps(hidden_size, hc_mult, plan)), plan.tokens,
             layout.nv // row_chunk(layout.nv))
@@ -124,11 +130,12 @@ def mhc_pre_big_fuse_key(gemm_out_mul: torch.Tensor, residual: torch.Tensor, sin
         raise LimitError(f"{OP}: gemm_out_mul has {splits} splits but n_splits={n_splits}")
     if mult3 != hc_mult * (hc_mult + 2):
         raise LimitError(f"{OP}: gemm_out_mul has {mult3} mixes, expected m*(m+2) = {hc_mult * (hc_mult + 2)}")
-    _check(hidden_size, hc_mult, splits, int(sinkhorn_repeat))
+    _check(hidden_size, hc_mult, splits, int(sinkhorn_repeat), plan_for(hidden_size))
     return (splits, hidden_size, hc_mult, int(sinkhorn_repeat))
 
 
-def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat: int, plan: BigFusePlan = PLAN):
+def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat: int,
+                           plan: BigFusePlan | None = None):
     """Builds the fused pre-stage forward prim_func (see the module docstring for the schedule and arithmetic).
 
     Args:
@@ -136,7 +143,7 @@ def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat
         hidden_size: ``H`` in ``limits.MHC_HIDDEN``.
         hc_mult: ``m`` (a power of two, ``m*m <= 32``).
         repeat: Sinkhorn ``R`` in ``limits.MHC_SINKHORN_REPEAT["cuda"]`` (compile-time).
-        plan: the schedule's :class:`BigFusePlan`.
+        plan: the schedule's :class:`BigFusePlan` (``plan_for(hidden_size)`` by default).
 
     Returns:
         ``T.prim_func(gemm_out_mul (S, T, M3) f32, gemm_out_sqrsum (S, T) f32, mhc_scale (3,) f32, mhc_base (M3,)
@@ -144,6 +151,7 @@ def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat
         rms_group_size: f32, rms_eps: f32, pre_eps: f32, sinkhorn_eps: f32, post_mult_value: f32)``; ``T`` is
         dynamic.
     """
+    plan = plan or plan_for(hidden_size)
     _check(hidden_size, hc_mult, n_splits, repeat, plan)
     from tilelang import language as T
 
