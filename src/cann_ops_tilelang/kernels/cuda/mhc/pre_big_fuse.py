@@ -6,7 +6,7 @@ goes through the fp32 operations of the kernel it replaces, in the same order:
   (ascending ``s``), ``r = rsqrtf(sq / Rg + rms_eps)`` (IEEE division by the runtime scalar ``Rg``), ``om * r``;
 * ``mhc_pre_split_mixes_fwd_cuda``: ``z = __fmul_rn(mix, scale) + base``, ``sigmoid(z) = 1 / (1 + expf(0 - z))``
   (IEEE), ``pre = sigmoid + pre_eps``, ``post = sigmoid * post_mult_value``, comb logits ``z``;
-* ``mhc_sinkhorn_fwd_cuda``: its own macros (:func:`.sinkhorn._sinkhorn_macros`: one matrix element per lane,
+* ``mhc_sinkhorn_fwd_cuda``: its own macros (:func:`._sinkhorn.sinkhorn_macros`: one matrix element per lane,
   pairwise butterfly sums), the same step order and IEEE divisions;
 * ``mhc_pre_apply_mix_forward_cuda``: ``acc = pre_0 * x_0``, then ``acc = acc + pre_i * x_i`` (i ascending, the
   same expression, which nvcc contracts the same way), one round-to-nearest-even cast to bf16 at the store.
@@ -35,7 +35,7 @@ import torch
 from ....limits import MHC_HC_MULT, MHC_HIDDEN, MHC_SINKHORN_REPEAT, LimitError, mhc_gemm_splits
 from .._build import jit_compile
 from ._common import VEC, RowLayout, min_blocks, row_chunk, row_layout
-from .sinkhorn import _sinkhorn_layout, _sinkhorn_macros
+from ._sinkhorn import sinkhorn_layout, sinkhorn_macros
 
 __all__ = [
     "build_mhc_pre_big_fuse",
@@ -166,14 +166,14 @@ def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat
     S0, SWm = (1, SW) if SW else (0, 1)  # the Sinkhorn warps' first warp after the pre warp, and their count
     threads, TB, D = ts + 32 * (1 + SW), plan.tokens, plan.stages
     NI = TB * nvc  # items (token, vector) per streaming thread, token-major
-    k, N = _sinkhorn_layout(m)  # k = 1: one comb element per lane, N = m*m lanes per token
+    k, N = sinkhorn_layout(m)  # k = 1: one comb element per lane, N = m*m lanes per token
     PT = 32 // N  # tokens per Sinkhorn pass of the mix warp
     passes = -(-TB // PT)
     SB = min(S, plan.split_batch)
     full, rem = divmod(S - SB, SB)  # further whole batches and the last partial one
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
-    softmax_eps, row_sum, col_sum, _ = _sinkhorn_macros(T, m)
+    softmax_eps, row_sum, col_sum, _ = sinkhorn_macros(T, m)
 
     @T.macro
     def split_sum(acc, q, gemm_out_mul, gemm_out_sqrsum, t, use_mul, col):

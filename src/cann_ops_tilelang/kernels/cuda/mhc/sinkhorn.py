@@ -22,6 +22,7 @@ from ....chips import H200
 from ....limits import MHC_HC_MULT, MHC_SINKHORN_REPEAT, LimitError
 from .._build import jit_compile
 from ._common import ceil32
+from ._sinkhorn import sinkhorn_layout, sinkhorn_macros
 
 __all__ = [
     "build_mhc_sinkhorn_backward",
@@ -66,19 +67,9 @@ def mhc_sinkhorn_forward_key(comb: torch.Tensor, repeat: int) -> tuple:
     return (hc_mult, int(repeat))
 
 
-def _sinkhorn_layout(hc_mult: int) -> tuple[int, int]:
-    """``(k, N)``: matrix elements per lane and lanes per token of the Sinkhorn kernels.
-
-    One lane per element (``N = m*m``) while a token fits a warp; at m = 8 two neighbouring
-    elements of a row per lane (``k = 2``, ``N = 32``).
-    """
-    k = max(1, hc_mult * hc_mult // 32)
-    return k, hc_mult * hc_mult // k
-
-
 def _sinkhorn_tokens_per_cta(hc_mult: int) -> int:
     """Tokens per CTA of the Sinkhorn forward: ``PLAN.threads`` threads (at least one token)."""
-    return max(1, PLAN.threads // _sinkhorn_layout(hc_mult)[1])
+    return max(1, PLAN.threads // sinkhorn_layout(hc_mult)[1])
 
 
 def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
@@ -90,7 +81,7 @@ def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
     exceeds ``PLAN.backward_smem_budget`` and keeps more than one warp; ``LimitError`` where one CTA's
     shared memory cannot hold the block.
     """
-    _, lanes = _sinkhorn_layout(hc_mult)
+    _, lanes = sinkhorn_layout(hc_mult)
     per_token = 4 * (2 * repeat - 1) * (hc_mult * hc_mult + hc_mult)
     tb = _sinkhorn_tokens_per_cta(hc_mult)
     while tb * lanes > 32 and tb * per_token > PLAN.backward_smem_budget:
@@ -111,72 +102,10 @@ def mhc_sinkhorn_backward_key(x: torch.Tensor, repeat: int) -> tuple:
     return (hc_mult, int(repeat))
 
 
-def _sinkhorn_macros(T, m: int):
-    """Sinkhorn building blocks for the element-per-lane layout (see the module docstring for the arithmetic).
-
-    A token's ``N`` lanes hold its ``m x m`` matrix row-major, ``k`` neighbouring elements of one row
-    per lane (:func:`_sinkhorn_layout`): lane ``l`` holds elements ``l*k .. l*k+k-1``, so the lanes of a
-    row differ in their low ``log2(m/k)`` bits and the lanes of a column in the next ``log2(m)`` bits.
-    A row (column) sum is an xor-butterfly over those bits (after the lane's own ``k`` elements,
-    added in order, for a row): every lane of the row (column) ends with the same bits, since each
-    butterfly level adds the same two partial sums, only in swapped operand order.
-
-    Returns ``(softmax_eps, row_sum, col_sum, quotient)`` macros.
-    """
-    k, _ = _sinkhorn_layout(m)
-    row_bits = (m // k).bit_length() - 1  # butterfly levels of a row sum
-    col_bits = m.bit_length() - 1  # butterfly levels of a column sum
-    col_base = m // k  # lane distance between neighbouring rows
-
-    @T.macro
-    def row_max(src, s):
-        s[0] = src[0]
-        for c in T.unroll(1, k):
-            s[0] = T.max(s[0], src[c])
-        for b in T.unroll(row_bits):
-            s[0] = T.max(s[0], T.shfl_xor(s[0], 1 << b))
-
-    @T.macro
-    def row_sum(src, s):
-        # s[0] = the sum of this lane's row of src.
-        s[0] = src[0]
-        for c in T.unroll(1, k):
-            s[0] = s[0] + src[c]
-        for b in T.unroll(row_bits):
-            s[0] = s[0] + T.shfl_xor(s[0], 1 << b)
-
-    @T.macro
-    def col_sum(src, s):
-        # s[c] = the sum of the column of element c of this lane.
-        for c in T.unroll(k):
-            s[c] = src[c]
-            for b in T.unroll(col_bits):
-                s[c] = s[c] + T.shfl_xor(s[c], col_base << b)
-
-    @T.macro
-    def softmax_eps(y, s, pm, eps):
-        # pm = row softmax of y (max-subtracted, IEEE division); y = pm + eps (pm may be y itself).
-        row_max(y, s)
-        for c in T.unroll(k):
-            y[c] = T.exp(y[c] - s[0])
-        row_sum(y, s)
-        for c in T.unroll(k):
-            pm[c] = y[c] / s[0]
-            y[c] = pm[c] + eps
-
-    @T.macro
-    def quotient(buf, i, d, rc, q):
-        # buf[i] <- buf[i] / d, correctly rounded (rc = __frcp_rn(d); one Markstein correction).
-        q[0] = T.ieee_mul(buf[i], rc)
-        buf[i] = T.ieee_fmaf(T.ieee_fmaf(-d, q[0], buf[i]), rc, q[0])
-
-    return softmax_eps, row_sum, col_sum, quotient
-
-
 def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     """Builds the Sinkhorn forward prim_func (docs/ops/mhc.md#sinkhorn).
 
-    ``N`` lanes per token (:func:`_sinkhorn_layout`: 16 at m = 4, one matrix element each) and
+    ``N`` lanes per token (:func:`sinkhorn_layout`: 16 at m = 4, one matrix element each) and
     :func:`_sinkhorn_tokens_per_cta` tokens per CTA (8 at m = 4: 64 CTAs at T = 512, 1024 at T = 8192).
     A normalization step is two butterfly levels (shuffle + add), the ``+ eps`` and one IEEE
     division on every lane's dependent chain. Every lane runs every shuffle (lanes of tokens past
@@ -193,13 +122,13 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     from tilelang import language as T
 
     m, R = hc_mult, repeat
-    k, N = _sinkhorn_layout(m)
+    k, N = sinkhorn_layout(m)
     TB = _sinkhorn_tokens_per_cta(m)
     threads = ceil32(TB * N)
     M2 = m * m
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    softmax_eps, row_sum, col_sum, _ = _sinkhorn_macros(T, m)
+    softmax_eps, row_sum, col_sum, _ = sinkhorn_macros(T, m)
 
     @T.prim_func
     def mhc_sinkhorn_fwd_cuda(
@@ -283,7 +212,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
     from tilelang import language as T
 
     m, R = hc_mult, repeat
-    k, N = _sinkhorn_layout(m)
+    k, N = sinkhorn_layout(m)
     TB = mhc_sinkhorn_backward_token_block(m, R)
     NL = TB * N  # lanes with shared-memory slots
     threads = ceil32(NL)
@@ -291,7 +220,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
     NS = 2 * R - 1  # eps-normalization steps
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    softmax_eps, row_sum, col_sum, quotient = _sinkhorn_macros(T, m)
+    softmax_eps, row_sum, col_sum, quotient = sinkhorn_macros(T, m)
     back_loop = T.unroll if R <= 32 else T.serial
 
     @T.macro
