@@ -69,12 +69,12 @@ class BigFusePlan:
 
 # 8 tokens x 1 vector per streaming thread and CTA, a 4-deep ring (6 CTAs of 192 threads per SM at 64 registers),
 # a Sinkhorn warp of its own from the start (off the pre phase's path: R = 20 costs T = 512 0.3 us instead of 1.4).
-# Wide rows (7 chunk CTAs per token group at H = 7168, each redoing the group's split reduction) gain from loading 8
-# split partials at a time, a 3-deep ring and 48 registers. H200 figures, rejected variants: docs/perf/h200/mhc.md,
-# 2026-12-02 entries.
+# Wide rows: 4 chunk CTAs of 224 threads per token group instead of 7 of 128 at H = 7168 (each chunk CTA redoes
+# the group's split reduction), 8 split partials per load, a 3-deep ring, 48 registers. H200 figures and the
+# variants not adopted: docs/perf/h200/mhc.md, 2026-12-02 entries.
 PLAN = BigFusePlan(stream_threads=128, stream_fallback_threads=256, tokens=8, stages=4, split_batch=16, regs=64,
                    sinkhorn_warps=1)
-WIDE_PLAN = dataclasses.replace(PLAN, stages=3, split_batch=8, regs=48)
+WIDE_PLAN = dataclasses.replace(PLAN, stream_threads=192, stages=3, split_batch=8, regs=48)
 WIDE_FROM = 6144  # hidden sizes from which WIDE_PLAN is used (measured at 4096 and 7168)
 
 
