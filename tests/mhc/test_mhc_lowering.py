@@ -135,6 +135,26 @@ def test_cuda_gemm_forward_schedule_choice(hidden):
     assert gemm.mhc_gemm_with_sqrsum_forward_ctas_per_split(8192, 16, 132) == 8
 
 
+@pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 7168, 8192])
+def test_cuda_gemm_backward_token_partitions(hidden):
+    """The CUDA GEMM backward's token partitions (a launch argument, never a compile key): none empty, each at
+    least 4 tiles of 64 tokens unless there is a single one, at most 32, one for T <= 64 (no reduction
+    pass); 5 at T = 8192 and 2 at T = 512 for H = 7168."""
+    from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
+
+    k = 4 * hidden
+    for tokens in (0, 1, 63, 64, 65, 255, 256, 509, 512, 1001, 4096, 8192, 16384, 100000):
+        p = gemm.mhc_gemm_with_sqrsum_backward_partials(tokens, k)
+        tiles = -(-tokens // 64)
+        per = -(-tiles // p)
+        assert 1 <= p <= 32 and (p - 1) * per < max(tiles, 1), (hidden, tokens, p)  # the last partition has a tile
+        assert p == 1 or per >= 4, (hidden, tokens, p)
+        assert tiles > 1 or p == 1
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 7168) == 5
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * 7168) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(3, 64), torch.empty(24, 64)) == (64, 24)
+
+
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
 def test_cuda_gemm_forward_tightest_resident_case_fits():
     """The resident GEMM forward with the least shared memory to spare at the default 16 splits (H = 5632:

@@ -1,11 +1,26 @@
 """CUDA kernels of ``mhc_gemm_with_sqrsum_backward`` (docs/ops/mhc.md#gemm_with_sqrsum).
 
-``x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j] * fn[j, k] + 2 * f32(x[t, k]) * sg[t])``
-(read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] * f32(x[t, k])`` in fp32 FMA. Grid ``(K / 64, P)``:
-CTA ``(cb, p)`` owns 64 columns and the fixed token range ``[p * ceil(T/P), min((p+1) * ceil(T/P), T))``; per
-iteration warp ``w`` takes 8 consecutive tokens of the next 32 of the range, each lane 2 columns with the
-``M3`` ``fn`` values of its columns in registers; the 4 warp partials are summed in ascending warp order, then
-(``P > 1``) a second kernel sums the ``P`` partial rows in ascending ``p``. Deterministic, no atomics.
+``x_grad[t, k] = bf16(f32(x_grad[t, k]) + (sum_j g[t, j] * fn[j, k] + 2 * f32(x[t, k]) * sg[t]))``
+(read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] * f32(x[t, k])``, both products on the bf16 tensor
+cores: ``g`` and ``fn`` are split into bf16 pairs ``hi = bf16(v)``, ``lo = bf16(v - hi)`` (``hi + lo`` is ``v``
+within 2^-17 relative, exact for the TF32-rounded ``fn`` the forward saves), ``x`` is bf16, so every product
+``x * hi``, ``hi * lo``... is exact in the fp32 accumulator: each product is within ~2^-16 of the fp32 one (a TF32
+rounding of ``g``, 2^-11, would exceed the bf16 ``x_grad`` tolerance near zero against the fp64 reference), at no
+cost in bytes.
+
+Grid ``(K / BK, P)``: CTA ``(cb, p)`` owns ``BK`` columns and the token tiles ``[p * per, min((p + 1) * per,
+tiles))`` of ``BT`` tokens, ``per = ceil(tiles / P)``, ``P`` chosen per call by the launcher (a kernel
+argument through the partials' shape, never a compile key). One pass over x and x_grad: per tile (x, x_grad,
+g, sg in a ``PLAN.stages`` cp.async pipeline)
+
+* ``x_grad tile (BT x BK) = [g_hi g_hi g_lo g_lo] (BT x 4 M3) @ [fn_hi; fn_lo; fn_hi; fn_lo] (4 M3 x BK)``,
+  then ``+ 2 x sg`` and the prior ``x_grad``, one bf16 rounding, stored through shared memory;
+* ``acc (64 x BK) += [g_hi | 0 | g_lo | 0]^T (64 x BT) @ x (BT x BK)`` (rows ``j`` and ``32 + j``), summed
+  ``hi + lo`` once at the end into the CTA's fn_grad partial row ``p``.
+
+Token tiles run in ascending order in every CTA; with ``P > 1`` a second kernel sums the ``P`` partials in
+ascending ``p``. Fixed partition, fixed order, no atomics: fn_grad is bitwise reproducible for a given ``T``.
+Rows past ``T`` (never loaded: predicated cp.async) are zeroed in the x tile and masked in g: they add exact zeros.
 """
 
 import dataclasses
@@ -29,61 +44,92 @@ __all__ = [
     "mhc_gemm_with_sqrsum_backward_partials",
 ]
 
-_BLOCK_K = MHC_GEMM_BLOCK  # columns per CTA (the interface's 64-column blocks)
+_PAD = 32  # each of g_hi / g_lo padded to 32 rows of the fn_grad product (M3 <= 32): a 64-row MMA tile
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
-    """The backward's tuning: ``threads`` per CTA (a warp row covers the CTA's 64 columns, 2 per lane);
-    ``unroll`` consecutive tokens per warp and iteration; the grid's ``ctas_per_sm`` target over all waves,
-    at most ``max_partials`` token partitions; ``reduce_threads`` of the partial reduction."""
+    """The backward's tuning: ``block_t`` tokens per pipeline step (the M of the x_grad product, the K of the
+    fn_grad product), ``block_k`` columns per CTA, ``threads`` per CTA, ``stages`` of the x / x_grad / g
+    pipeline; the grid's ``ctas_per_sm`` target over all waves, at most ``max_partials`` token partitions and
+    at least ``min_tiles_per_partial`` token tiles per partition (each partition writes an ``M3 x K`` fp32
+    partial, ``2 * 4 * M3`` bytes per column written and read, against ``6 * 64`` per tile of x / x_grad);
+    ``reduce_threads`` of the partial reduction."""
 
+    block_t: int
+    block_k: int
     threads: int
-    unroll: int
+    stages: int
     ctas_per_sm: int
     max_partials: int
+    min_tiles_per_partial: int
     reduce_threads: int
 
 
-# 4 warps of 8 tokens each: 16 x 4-byte x / x_grad loads per lane in flight (16 registers), the g rows of the 32
-# tokens staged in 3 KiB of shared memory; ~8 CTAs per H200 SM over all waves keeps the last wave's tail short.
-PLAN = BackwardPlan(threads=128, unroll=8, ctas_per_sm=8, max_partials=64, reduce_threads=128)
+# 64 x 64 tiles (16 KiB of x + x_grad per stage), one warpgroup, 3 stages: 107 KiB of shared memory, 2 CTAs
+# per SM with 2 tiles of loads in flight each. ~16 CTAs per SM over all waves keeps the last wave's tail short;
+# partitions of >= 4 tiles keep the partials' traffic (written and read) within 1/8 of x / x_grad's, 2 % at
+# T = 8192 (docs/perf/h200/mhc.md, 2026-12-02).
+PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=3, ctas_per_sm=16, max_partials=32,
+                    min_tiles_per_partial=4, reduce_threads=128)
 
 
-def mhc_gemm_with_sqrsum_backward_partials(cols: int) -> int:
-    """Number ``P`` of token partitions of the backward at ``K = cols`` (1: no second pass): ``K / 64`` column
-    CTAs times ``P`` is at least ``PLAN.ctas_per_sm`` per H200 SM (``P = 3`` at K = 28672, 14 at K = 5120)."""
-    target = PLAN.ctas_per_sm * H200.sms
-    return max(1, min(PLAN.max_partials, -(-target // (cols // _BLOCK_K))))
+def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
+    """Number ``P`` of token partitions of the backward for ``T = num_tokens`` at ``K = cols`` (1: no second
+    pass): ``K / BK`` column CTAs times ``P`` near ``PLAN.ctas_per_sm`` per H200 SM, every partition at least
+    ``PLAN.min_tiles_per_partial`` token tiles and none empty (``P = 5`` at T = 8192, K = 28672; 2 at T = 512)."""
+    tiles = -(-num_tokens // PLAN.block_t)
+    want = -(-PLAN.ctas_per_sm * H200.sms // (cols // PLAN.block_k))
+    p = max(1, min(want, PLAN.max_partials, tiles // PLAN.min_tiles_per_partial))
+    per = -(-tiles // p) if tiles else 1
+    return max(1, -(-tiles // per))
 
 
 def mhc_gemm_with_sqrsum_backward_key(x: torch.Tensor, fn: torch.Tensor) -> tuple:
-    """Compile-time key ``(K, M3, P)`` (never the token count)."""
+    """Compile-time key ``(K, M3)`` (never the token count nor the partition count)."""
     rows, cols = (int(s) for s in fn.shape)
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
-    return (cols, rows, mhc_gemm_with_sqrsum_backward_partials(cols))
+    return (cols, rows)
 
 
-def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, num_partials: int):
-    """Builds the backward main kernel.
+def _bf16_pair(v):
+    """``(hi, lo)`` bf16 expressions with ``hi = bf16(v)``, ``lo = bf16(v - hi)`` (``v - hi`` is exact in fp32):
+    ``hi + lo`` is ``v`` within ``2**-17`` relative, exactly ``v`` for a TF32 value (<= 11 significant bits)."""
+    from tilelang import language as T
+
+    hi = T.cast(v, T.bfloat16)
+    return hi, T.cast(v - T.cast(hi, T.float32), T.bfloat16)
+
+
+def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
+    """Builds the backward main kernel (see the module docstring).
 
     Args:
         cols: ``K`` (multiple of 64).
-        rows: ``M3``.
-        num_partials: ``P``; with ``P == 1`` the kernel writes ``fn_grad`` directly.
+        rows: ``M3`` (multiple of 8, <= 32).
 
     Returns:
         ``T.prim_func(out_mul_grad (T, M3) f32, sqrsum_grad (T,) f32, x (T, K) bf16, fn (M3, K) f32,
-        x_grad (T, K) bf16, fn_grad_part (P, M3, K) f32)``; ``T`` is dynamic.
+        x_grad (T, K) bf16, fn_grad_part (P, M3, K) f32)``; ``T`` and ``P`` are dynamic (``P == 1``: the
+        caller passes ``fn_grad`` itself).
     """
     from tilelang import language as T
 
-    K, M3, P = cols, rows, num_partials
-    threads, unroll = PLAN.threads, PLAN.unroll
-    nwarps = threads // 32
-    tt = nwarps * unroll  # tokens per CTA iteration
+    check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
+    K, M3 = cols, rows
+    BT, BK, TH, NS = PLAN.block_t, PLAN.block_k, PLAN.threads, PLAN.stages
+    KA = 4 * M3  # K of the x_grad product: [hi hi lo lo] x [hi; lo; hi; lo]
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
+    num_partials = T.dynamic("num_partials")
+
+    @T.macro
+    def load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, stage, t0, c0):
+        # one tile's x, x_grad, g and sg rows by cp.async (rows past T are skipped), one group each
+        T.async_copy(x[t0 : t0 + BT, c0 : c0 + BK], x_s[stage, :, :])
+        T.async_copy(x_grad[t0 : t0 + BT, c0 : c0 + BK], xg_s[stage, :, :])
+        T.async_copy(out_mul_grad[t0 : t0 + BT, 0:M3], gf_s[stage, :, :])
+        T.async_copy(sqrsum_grad[t0 : t0 + BT], sg_s[stage, :])
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_backward_cuda(
@@ -92,112 +138,120 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, num_partials: int)
         x: T.Tensor((num_tokens, K), bf16),
         fn: T.Tensor((M3, K), f32),
         x_grad: T.Tensor((num_tokens, K), bf16),
-        fn_grad_part: T.Tensor((P, M3, K), f32),
+        fn_grad_part: T.Tensor((num_partials, M3, K), f32),
     ):
-        with T.Kernel(K // _BLOCK_K, P, threads=threads) as (cb, p):
-            # 48 fp32 registers of fn + 48 of fn_grad partials + 24 of g per lane (~150 in all)
-            # -> 3 CTAs of 4 warps per SM; the warp-partial exchange uses 24 KiB of shared memory.
-            T.annotate_min_blocks_per_sm(3)
-            tid = T.get_thread_binding()
-            lane = tid % 32
-            wid = tid // 32
-            fr = T.alloc_local((M3, 2), f32)
-            acc = T.alloc_local((M3, 2), f32)
-            g = T.alloc_local((M3,), f32)
-            xr = T.alloc_local((unroll, 2), bf16)
-            xgr = T.alloc_local((unroll, 2), bf16)
-            dx = T.alloc_local((2,), f32)
-            sg = T.alloc_local((1,), f32)
-            g_s = T.alloc_shared((tt, M3), f32)
-            sg_s = T.alloc_shared((tt,), f32)
-            red = T.alloc_shared((nwarps, M3, _BLOCK_K), f32)
-            for j in T.unroll(M3):
-                for c in T.vectorized(2):
-                    fr[j, c] = fn[j, cb * _BLOCK_K + lane * 2 + c]
-                for c in T.unroll(2):
-                    acc[j, c] = 0.0
-            per = T.ceildiv(num_tokens, P)
-            t_begin = T.min(per * p, num_tokens)
-            t_end = T.min(per * p + per, num_tokens)
-            for it in T.serial(T.ceildiv(t_end - t_begin, tt)):
-                # Stage the g / sg rows of the tt tokens (cooperative, 16-byte loads) and issue every
-                # x / x_grad load of the warp's ``unroll`` tokens before the barrier, so that they
-                # are all in flight together.
-                for e in T.unroll(-(-(tt * M3 // 4) // threads)):
-                    if (e * threads + tid < tt * M3 // 4) and (t_begin + it * tt + (e * threads + tid) // (M3 // 4) < t_end):
-                        for c in T.vectorized(4):
-                            g_s[(e * threads + tid) // (M3 // 4), ((e * threads + tid) % (M3 // 4)) * 4 + c] = out_mul_grad[
-                                t_begin + it * tt + (e * threads + tid) // (M3 // 4), ((e * threads + tid) % (M3 // 4)) * 4 + c
-                            ]
-                if tid < tt:
-                    if t_begin + it * tt + tid < t_end:
-                        sg_s[tid] = sqrsum_grad[t_begin + it * tt + tid]
-                for u in T.unroll(unroll):
-                    if t_begin + it * tt + wid * unroll + u < t_end:
-                        for c in T.vectorized(2):
-                            xr[u, c] = x[t_begin + it * tt + wid * unroll + u, cb * _BLOCK_K + lane * 2 + c]
-                        for c in T.vectorized(2):
-                            xgr[u, c] = x_grad[t_begin + it * tt + wid * unroll + u, cb * _BLOCK_K + lane * 2 + c]
+        with T.Kernel(K // BK, num_partials, threads=TH) as (cb, p):
+            x_s = T.alloc_shared((NS, BT, BK), bf16)
+            xg_s = T.alloc_shared((NS, BT, BK), bf16)
+            gf_s = T.alloc_shared((NS, BT, M3), f32)
+            sg_s = T.alloc_shared((NS, BT), f32)
+            f_s = T.alloc_shared((KA, BK), bf16)  # [fn_hi; fn_lo; fn_hi; fn_lo] of the CTA's columns
+            g_s = T.alloc_shared((BT, KA), bf16)  # [g_hi g_hi g_lo g_lo] of the tile's tokens
+            gt_s = T.alloc_shared((BT, 2 * _PAD), bf16)  # [g_hi 0 g_lo 0]: A^T of the fn_grad product
+            o_s = T.alloc_shared((BT, BK), bf16)
+            r_s = T.alloc_shared((2 * _PAD, BK), f32)
+            acc_x = T.alloc_fragment((BT, BK), f32)
+            acc_f = T.alloc_fragment((2 * _PAD, BK), f32)
+            c0 = cb * BK
+            tiles = T.ceildiv(num_tokens, BT)
+            per = T.ceildiv(tiles, num_partials)
+            b0 = T.min(p * per, tiles)
+            n = T.min(p * per + per, tiles) - b0
+            T.clear(gt_s)
+            T.clear(acc_f)
+            for j, c in T.Parallel(M3, BK):  # once per CTA, straight from global memory
+                hi, lo = _bf16_pair(fn[j, c0 + c])
+                f_s[j, c] = hi
+                f_s[M3 + j, c] = lo
+                f_s[2 * M3 + j, c] = hi
+                f_s[3 * M3 + j, c] = lo
+            # Prologue: tiles 0 .. NS-2 of the partition in flight (4 cp.async groups per tile: x, x_grad,
+            # g, sg; empty groups where the partition is shorter, so the wait count below stays constant).
+            for st in T.unroll(NS - 1):
+                if st < n:
+                    load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, st, (b0 + st) * BT, c0)
+                else:
+                    for _ in T.unroll(4):
+                        T.ptx_commit_group()
+            for it in T.serial(n):
+                # Tile it + NS - 1 goes into the stage consumed at it - 1 (released by the closing barrier).
+                if it + NS - 1 < n:
+                    load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, (it + NS - 1) % NS,
+                         (b0 + it + NS - 1) * BT, c0)
+                else:
+                    for _ in T.unroll(4):
+                        T.ptx_commit_group()
+                T.ptx_wait_group(4 * (NS - 1))
                 T.sync_threads()
-                for u in T.unroll(unroll):
-                    if t_begin + it * tt + wid * unroll + u < t_end:
-                        for j in T.vectorized(M3):
-                            g[j] = g_s[wid * unroll + u, j]
-                        sg[0] = sg_s[wid * unroll + u]
-                        for c in T.unroll(2):
-                            dx[c] = g[0] * fr[0, c]
-                            for j in T.unroll(1, M3):
-                                dx[c] += g[j] * fr[j, c]
-                            dx[c] = T.cast(xgr[u, c], f32) + dx[c]
-                            dx[c] = dx[c] + 2.0 * T.cast(xr[u, c], f32) * sg[0]
-                        for c in T.vectorized(2):
-                            x_grad[t_begin + it * tt + wid * unroll + u, cb * _BLOCK_K + lane * 2 + c] = T.cast(dx[c], bf16)
-                        for j in T.unroll(M3):
-                            for c in T.unroll(2):
-                                acc[j, c] += g[j] * T.cast(xr[u, c], f32)
+                t0 = (b0 + it) * BT
+                if t0 + BT > num_tokens:
+                    # the last tile's rows past T were not loaded: zeros, so that they add exact zeros
+                    for i, c in T.Parallel(BT, BK):
+                        if t0 + i >= num_tokens:
+                            x_s[it % NS, i, c] = T.bfloat16(0)
+                for i, j in T.Parallel(BT, M3):
+                    hi, lo = _bf16_pair(T.if_then_else(t0 + i < num_tokens, gf_s[it % NS, i, j], T.float32(0)))
+                    g_s[i, j] = hi
+                    g_s[i, M3 + j] = hi
+                    g_s[i, 2 * M3 + j] = lo
+                    g_s[i, 3 * M3 + j] = lo
+                    gt_s[i, j] = hi
+                    gt_s[i, _PAD + j] = lo
+                T.fence_proxy_async()  # the generic-proxy writes above are read by the WGMMAs below
                 T.sync_threads()
-            for j in T.unroll(M3):
-                for c in T.vectorized(2):
-                    red[wid, j, lane * 2 + c] = acc[j, c]
+                T.gemm(g_s, f_s, acc_x, clear_accum=True)
+                T.gemm(gt_s, x_s[it % NS, :, :], acc_f, transpose_A=True)
+                for i, c in T.Parallel(BT, BK):
+                    o_s[i, c] = T.cast(
+                        T.cast(xg_s[it % NS, i, c], f32)
+                        + (acc_x[i, c] + 2.0 * T.cast(x_s[it % NS, i, c], f32) * sg_s[it % NS, i]),
+                        bf16,
+                    )
+                T.sync_threads()
+                for i, c in T.Parallel(BT, BK):
+                    if t0 + i < num_tokens:
+                        x_grad[t0 + i, c0 + c] = o_s[i, c]
+                T.sync_threads()
+            T.copy(acc_f, r_s)
             T.sync_threads()
-            # Warp partials summed in ascending warp order; thread tid owns elements tid, tid + 128, ...
-            for e in T.unroll(M3 * _BLOCK_K // threads):
-                sg[0] = red[0, (e * threads + tid) // _BLOCK_K, (e * threads + tid) % _BLOCK_K]
-                for w in T.unroll(1, nwarps):
-                    sg[0] += red[w, (e * threads + tid) // _BLOCK_K, (e * threads + tid) % _BLOCK_K]
-                fn_grad_part[p, (e * threads + tid) // _BLOCK_K, cb * _BLOCK_K + (e * threads + tid) % _BLOCK_K] = sg[0]
+            for j, c in T.Parallel(M3, BK):
+                fn_grad_part[p, j, c0 + c] = r_s[j, c] + r_s[_PAD + j, c]
 
     return mhc_gemm_with_sqrsum_backward_cuda
 
 
-def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int, num_partials: int):
-    """Builds the fixed-order partial reduction ``fn_grad[j, k] = sum_{p=0..P-1} part[p, j, k]``.
+def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int):
+    """Builds the fixed-order partial reduction ``fn_grad[j, k] = sum_{p=0..P-1} part[p, j, k]`` (``P``
+    dynamic, ascending ``p``).
 
     Returns:
-        ``T.prim_func(fn_grad_part (P, M3, K) f32, fn_grad (M3, K) f32)``.
+        ``T.prim_func(fn_grad_part (P, M3 * K) f32, fn_grad (M3 * K,) f32)``.
     """
     from tilelang import language as T
 
-    K, M3, P = cols, rows, num_partials
+    K, M3 = cols, rows
     threads = PLAN.reduce_threads
     nq = M3 * K // 4
     f32 = T.float32
+    num_partials = T.dynamic("num_partials")
 
     @T.prim_func
-    def mhc_gemm_with_sqrsum_backward_reduce_cuda(fn_grad_part: T.Tensor((P, M3 * K), f32), fn_grad: T.Tensor((M3 * K,), f32)):
-        # one float4 per thread, all P partial loads issued before the ascending-p sum.
+    def mhc_gemm_with_sqrsum_backward_reduce_cuda(
+        fn_grad_part: T.Tensor((num_partials, M3 * K), f32), fn_grad: T.Tensor((M3 * K,), f32)
+    ):
+        # one float4 per thread, the P partials added in ascending p
         with T.Kernel(T.ceildiv(nq, threads), threads=threads) as bx:
             tid = T.get_thread_binding()
-            v = T.alloc_local((P, 4), f32)
+            v = T.alloc_local((4,), f32)
             a = T.alloc_local((4,), f32)
             if bx * threads + tid < nq:
-                for pp in T.unroll(P):
+                for k in T.vectorized(4):
+                    a[k] = fn_grad_part[0, (bx * threads + tid) * 4 + k]
+                for pp in T.serial(1, num_partials):
                     for k in T.vectorized(4):
-                        v[pp, k] = fn_grad_part[pp, (bx * threads + tid) * 4 + k]
-                for k in T.unroll(4):
-                    a[k] = v[0, k]
-                    for pp in T.unroll(1, P):
-                        a[k] += v[pp, k]
+                        v[k] = fn_grad_part[pp, (bx * threads + tid) * 4 + k]
+                    for k in T.unroll(4):
+                        a[k] += v[k]
                 for k in T.vectorized(4):
                     fn_grad[(bx * threads + tid) * 4 + k] = a[k]
 
@@ -230,14 +284,16 @@ def mhc_gemm_with_sqrsum_backward(
         out_mul_grad: ``(T, M3)`` f32 (a ``(T, 1, M3)`` view is accepted), ``T > 0``.
         sqrsum_grad: ``(T,)`` f32 (``(T, 1)`` accepted).
         x: ``(T, K)`` bf16 (the saved residual viewed flat).
-        fn: ``(M3, K)`` f32 (the saved, TF32-rounded projection).
+        fn: ``(M3, K)`` f32 (the saved, TF32-rounded projection; any fp32 values work).
         x_grad: ``(T, K)`` bf16, accumulated in place (bf16 read-modify-write).
-        fn_grad: ``(M3, K)`` f32, overwritten (the op's new output). With ``P > 1`` partitions the
-            launcher allocates the ``(P, M3, K)`` f32 partials with torch on the current stream.
+        fn_grad: ``(M3, K)`` f32, overwritten (the op's new output). With ``P > 1`` partitions
+            (:func:`mhc_gemm_with_sqrsum_backward_partials`) the launcher allocates the ``(P, M3, K)`` f32
+            partials with torch on the current stream.
     """
     key = mhc_gemm_with_sqrsum_backward_key(x, fn)
-    cols, rows, num_partials = key
+    cols, rows = key
     n = x.shape[0]
+    num_partials = mhc_gemm_with_sqrsum_backward_partials(n, cols)
     args = (out_mul_grad.reshape(n, rows), sqrsum_grad.reshape(n), x.view(n, cols), fn, x_grad.view(n, cols))
     if num_partials == 1:
         get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, fn_grad.view(1, rows, cols))
