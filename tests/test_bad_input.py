@@ -42,10 +42,20 @@ def valid_call(name: str) -> dict:
             "weight_hidden": torch.randn(m, h, **bf), "weight_embed": torch.randn(m, h, **bf),
             "hidden_states": torch.randn(t, m, h, **bf), "kv": torch.randn(t, m + 1, h, **bf),
             "weight_fused": torch.randn(m, h), "eps": 1e-6, "clamp_value": 1e-6, "save_for_backward": True,
+            "residual": True,  # the Engram gate's residual mode
             "image_token_mask": torch.zeros(t, dtype=torch.bool), "grad_out": torch.randn(t, m, h, **bf),
             "dot": torch.randn(t, m), "gate_score": torch.rand(t, m), "rstd_x": torch.rand(t, m),
             "rstd_k": torch.rand(t, m), "grad_w_partial": torch.randn(5, m, h),
             "grad_weight_hidden": torch.zeros(m, h), "grad_weight_embed": torch.zeros(m, h),
+            # engram_hash: N = 3, E = 8, L = 2
+            "ngram_token_ids": torch.randint(0, 1000, (t, 3), dtype=torch.int32),
+            "multipliers": torch.randint(1, 1000, (2, 3)), "vocab_sizes": torch.full((2, 2, 8), 7, dtype=torch.int32),
+            "offsets": torch.zeros(2, 16, dtype=torch.int32),
+            # the Sinkhorn optimizer ops: a (T, 64) table, its scales and partials, an (8, 64) gradient
+            "grad": torch.randn(8, 64), "momentum_buffer": torch.randn(8, 64), "beta1": 0.9, "nesterov": True,
+            "matrix": torch.randn(t, 64), "row_scale": torch.rand(t) + 0.5, "col_scale": torch.rand(64) + 0.5,
+            "col_sumsq_partial": torch.rand(5, 64), "col_sumsq": torch.zeros(64), "alpha": 8.0,
+            "out": torch.empty(t, 64), "rows": t, "param": torch.randn(t, 64), "lr": 0.01, "decay": 0.999,
         }
         return {p: values[p] for p in params}
     return dict(zip(params, make_args(name, TOKENS, MHC_HIDDEN)))
@@ -212,10 +222,11 @@ def test_bad_calls_raise_before_anything_is_written(case, seed):
 
 @pytest.mark.parametrize("name", OPS)
 def test_valid_calls_pass_every_check(name):
-    """The uncorrupted calls are valid: they reach the 'no kernel for cpu' error, so every error above comes
-    from the corruption."""
-    with without_cpu_references(), pytest.raises(RuntimeError, match="no kernel for tensors on device 'cpu'"):
+    """The uncorrupted calls are valid: they reach the 'no kernel for cpu' error (naming the op, the device and
+    the devices with kernels), so every error above comes from the corruption."""
+    with without_cpu_references(), pytest.raises(RuntimeError, match="no kernel for tensors on device 'cpu'") as info:
         ops.registered_ops()[name](**valid_call(name))
+    assert f"cann_ops_tilelang::{name}" in str(info.value) and "cuda, npu" in str(info.value)
 
 
 # --- the Python wrappers that reshape: leading dims are checked before any reshape --------------------------

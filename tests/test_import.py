@@ -46,7 +46,9 @@ def test_import_touches_no_device_and_no_tilelang():
     assert found["cuda_initialized"] is False
     want = sorted([
         "engram_fused_weight", "engram_gate_bwd", "engram_gate_fwd", "engram_gate_fwd_inplace",
-        "engram_grad_w_reduce",
+        "engram_grad_w_reduce", "engram_hash", "engram_sinkhorn_momentum_update", "engram_sinkhorn_step",
+        "engram_sinkhorn_step_reduce", "engram_sinkhorn_finalize", "engram_sinkhorn_finalize_out",
+        "engram_sinkhorn_finalize_apply",
         "expand_to_mhc_forward", "expand_to_mhc_backward", "mhc_fn_normw_merge_forward",
         "mhc_fn_normw_merge_backward", "mhc_gemm_with_sqrsum_forward", "mhc_gemm_with_sqrsum_backward",
         "mhc_reduce_partials_and_rmsnorm_forward", "mhc_reduce_partials_and_rmsnorm_backward",

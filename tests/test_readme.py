@@ -219,7 +219,7 @@ def test_quickstart_runs_on_the_cpu_references(capsys):
     the references plugin) stand in for the kernels, so its PyTorch expression and its tolerance are
     checked against the reference the device tests use."""
     blocks = [body for lang, body, heading in fenced_blocks(readme()) if heading.startswith("Quickstart")]
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     code = blocks[0]
     assert code.count('device = "cuda"') == 1
     code = code.replace('device = "cuda"', 'device = "cpu"')
@@ -251,3 +251,18 @@ def test_environment_variables_are_read_by_the_code(name):
     assert f"`{name}`" in section(readme(), "Environment variables")
     sources = [p.read_text() for p in [*PACKAGE.rglob("*.py"), *(ROOT / "tests" / "_plugins").rglob("*.py")]]
     assert any(name in source for source in sources), f"{name} is documented but read nowhere"
+
+
+def test_engram_quickstart_runs_on_the_cpu_references():
+    """The Engram-layer quickstart with ``device = "cpu"`` and a short sequence (the references stand in for the
+    gate's kernels): the layer runs forward and backward, and every parameter gets a finite gradient."""
+    blocks = [body for lang, body, heading in fenced_blocks(readme()) if heading.startswith("Quickstart")]
+    code = blocks[2]
+    assert code.count('device = 4096, "cuda"') == 1 and code.count("(2, 512") == 3
+    code = code.replace('device = 4096, "cuda"', 'device = 512, "cpu"').replace("(2, 512", "(2, 6")
+    torch.manual_seed(0)
+    scope = {}
+    exec(compile(code, "README.md (Engram quickstart)", "exec"), scope)
+    assert scope["y"].shape == (2, 6, 4, 512) and torch.isfinite(scope["x"].grad.float()).all()
+    for p in scope["layer"].parameters():
+        assert p.grad is not None and torch.isfinite(p.grad.float()).all()

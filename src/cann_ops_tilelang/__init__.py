@@ -8,23 +8,9 @@ it touches no device and imports neither TileLang nor torch_npu.
 
 from ._library import registered_ops
 from ._version import __version__
-from .engram import (
-    engram_fused_weight,
-    engram_gate_bwd,
-    engram_gate_fwd,
-    engram_gate_fwd_inplace,
-    engram_grad_w_reduce,
-)
+from .engram import *  # noqa: F403 - the Engram ops
+from .engram import __all__ as _engram_all
 from .mhc import *  # noqa: F403 - the mHC primitives
 from .mhc import __all__ as _mhc_all
 
-__all__ = [
-    "__version__",
-    "engram_fused_weight",
-    "engram_gate_bwd",
-    "engram_gate_fwd",
-    "engram_gate_fwd_inplace",
-    "engram_grad_w_reduce",
-    "registered_ops",
-    *_mhc_all,
-]
+__all__ = ["__version__", "registered_ops", *_engram_all, *_mhc_all]

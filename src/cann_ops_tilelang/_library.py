@@ -15,6 +15,10 @@ outputs with ``new_empty``. :func:`declare` turns it into the custom op ``cann_o
 * any other device (CPU, ...) runs the same checks, then gets a ``RuntimeError`` naming the op, the device
   and the devices that have kernels.
 
+Each op module also declares the op's DTensor sharding rule with ``public.sharding(...)`` (see
+:mod:`._sharding`); the rules are registered with DTensor on the first public call after
+``torch.distributed.tensor`` is imported, never at import.
+
 The returned public function has the prepare function's signature and docstring. Before it calls
 ``torch.ops.cann_ops_tilelang.<name>`` (so dynamo sees the custom op and never traces into TileLang) it
 checks the kinds of the arguments against the annotations (a list where a tensor belongs, ``True`` for an
@@ -27,16 +31,17 @@ import functools
 import importlib
 import inspect
 import numbers
+import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import config
+from . import _sharding, config
 from ._checks import OpError, misalignment, overlap
 
-__all__ = ["NAMESPACE", "OpDeclaration", "declare", "registered_ops"]
+__all__ = ["NAMESPACE", "OpDeclaration", "declare", "register_sharding_rules", "registered_ops"]
 
 NAMESPACE = "cann_ops_tilelang"
 
@@ -50,6 +55,14 @@ _REGISTRY: dict[str, Callable[..., Any]] = {}
 def registered_ops() -> dict[str, Callable[..., Any]]:
     """All operators declared so far, by short name (a copy)."""
     return dict(_REGISTRY)
+
+
+def register_sharding_rules() -> list[str]:
+    """Registers the DTensor sharding rule of every declared op that has one and is not registered yet
+    (see :mod:`cann_ops_tilelang._sharding`); returns the names registered by this call. Called on its
+    own by the public functions once ``torch.distributed.tensor`` is imported; call it yourself before
+    calling ``torch.ops.cann_ops_tilelang.<name>`` directly on DTensors. ``[]`` without torch.distributed."""
+    return _sharding.register_all({name: public.op_state for name, public in _REGISTRY.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +156,7 @@ class _Op:
         self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
         self.names = tuple(self.signature.parameters)
         self.launch: Callable[..., None] | None = None
+        self.sharding: _sharding.Rule | None = None
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
         try:
@@ -271,7 +285,9 @@ def declare(
     Returns:
         A decorator; applied to the prepare function it returns the public Python function. Register the
         launch binding with ``@public.launch``: it is called as ``launch(kernels, outputs, **arguments)``
-        with the backend's kernel module and the prepare function's result.
+        with the backend's kernel module and the prepare function's result. Declare its DTensor sharding
+        rule with ``public.sharding(strategy, ...)`` (each ``{argument: "R" | "S<d>" | "P", "returns": ...}``)
+        or ``public.sharding(unsupported="why")`` for an op that cannot run sharded (it then raises).
     """
 
     def wrap(prepare: Callable[..., Any]) -> Any:
@@ -304,13 +320,21 @@ def declare(
         def public(*args: Any, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():  # a traced graph gets the schema's own conversion
                 op.check_call(args, kwargs)
+                if _sharding.PENDING and "torch.distributed.tensor" in sys.modules:
+                    register_sharding_rules()  # DTensor is loaded: the rules go in once (one dict lookup after)
             return overload(*args, **kwargs)
 
         def set_launch(fn: Callable[..., None]) -> Callable[..., None]:
             op.launch = fn
             return fn
 
+        def set_sharding(*strategies: Mapping[str, Any], unsupported: str | None = None) -> None:
+            op.sharding = _sharding.Rule(decl, op.names, strategies, unsupported)
+            _sharding.PENDING = True
+
         public.op = custom
+        public.op_state = op
+        public.sharding = set_sharding
         public.declaration = decl
         public.backend_kernel = op.kernel  # backend -> the device kernel (prepare, checks, launch), for tests
         public.qualname = f"{NAMESPACE}::{name}"

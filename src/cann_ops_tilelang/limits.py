@@ -12,8 +12,14 @@ __all__ = [
     "BACKENDS",
     "ENGRAM_FUSED_WEIGHT_ALIGN",
     "ENGRAM_GRAD_W_PARTIALS",
+    "ENGRAM_HASH_COLUMNS",
+    "ENGRAM_HASH_ELEMENTS",
+    "ENGRAM_HASH_LAYERS",
+    "ENGRAM_HASH_NGRAM",
     "ENGRAM_HC_MULT",
     "ENGRAM_HIDDEN",
+    "ENGRAM_SINKHORN_COLS",
+    "ENGRAM_SINKHORN_ELEMENTS",
     "MHC_HC_MULT",
     "MHC_HEAD_MIX_PARTIALS",
     "MHC_HIDDEN",
@@ -132,3 +138,23 @@ MHC_GEMM_BLOCK = 64
 def mhc_gemm_splits(width: int) -> IntRange:
     """The split counts of the pre-norm GEMM over ``width = K`` columns: 1 to one 64-column block each."""
     return IntRange("n_splits", 1, max(1, width // MHC_GEMM_BLOCK))
+
+
+# engram_hash: the Ascend kernel stages two tiles of 128 tokens' ids and one layer's (128, (N - 1) * E) output
+# in the UB with every layer's multipliers, table sizes and offsets (N <= 8, 128 columns, 32 layers: at most
+# 171 KiB of the 216 KiB beside a SimtVF region); the CUDA grid has one row of blocks per layer (grid.y <=
+# 65535). Both index the output with int32 token counts, so L * T * (N - 1) * E stays below 2**31.
+ENGRAM_HASH_NGRAM = PerBackend({"cuda": IntRange("max n-gram size N", 2),
+                                "ascend": IntRange("max n-gram size N", 2, 8)})
+ENGRAM_HASH_COLUMNS = PerBackend({"cuda": IntRange("columns (N - 1) * E", 1),
+                                  "ascend": IntRange("columns (N - 1) * E", 1, 128)})
+ENGRAM_HASH_LAYERS = PerBackend({"cuda": IntRange("layers L", 1, 65535), "ascend": IntRange("layers L", 1, 32)})
+ENGRAM_HASH_ELEMENTS = IntRange("output elements L * T * (N - 1) * E", 0, 2**31 - 1)
+
+# Engram Sinkhorn optimizer ops: the momentum update takes any element count (whole vectors in the main
+# pass, the few trailing elements staged by the launchers); the scaled matrix has 64..1024 columns in steps
+# of 64 (one 64-lane fp32 vector on the Ascend 950; on CUDA 16 or 32 lanes of 4 columns per row, at most 8
+# vectors of row, column-scale and accumulator registers per thread).
+ENGRAM_SINKHORN_COLS = IntRange("a column count D", 64, 1024, multiple_of=64)
+# both backends index the flat table with int32 (10^7 rows x 128 columns is 1.28e9 elements)
+ENGRAM_SINKHORN_ELEMENTS = IntRange("element count", 0, 2**31 - 1)

@@ -20,13 +20,18 @@ _WIDTH = {"uint4": 16, "int4": 16, "float4": 16, "longlong2": 16, "ulonglong2": 
 _SCALAR = {"float", "int", "uint", "bool", "char", "signed", "int64_t", "uint64_t", "void", "bfloat16_t", "half_t",
            "int8_t", "uint8_t", "int16_t", "short", "double"}
 
-def _kernel_module(module: str):
-    """The CUDA kernel module of an op module (``gate``, ``sinkhorn``...) and its family."""
+def _kernel_module(module: str, name: str = ""):
+    """The CUDA kernel module of an op module (``gate``, ``sinkhorn``...) and its family; where several
+    families have an op module of that name (``mhc`` and ``engram`` both have ``sinkhorn``), the one with
+    an op whose launcher starts the case name ``name``."""
     import importlib
 
     import cann_ops_tilelang as ops
 
-    families = {p.declaration.family for p in ops.registered_ops().values() if p.declaration.module == module}
+    decls = [p.declaration for p in ops.registered_ops().values() if p.declaration.module == module]
+    families = {d.family for d in decls}
+    if len(families) > 1 and name:
+        families = {d.family for d in decls if name == d.kernel or name.startswith(d.kernel + "_")}
     if len(families) != 1:
         raise KeyError(f"no single family declares ops in the op module {module!r}: {sorted(families)}")
     family = families.pop()
@@ -38,7 +43,7 @@ def launcher_checked(case: str) -> dict[str, int]:
     (``"<op module>/<case>"``, taking another kernel where one is not aligned): the ``LAUNCHER_CHECKED``
     declaration of the op's CUDA kernel module."""
     module, name = case.split("/", 1)
-    table = getattr(_kernel_module(module)[1], "LAUNCHER_CHECKED", {})
+    table = getattr(_kernel_module(module, name)[1], "LAUNCHER_CHECKED", {})
     best = max((k for k in table if name == k or name.startswith(k + "_")), key=len, default=None)
     return dict(table[best]) if best is not None else {}
 
@@ -50,7 +55,7 @@ def kernel_ops(case: str) -> list[tuple[str, dict[str, str]]]:
     import cann_ops_tilelang as ops
 
     module, name = case.split("/", 1)
-    family, kernels = _kernel_module(module)
+    family, kernels = _kernel_module(module, name)
     decls = [p.declaration for p in ops.registered_ops().values()
              if p.declaration.family == family and p.declaration.module == module
              and (name == p.declaration.kernel or name.startswith(p.declaration.kernel + "_"))]

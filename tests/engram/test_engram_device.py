@@ -400,3 +400,82 @@ def test_npugraph_ex_fused_weight(device, seed):
     with torch.inference_mode():
         got = compiled(a, b)
     assert torch.equal(got.cpu(), (-a.cpu()).float() * b.cpu().float() + 1)
+
+
+# --- the gate without its residual (residual=False) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_fwd_no_residual(tokens, hidden, masked, device, seed):
+    """``residual=False``: the output within the forward's tolerance of ``bf16(g·v)`` of the reference, and
+    bitwise ``bf16(gate_score · f32(v))`` of the kernel's own gate (one fp32 product, one rounding); masked
+    tokens 0; the statistics byte-equal to the residual forward's; saving or not gives the same output."""
+    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+    wf = engram_fused_weight_ref(wh, we)
+    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
+    r_out = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)[0]
+    torch.testing.assert_close(out, r_out, rtol=8e-3, atol=8e-3)
+    for a, b in zip((dot, g, rx, rk), ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)[1:]):
+        assert_equal(a, b)
+    text = slice(None) if mask is None else ~mask
+    own = (g.unsqueeze(-1) * kv[:, -1:].float()).bfloat16()
+    assert_equal(out[text], own[text])
+    if mask is not None:
+        assert_equal(out[mask], torch.zeros_like(out[mask]))
+    out_nosave, *nones = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, False, mask, residual=False)
+    assert nones == [None] * 4
+    assert_equal(out_nosave, out)
+
+
+def check_gate_bwd_no_residual(tokens, hidden, masked, device, seed):
+    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+    wf = engram_fused_weight_ref(wh, we)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
+    _, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    gx, gkv, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False)
+    r_gx = engram_gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False, partials=part.shape[0])[0]
+    torch.testing.assert_close(gx, r_gx, rtol=8e-3, atol=7e-3)
+    # grad_kv and the partials do not depend on the residual: byte-equal to the residual backward's
+    _, gkv_res, part_res = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+    assert_equal(gkv, gkv_res)
+    assert_equal(part, part_res)
+    if mask is not None:
+        assert_equal(gx[mask], torch.zeros_like(gx[mask]))
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_bwd_no_residual(tokens, hidden, masked, device, seed):
+    check_gate_bwd_no_residual(tokens, hidden, masked, device, seed)
+
+
+@requires_cuda
+@pytest.mark.parametrize("hidden", [pytest.param(h, marks=pytest.mark.xdist_group(f"H{h}")) for h in (4352, 7168)])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("tokens", [509, 4001])
+def test_gate_bwd_no_residual_schedules(tokens, hidden, masked, device, seed):
+    """The no-residual backward on the tile-in-shared-memory schedule (H = 4352) and on the split schedule,
+    token-pipelined (H = 7168, T = 509: 8 tokens per worker) and not (T = 4001)."""
+    check_gate_bwd_no_residual(tokens, hidden, masked, device, seed)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_autograd_wrapper_no_residual_vs_reference(masked, device, seed):
+    """``modeling.engram_gate(..., residual=False)`` against the fp32 model without the residual, at the
+    wrapper's tolerances (T = 509, H = 4096)."""
+    x, kv, wh, we, mask = inputs(509, 4096, masked, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 2)).bfloat16().to(device)
+    ours = [t.clone().requires_grad_() for t in (x, kv.view(509, -1), wh, we)]
+    out = engram_gate(*ours, CLAMP, EPS, mask, residual=False)
+    out.backward(go)
+    ref = [t.float().clone().requires_grad_() for t in (x, kv, wh, we)]
+    ref_out = gate_model(*ref, EPS, CLAMP, mask, residual=False)
+    ref_out.backward(go.float())
+    torch.testing.assert_close(out.float(), ref_out, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(ours[0].grad.float(), ref[0].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[1].grad.float().view(ref[1].shape), ref[1].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[2].grad.float(), ref[2].grad, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(ours[3].grad.float(), ref[3].grad, rtol=1.6e-2, atol=1e-3)

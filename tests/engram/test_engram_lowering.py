@@ -34,11 +34,19 @@ LAUNCHERS = {
     "fused_weight": ("engram_fused_weight",),
     "gate": ("engram_gate_fwd", "engram_gate_bwd"),
     "grad_w_reduce": ("engram_grad_w_reduce",),
+    "sinkhorn": ("engram_sinkhorn_momentum_update", "engram_sinkhorn_step", "engram_sinkhorn_step_reduce",
+                 "engram_sinkhorn_finalize"),
+    "hash": ("engram_hash",),
 }
 
 
+# op modules whose kernels do not depend on the hidden size: lowered at the first H only
+SIZE_FREE = ("hash/", "sinkhorn/")
+
+
 def cases(module):
-    return [(h, name) for h in HIDDEN for name in sorted(module.lowering_cases(h))]
+    return [(h, name) for h in HIDDEN for name in sorted(module.lowering_cases(h))
+            if h == HIDDEN[0] or not name.startswith(SIZE_FREE)]
 
 
 @pytest.mark.parametrize("hidden,name", cases(ascend_engram))
@@ -189,6 +197,35 @@ def test_two_token_counts_give_one_cache_key(masked):
     assert all(509 not in key and 8001 not in key for key in keys[0])
     # the flags that do change the kernel do change the key
     assert len({keys[0][0], keys[0][1]}) == 2 and len({keys[0][3], keys[0][4]}) == 2
+    t = _gate_tensors(509, masked=masked)
+    assert cuda_gate.engram_gate_fwd_key(t["x"], t["out"], t["mask"], False) != keys[0][0]
+    assert cuda_gate.engram_gate_bwd_key(t["x"], t["partial"], t["mask"], False) != keys[0][2]
+    assert ascend_gate.engram_gate_fwd_key(t["x"], t["mask"], True, False, 64, False) != keys[0][3]
+    assert ascend_gate.engram_gate_bwd_key(t["x"], t["mask"], t["partial"], 64, False) != keys[0][5]
+
+
+def test_gate_no_residual_kernels():
+    """Without the residual the forward stores ``bf16(g * v)`` (no ``x`` in the output expression) and
+    refuses an in-place build on both backends; the CUDA sources of both directions differ from the residual
+    ones only where documented (the backward's ``grad_x`` drops ``go``)."""
+    from cann_ops_tilelang.kernels.cuda.engram.gate import backward, forward
+
+    for build, kwargs in ((forward.build_engram_gate_fwd, dict(hidden_size=4096, hc_mult=4, has_mask=True,
+                                                               inplace=True, residual=False)),
+                          (lambda **kw: ascend_gate.build_engram_gate_fwd(4096, 4, False, True, True, 64, **kw),
+                           dict(residual=False))):
+        with pytest.raises(ValueError, match="no in-place kernel without the residual"):
+            build(**kwargs)
+    cases = cuda_gate.lowering_cases(7168)
+    for mask in ("mask", "nomask"):
+        with_res = cuda_build.lower_source(cases[f"engram_gate_fwd_{mask}"])
+        without = cuda_build.lower_source(cases[f"engram_gate_fwd_noresidual_{mask}"])
+        assert with_res != without
+        bwd_res = cuda_build.lower_source(cases[f"engram_gate_bwd_{mask}"])
+        bwd_nores = cuda_build.lower_source(cases[f"engram_gate_bwd_noresidual_{mask}"])
+        assert bwd_res != bwd_nores
+    assert {f"engram_gate_bwd_noresidual_pipelined_{m}" for m in ("mask", "nomask")} <= set(cases)
+    assert backward.bwd_plan(7168, 4).pipe
 
 
 def test_gate_fwd_layout():
@@ -279,7 +316,7 @@ def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monke
         gate_score=stats, rstd_x=stats, rstd_k=stats, image_token_mask=None, clamp_value=1e-6,
         grad_hidden_states=torch.empty_like(x), grad_kv=torch.empty_like(kv), grad_w_partial=part,
     )
-    assert calls == [expected] and keys == [(hidden, 4, partials, False)]
+    assert calls == [expected] and keys == [(hidden, 4, partials, False, True)]
 
 
 @pytest.mark.parametrize("partials", [1, 2, 66, 113, 128, 129, 132, 133, 257, 400, 1000])

@@ -4,7 +4,6 @@ naming the op, the device and the supported devices."""
 
 import pytest
 import torch
-from _plugins.references import without_cpu_references
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -232,26 +231,3 @@ def test_nothing_written_on_bad_input():
         ops.engram_gate_fwd(x, torch.ones(2, M, hidden, dtype=BF16), torch.ones(M, hidden), 1e-6, 1e-6,
                             False, None, True)
     assert torch.equal(x, torch.ones(2, M, hidden, dtype=BF16))
-
-
-@pytest.mark.parametrize("name", sorted(n for n in ops.registered_ops() if n.startswith("engram")))
-def test_cpu_tensors_have_no_kernel(name):
-    """Without the test references, CPU tensors get a RuntimeError naming op, device and devices."""
-    makers = {
-        "engram_fused_weight": lambda: dict(weight_hidden=torch.ones(4, 512, dtype=BF16),
-                                            weight_embed=torch.ones(4, 512, dtype=BF16)),
-        "engram_gate_fwd": lambda: {k: (torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
-                                    for k, v in gate_fwd_args().items()},
-        "engram_gate_fwd_inplace": lambda: {k: (torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor)
-                                                else v) for k, v in gate_fwd_args().items()
-                                            if k != "save_for_backward"},
-        "engram_gate_bwd": lambda: {k: (torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
-                                    for k, v in gate_bwd_args().items()},
-        "engram_grad_w_reduce": lambda: {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in reduce_args().items()},
-    }
-    public = ops.registered_ops()[name]
-    kwargs = makers[name]()
-    with without_cpu_references(), pytest.raises(RuntimeError) as info:
-        public(**kwargs)
-    message = str(info.value)
-    assert f"cann_ops_tilelang::{name}" in message and "'cpu'" in message and "cuda, npu" in message

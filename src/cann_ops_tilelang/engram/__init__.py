@@ -1,8 +1,12 @@
-"""The Engram gate family (docs/ops/engram.md): one module per op."""
+"""The Engram family (docs/ops/engram.md): the gate, the n-gram hash and the Sinkhorn optimizer's ops, one
+module per op (pair)."""
 
 from .fused_weight import engram_fused_weight
 from .gate import engram_gate_bwd, engram_gate_fwd, engram_gate_fwd_inplace
 from .grad_w_reduce import engram_grad_w_reduce
+from .hash import engram_hash
+from .sinkhorn import (engram_sinkhorn_finalize, engram_sinkhorn_finalize_apply, engram_sinkhorn_momentum_update,
+                       engram_sinkhorn_step, engram_sinkhorn_step_reduce)
 
 __all__ = [
     "engram_fused_weight",
@@ -10,4 +14,10 @@ __all__ = [
     "engram_gate_fwd",
     "engram_gate_fwd_inplace",
     "engram_grad_w_reduce",
+    "engram_hash",
+    "engram_sinkhorn_finalize",
+    "engram_sinkhorn_finalize_apply",
+    "engram_sinkhorn_momentum_update",
+    "engram_sinkhorn_step",
+    "engram_sinkhorn_step_reduce",
 ]

@@ -38,3 +38,9 @@ def engram_fused_weight(weight_hidden: Tensor, weight_embed: Tensor) -> Tensor:
 def _(kernels, out, weight_hidden, weight_embed):
     if out.numel():
         kernels.engram_fused_weight(weight_hidden=weight_hidden, weight_embed=weight_embed, out=out)
+
+
+# DTensor sharding (docs/distributed.md): element-wise and any 2-D shape of 256k elements is accepted, so
+# either dim may be sharded alike in both inputs (FSDP2 shards dim 0).
+engram_fused_weight.sharding({"weight_hidden": "S0", "weight_embed": "S0", "returns": "S0"},
+                             {"weight_hidden": "S1", "weight_embed": "S1", "returns": "S1"})

@@ -44,6 +44,7 @@ def _engram_gate_fwd(
     clamp_value: float,
     save_for_backward: bool = True,
     image_token_mask: Optional[Tensor] = None,
+    residual: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Engram gate forward, out of place (the op behind :func:`engram_gate_fwd`).
 
@@ -55,6 +56,7 @@ def _engram_gate_fwd(
     """
     _check_forward("engram_gate_fwd", hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
     check_bool(OpError("engram_gate_fwd"), "save_for_backward", save_for_backward)
+    check_bool(OpError("engram_gate_fwd"), "residual", residual)
     out = hidden_states.new_empty(hidden_states.shape)
     stat_shape = hidden_states.shape[:2] if save_for_backward else (0,)
     stats = [hidden_states.new_empty(stat_shape, dtype=F32) for _ in range(4)]
@@ -62,12 +64,13 @@ def _engram_gate_fwd(
 
 
 @_engram_gate_fwd.launch
-def _(kernels, outs, hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask):
+def _(kernels, outs, hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask,
+      residual):
     out, *stats = outs
     dot, gate_score, rstd_x, rstd_k = stats if save_for_backward else (None,) * 4
     kernels.engram_gate_fwd(hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
                             image_token_mask=image_token_mask, eps=eps, clamp_value=clamp_value, out=out, dot=dot,
-                            gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k)
+                            gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k, residual=residual)
 
 
 @declare("engram_gate_fwd_inplace", mutates_args=("hidden_states",), vector_args=_GATE_VECTORS,
@@ -107,6 +110,7 @@ def engram_gate_bwd(
     rstd_k: Tensor,
     clamp_value: float,
     image_token_mask: Optional[Tensor] = None,
+    residual: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Engram gate backward.
 
@@ -118,6 +122,8 @@ def engram_gate_bwd(
         clamp_value: the forward's clamp (> 0).
         image_token_mask: ``(T,)`` bool or None, as in the forward (masked tokens: gradient passes through
             to ``hidden_states``, nothing to ``kv`` or the weight).
+        residual: the forward's ``residual``: True, ``grad_hidden_states`` includes ``grad_out`` (the
+            residual path); False (the forward wrote ``g * v`` alone), only the gate's term (masked tokens 0).
 
     Returns:
         ``(grad_hidden_states (T, m, H) bf16, grad_kv (T, m + 1, H) bf16, grad_w_partial (P, m, H) fp32)``;
@@ -136,6 +142,7 @@ def engram_gate_bwd(
              for arg, value in (("dot", dot), ("gate_score", gate_score), ("rstd_x", rstd_x), ("rstd_k", rstd_k))]
     check_float(err, "clamp_value", clamp_value, minimum=0.0, inclusive=False)
     mask = check_mask(err, image_token_mask, tokens)
+    check_bool(err, "residual", residual)
     check_same_device(err, [("grad_out", go), ("hidden_states", x), ("kv", kv_t), ("weight_fused", wf), *stats,
                             ("image_token_mask", mask)])
     partials = config.grad_w_partials(grad_out.device.type, hidden, m)
@@ -145,12 +152,13 @@ def engram_gate_bwd(
 
 @engram_gate_bwd.launch
 def _(kernels, outs, grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value,
-      image_token_mask):
+      image_token_mask, residual):
     grad_hidden_states, grad_kv, grad_w_partial = outs
     kernels.engram_gate_bwd(grad_out=grad_out, hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
                             dot=dot, gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k,
                             image_token_mask=image_token_mask, clamp_value=clamp_value,
-                            grad_hidden_states=grad_hidden_states, grad_kv=grad_kv, grad_w_partial=grad_w_partial)
+                            grad_hidden_states=grad_hidden_states, grad_kv=grad_kv, grad_w_partial=grad_w_partial,
+                            residual=residual)
 
 
 def engram_gate_fwd(
@@ -162,13 +170,15 @@ def engram_gate_fwd(
     save_for_backward: bool = True,
     image_token_mask: Optional[Tensor] = None,
     inplace: bool = False,
+    residual: bool = True,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Engram gate forward (docs/ops/engram.md#gate).
 
     Per token ``t`` and stream ``h``, with ``k = kv[t, h]``, ``v = kv[t, m]`` and sums over the hidden
     dim in fp32: ``raw = sum x*wf*k``, ``rstd_x = (sum x^2 / H + eps)^-1/2`` (``rstd_k`` alike),
     ``z = raw*rstd_x*rstd_k/sqrt(H)``, ``g = sigmoid(copysign(sqrt(max(|z|, clamp_value)), z))``,
-    ``output = bf16(x + g*v)``. At exactly ``z = +0`` the signed sqrt is ``+sqrt(clamp_value)``.
+    ``output = bf16(x + g*v)`` (``residual=False``: ``bf16(g*v)``). At exactly ``z = +0`` the signed sqrt
+    is ``+sqrt(clamp_value)``.
 
     Args:
         hidden_states: ``(T, m, H)`` bf16, contiguous (``m == 4``; ``H`` a multiple of 256 in
@@ -179,9 +189,12 @@ def engram_gate_fwd(
         clamp_value: signed-sqrt clamp (> 0, a normal fp32 number).
         save_for_backward: return the statistics needed by :func:`engram_gate_bwd`.
         image_token_mask: ``(T,)`` bool or None. Masked tokens get ``output == hidden_states``
-            bit-exactly and zero statistics.
+            bit-exactly (zeros when ``residual=False``) and zero statistics.
         inplace: write the output into ``hidden_states`` (and return it). Not allowed together
-            with ``save_for_backward``.
+            with ``save_for_backward`` or ``residual=False``.
+        residual: add ``hidden_states`` (True) or write the gated value ``g*v`` alone (False: one
+            rounding of ``g*v``, so a caller needing ``g*v`` never subtracts ``x`` in bf16); the backward
+            takes the same flag.
 
     Returns:
         ``(output, dot, gate_score, rstd_x, rstd_k)``: output ``(T, m, H)`` bf16 (a new tensor, or
@@ -192,14 +205,18 @@ def engram_gate_fwd(
     err = OpError("engram_gate_fwd")
     check_bool(err, "inplace", inplace)
     check_bool(err, "save_for_backward", save_for_backward)
+    check_bool(err, "residual", residual)
     if inplace:
+        if not residual:
+            raise err.value("inplace", "inplace=True cannot be combined with residual=False (the output g*v "
+                                       "would overwrite hidden_states, which the gate reads)")
         if save_for_backward:
             raise err.value("inplace", "inplace=True cannot be combined with save_for_backward=True (the backward "
                                        "needs the original hidden_states)")
         engram_gate_fwd_inplace(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
         return hidden_states, None, None, None, None
     out, dot, gate_score, rstd_x, rstd_k = _engram_gate_fwd(
-        hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask
+        hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask, residual
     )
     if not save_for_backward:
         return out, None, None, None, None
@@ -207,3 +224,11 @@ def engram_gate_fwd(
 
 
 engram_gate_fwd.op = _engram_gate_fwd.op
+
+# DTensor sharding (docs/distributed.md): per token, weight_fused replicated; the weight-gradient partial
+# rows are sums over each rank's tokens, so grad_w_partial is Partial (reduced by engram_grad_w_reduce).
+_TOKEN_ARGS = ("hidden_states", "kv", "image_token_mask")
+_engram_gate_fwd.sharding({**dict.fromkeys(_TOKEN_ARGS, "S0"), "returns": ("S0",) * 5})
+engram_gate_fwd_inplace.sharding(dict.fromkeys(_TOKEN_ARGS, "S0"))
+engram_gate_bwd.sharding({**dict.fromkeys(("grad_out", "dot", "gate_score", "rstd_x", "rstd_k", *_TOKEN_ARGS), "S0"),
+                          "returns": ("S0", "S0", "P")})

@@ -52,3 +52,9 @@ def _(kernels, _none, grad_w_partial, weight_hidden, weight_embed, grad_weight_h
     kernels.engram_grad_w_reduce(grad_w_partial=grad_w_partial, weight_hidden=weight_hidden,
                                  weight_embed=weight_embed, grad_weight_hidden=grad_weight_hidden,
                                  grad_weight_embed=grad_weight_embed)
+
+
+# DTensor sharding (docs/distributed.md): linear in grad_w_partial, so Partial partials (sums over each rank's
+# tokens) accumulate into Partial buffers with no communication. The op takes only whole (m, H) weights
+# (m = 4, H in range), so no weight dim is sharded; Replicate buffers take the fallback (partials all-reduced).
+engram_grad_w_reduce.sharding({"grad_w_partial": "P", "grad_weight_hidden": "P", "grad_weight_embed": "P"})

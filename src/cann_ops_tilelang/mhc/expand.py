@@ -50,3 +50,8 @@ def expand_to_mhc_backward(out_grad: Tensor, x_grad: Tensor) -> None:
 @expand_to_mhc_backward.launch
 def _(kernels, _none, out_grad, x_grad):
     kernels.expand_to_mhc_backward(out_grad=out_grad, x_grad=x_grad)
+
+
+# DTensor sharding (docs/distributed.md): token-wise, so sequence parallel shards the token dim of both tensors.
+expand_to_mhc_forward.sharding({"x": "S0", "out": "S0"})
+expand_to_mhc_backward.sharding({"out_grad": "S0", "x_grad": "S0"})

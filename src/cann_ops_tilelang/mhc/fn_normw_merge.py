@@ -57,3 +57,10 @@ def mhc_fn_normw_merge_backward(fn: Tensor, normw: Tensor, out_fn_grad: Tensor, 
 def _(kernels, _none, fn, normw, out_fn_grad, fn_grad, normw_grad):
     kernels.mhc_fn_normw_merge_backward(fn=fn, normw=normw, out_fn_grad=out_fn_grad, fn_grad=fn_grad,
                                         normw_grad=normw_grad)
+
+
+# DTensor sharding (docs/distributed.md): no token dim, and the ops accept only the full (M3, K) shapes, so the
+# weights stay replicated; in the backward both gradients are linear in out_fn_grad, so a Partial gradient
+# (a sum over tokens not yet reduced) accumulates into Partial buffers without communication.
+mhc_fn_normw_merge_forward.sharding()
+mhc_fn_normw_merge_backward.sharding({"out_fn_grad": "P", "fn_grad": "P", "normw_grad": "P"})

@@ -42,7 +42,8 @@ def _(kernels, outs, x, fn, n_splits):
 
 
 @declare("mhc_gemm_with_sqrsum_backward", mutates_args=("x_grad",),
-         vector_args={"out_mul_grad": 16, "x": 4, "fn": 8, "x_grad": 4}, tokens="x")
+         vector_args={"out_mul_grad": 16, "sqrsum_grad": 4, "x": 16, "fn": 16, "x_grad": 16},
+         tokens="x")
 def mhc_gemm_with_sqrsum_backward(out_mul_grad: Tensor, sqrsum_grad: Tensor, x: Tensor, fn: Tensor,
                                   x_grad: Tensor) -> Tensor:
     """Backward of the pre-norm GEMM: accumulates ``x_grad = bf16(f32(x_grad) + out_mul_grad @ fn +
@@ -73,3 +74,10 @@ def mhc_gemm_with_sqrsum_backward(out_mul_grad: Tensor, sqrsum_grad: Tensor, x: 
 def _(kernels, fn_grad, out_mul_grad, sqrsum_grad, x, fn, x_grad):
     kernels.mhc_gemm_with_sqrsum_backward(out_mul_grad=out_mul_grad, sqrsum_grad=sqrsum_grad, x=x, fn=fn,
                                           x_grad=x_grad, fn_grad=fn_grad)
+
+
+# DTensor sharding (docs/distributed.md): the token dim is dim 0 of x and dim 1 of the split partials;
+# fn stays replicated (K is not split across ranks). fn_grad is a sum over tokens: Partial.
+mhc_gemm_with_sqrsum_forward.sharding({"x": "S0", "returns": ("S1", "S1")})
+mhc_gemm_with_sqrsum_backward.sharding(
+    {"out_mul_grad": "S0", "sqrsum_grad": "S0", "x": "S0", "x_grad": "S0", "returns": "P"})

@@ -84,3 +84,11 @@ def _(kernels, _none, output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix
         output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
         input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,
         mhc_base_grad_partial=mhc_base_grad_partial)
+
+
+# DTensor sharding (docs/distributed.md): token-wise; the partial rows of the parameter gradients are
+# sums over each rank's tokens, so the partial buffers are Partial (their row sum is the gradient).
+mhc_head_compute_mix_forward.sharding({"input_mix": "S0", "output_mix": "S0"})
+mhc_head_compute_mix_backward.sharding(
+    {"output_mix_grad": "S0", "input_mix": "S0", "input_mix_grad": "S0", "mhc_scale_grad_partial": "P",
+     "mhc_base_grad_partial": "P"})

@@ -146,3 +146,11 @@ def mhc_post_backward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_
 
 mhc_post_forward.op = _mhc_post_forward.op
 mhc_post_backward.op = _mhc_post_backward.op
+
+# DTensor sharding (docs/distributed.md): per token (d_post and d_comb are per-token sums over d).
+_mhc_post_forward.sharding({"x": "S0", "residual": "S0", "post_layer_mix": "S0", "comb_res_mix": "S0",
+                            "returns": "S0"})
+_mhc_post_forward_out.sharding({"x": "S0", "residual": "S0", "post_layer_mix": "S0", "comb_res_mix": "S0",
+                                "out": "S0"})
+_mhc_post_backward.sharding({"x": "S0", "residual": "S0", "post_layer_mix": "S0", "comb_res_mix": "S0",
+                             "d_o": "S0", "returns": ("S0", "S0", "S0", "S0")})

@@ -57,3 +57,8 @@ def mhc_pre_apply_mix_backward(out_grad: Tensor, x: Tensor, mix: Tensor, x_grad:
 @mhc_pre_apply_mix_backward.launch
 def _(kernels, mix_grad, out_grad, x, mix, x_grad):
     kernels.mhc_pre_apply_mix_backward(out_grad=out_grad, x=x, mix=mix, x_grad=x_grad, mix_grad=mix_grad)
+
+
+# DTensor sharding (docs/distributed.md): token-wise (mix_grad is per token).
+mhc_pre_apply_mix_forward.sharding({"x": "S0", "mix": "S0", "out": "S0"})
+mhc_pre_apply_mix_backward.sharding({"out_grad": "S0", "x": "S0", "mix": "S0", "x_grad": "S0", "returns": "S0"})

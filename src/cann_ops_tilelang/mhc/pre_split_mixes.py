@@ -88,3 +88,11 @@ def _(kernels, _none, pre_grad, post_grad, comb_grad, input_mixes, post, mhc_sca
         pre_grad=pre_grad, post_grad=post_grad, comb_grad=comb_grad, input_mixes=input_mixes, post=post,
         mhc_scale=mhc_scale, mhc_base=mhc_base, input_mixes_grad=input_mixes_grad, mhc_scale_grad=mhc_scale_grad,
         mhc_base_grad=mhc_base_grad, post_mult_value=post_mult_value)
+
+
+# DTensor sharding (docs/distributed.md): token-wise; scale and base replicated. The two parameter
+# gradients are sums over tokens that the op overwrites with its own tokens' sum: Partial buffers.
+mhc_pre_split_mixes_forward.sharding({"input_mixes": "S0", "pre": "S0", "post": "S0", "comb": "S0"})
+mhc_pre_split_mixes_backward.sharding(
+    {"pre_grad": "S0", "post_grad": "S0", "comb_grad": "S0", "input_mixes": "S0", "post": "S0",
+     "input_mixes_grad": "S0", "mhc_scale_grad": "P", "mhc_base_grad": "P"})

@@ -91,3 +91,10 @@ def _(kernels, _none, out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_
     kernels.mhc_reduce_partials_and_rmsnorm_backward(
         out_grad=out_grad, out_mul=out_mul, sqrsum=sqrsum, out_mul_grad=out_mul_grad, sqrsum_grad=sqrsum_grad,
         rms_group_size=rms_group_size, rms_eps=rms_eps)
+
+
+# DTensor sharding (docs/distributed.md): token-wise (dim 1 of the split partials).
+mhc_reduce_partials_and_rmsnorm_forward.sharding(
+    {"out_mul_splitted": "S1", "sqrsum_splitted": "S1", "out_mul": "S0", "sqrsum": "S0", "out": "S0"})
+mhc_reduce_partials_and_rmsnorm_backward.sharding(
+    {"out_grad": "S0", "out_mul": "S0", "sqrsum": "S0", "out_mul_grad": "S0", "sqrsum_grad": "S0"})

@@ -62,3 +62,8 @@ def mhc_sinkhorn_backward(grad_output: Tensor, x: Tensor, grad_input: Tensor, re
 @mhc_sinkhorn_backward.launch
 def _(kernels, _none, grad_output, x, grad_input, repeat, eps):
     kernels.mhc_sinkhorn_backward(grad_output=grad_output, x=x, grad_input=grad_input, repeat=repeat, eps=eps)
+
+
+# DTensor sharding (docs/distributed.md): per token.
+mhc_sinkhorn_forward.sharding({"comb": "S0", "comb_out": "S0"})
+mhc_sinkhorn_backward.sharding({"grad_output": "S0", "x": "S0", "grad_input": "S0"})

@@ -61,14 +61,15 @@ def _check_shapes(hidden_states, kv, image_token_mask) -> None:
 class _EngramGateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, kv, weight_hidden, weight_embed, clamp_value, eps, image_token_mask,
-                main_grad_hidden, main_grad_embed):
+                main_grad_hidden, main_grad_embed, residual=True):
         weight_fused = engram_fused_weight(weight_hidden, weight_embed)
         out, dot, gate_score, rstd_x, rstd_k = engram_gate_fwd(
-            hidden_states, kv, weight_fused, eps, clamp_value, True, image_token_mask
+            hidden_states, kv, weight_fused, eps, clamp_value, True, image_token_mask, residual=residual
         )
         ctx.save_for_backward(hidden_states, kv, weight_hidden, weight_embed, weight_fused, dot, gate_score,
                               rstd_x, rstd_k, image_token_mask)
         ctx.clamp_value = clamp_value
+        ctx.residual = residual
         ctx.main_grads = (main_grad_hidden, main_grad_embed)
         return out
 
@@ -76,7 +77,7 @@ class _EngramGateFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, kv, wh, we, wf, dot, gate_score, rstd_x, rstd_k, mask = ctx.saved_tensors
         grad_x, grad_kv, grad_w_partial = engram_gate_bwd(
-            grad_out.contiguous(), x, kv, wf, dot, gate_score, rstd_x, rstd_k, ctx.clamp_value, mask
+            grad_out.contiguous(), x, kv, wf, dot, gate_score, rstd_x, rstd_k, ctx.clamp_value, mask, ctx.residual
         )
         main_hidden, main_embed = ctx.main_grads
         grad_wh = main_hidden if main_hidden is not None else torch.zeros_like(wh, dtype=torch.float32)
@@ -87,7 +88,7 @@ class _EngramGateFunction(torch.autograd.Function):
             grad_kv,
             None if main_hidden is not None else grad_wh.to(wh.dtype),
             None if main_embed is not None else grad_we.to(we.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -99,6 +100,7 @@ def engram_gate(
     clamp_value: float = 1e-6,
     eps: float = 1e-6,
     image_token_mask: Optional[Tensor] = None,
+    residual: bool = True,
 ) -> Tensor:
     """Engram gate with autograd: ``x + sigmoid(signed_sqrt(<RMSNorm(x; wh), RMSNorm(k; we)> / sqrt(H))) * v``.
 
@@ -110,6 +112,8 @@ def engram_gate(
         clamp_value: signed-sqrt clamp.
         eps: RMSNorm epsilon (the production value is not published; expose it).
         image_token_mask: ``(*)`` bool or None; True tokens pass through unchanged.
+        residual: add ``hidden_states`` (True) or return the gated value ``g*v`` alone (False; masked
+            tokens 0), both from one kernel and one rounding.
 
     Returns:
         ``(*, m, H)`` bf16. Gradients flow to ``hidden_states``, ``kv`` and both weights; a weight
@@ -123,7 +127,7 @@ def engram_gate(
     mask = None if image_token_mask is None else image_token_mask.reshape(-1)
     out = _EngramGateFunction.apply(
         x.contiguous(), kv3.contiguous(), weight_hidden, weight_embed, clamp_value, eps, mask,
-        _main_grad(weight_hidden), _main_grad(weight_embed),
+        _main_grad(weight_hidden), _main_grad(weight_embed), residual,
     )
     return out.view(*lead, m, hidden)
 

@@ -13,7 +13,8 @@ stream pair c % 2 and keeps that pair's rows of ``wf`` resident in UB. Pass 1 re
 the two x rows and two k rows, pass 2 streams v and writes the output from the cached x. Masked tokens copy
 x to out (skipped when in place) and write zero statistics. Saving the statistics and in-place operation
 are compile-time flags that only add or remove stores: the arithmetic of the output is the same
-instruction sequence in every variant, so outputs are bitwise identical.
+instruction sequence in every variant, so outputs are bitwise identical. Without the residual
+(``residual=False``) the output is ``bf16(g*v)`` and masked tokens get zeros.
 
 The backward is described at :func:`build_engram_gate_bwd`.
 """
@@ -94,24 +95,31 @@ def bwd_workers_per_stream(num_partials: int, hc_mult: int, num_cores: int) -> i
     return max(1, min(num_partials, num_cores // hc_mult))
 
 
-def engram_gate_fwd_key(hidden_states, image_token_mask, save_stats: bool, inplace: bool, num_cores: int) -> tuple:
-    """(H, m, save_stats, has_mask, inplace, num_cores); never T. ``inplace`` only matters with a mask."""
+def engram_gate_fwd_key(hidden_states, image_token_mask, save_stats: bool, inplace: bool, num_cores: int,
+                        residual: bool = True) -> tuple:
+    """(H, m, save_stats, has_mask, inplace, num_cores, residual); never T. ``inplace`` only matters with a
+    mask."""
     _, m, hidden = hidden_states.shape
     has_mask = image_token_mask is not None
     num_cores = max(2, int(num_cores) // _PAIR * _PAIR)
-    return (int(hidden), int(m), bool(save_stats), has_mask, bool(inplace) and has_mask, num_cores)
+    return (int(hidden), int(m), bool(save_stats), has_mask, bool(inplace) and has_mask, num_cores, bool(residual))
 
 
-def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool, num_cores: int):
+def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool, num_cores: int,
+                          residual: bool = True):
     """prim_func(x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, mask (T,) bool, out (T,m,H) bf16,
     dot/gate_score/rstd_x/rstd_k (T,m) f32, eps f32, clamp_value f32); T is a dynamic dim.
 
     Unused tensors (mask without ``has_mask``, stats without ``save_stats``) may be passed as None.
-    ``H``, ``m`` outside ``limits.ENGRAM_HIDDEN`` / ``ENGRAM_HC_MULT`` or an odd ``num_cores``:
-    ``limits.LimitError``.
+    ``residual=False`` writes ``bf16(g*v)`` (masked tokens: zeros) and has no in-place variant; it only
+    changes pass 2 and the masked store, so ``residual=True`` builds the kernel as before the flag.
+    ``H``, ``m`` outside ``limits.ENGRAM_HIDDEN`` / ``ENGRAM_HC_MULT``, an odd ``num_cores`` or in place
+    without the residual: ``limits.LimitError``.
     """
     H, m = _require_sizes("engram_gate_fwd", hidden_size, hc_mult)
     num_cores = _FWD_CORES.require("engram_gate_fwd", num_cores)
+    if inplace and not residual:
+        raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
     groups = m // _PAIR
     stages = fwd_stages(H)
     _require_ub("engram_gate_fwd", H, fwd_ub_bytes(H, stages))
@@ -155,7 +163,15 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
             for t, grp in T.Persistent([num_tokens, groups], num_cores, core_id, group_size=groups, num_stages=stages):
                 hb = grp * _PAIR  # == h0: the grid is a multiple of the group count
                 if has_mask and image_token_mask[t]:
-                    if not inplace:
+                    if not residual:
+                        # no residual: a masked token's gated value is 0
+                        with T.SimdVF():
+                            zb = S.vdup(0.0, T.bfloat16)
+                            for j in T.unroll(_PAIR, explicit=True):
+                                for c in T.serial(H // _BF16_LANES):
+                                    S.vsts(ko_ub[j, c * _BF16_LANES], zb, dist="NORM_B16")
+                        T.copy(ko_ub, out[t, hb : hb + _PAIR, :])
+                    elif not inplace:
                         T.copy(hidden_states[t, hb : hb + _PAIR, :], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
                         T.copy(x_ub, out[t, hb : hb + _PAIR, :])
                     if save_stats:
@@ -201,7 +217,7 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
                                 S.vsts(rx_ub[j], rx, dist="ONEPT_B32")
                                 S.vsts(rk_ub[j], rk, dist="ONEPT_B32")
                     T.copy(kv[t, m, :], v_ub)
-                    # pass 2: out = bf16(x + g*v) into the (consumed) k tile
+                    # pass 2: out = bf16(x + g*v) (no residual: bf16(g*v)) into the (consumed) k tile
                     with T.SimdVF():
                         gv = S.alloc_local((_PAIR,), T.float32)
                         o = S.alloc_local((_PAIR,), T.float32)
@@ -211,8 +227,11 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
                             d = c * _LANES
                             vf = S.vcvt(S.vld(v_ub[d], dist="UNPK_B16"), T.float32, part=0)
                             for j in T.unroll(_PAIR, explicit=True):
-                                o[j] = S.vcvt(S.vld(x_ub[j, d], dist="UNPK_B16"), T.float32, part=0)
-                                S.vmula(o[j], vf, gv[j])
+                                if residual:
+                                    o[j] = S.vcvt(S.vld(x_ub[j, d], dist="UNPK_B16"), T.float32, part=0)
+                                    S.vmula(o[j], vf, gv[j])
+                                else:
+                                    o[j] = S.vmul(vf, gv[j])
                                 S.vsts(ko_ub[j, d], S.vcvt(o[j], T.bfloat16), dist="PK_B32")
                     T.copy(ko_ub, out[t, hb : hb + _PAIR, :])
                 if save_stats:
@@ -228,31 +247,35 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
 
 
 @functools.lru_cache(maxsize=None)
-def get_engram_gate_fwd_kernel(hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores):
+def get_engram_gate_fwd_kernel(hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores, residual=True):
     from .._build import jit_compile
 
-    key = (hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores)
+    key = (hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores, residual)
     return jit_compile("engram_gate_fwd", key, build_engram_gate_fwd(*key))
 
 
-def engram_gate_fwd(hidden_states, kv, weight_fused, image_token_mask, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k) -> None:
+def engram_gate_fwd(hidden_states, kv, weight_fused, image_token_mask, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k,
+                    residual=True) -> None:
     """x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, mask (T,) bool | None, eps/clamp float,
     out (T,m,H) bf16 (may be ``hidden_states`` itself), dot/gate_score/rstd_x/rstd_k (T,m) f32 or all
-    None. Launches on the current stream; never synchronizes."""
+    None, residual bool (False: out = g*v, never in place). Launches on the current stream; never
+    synchronizes."""
     save_stats = dot is not None
     inplace = out.data_ptr() == hidden_states.data_ptr()
-    key = engram_gate_fwd_key(hidden_states, image_token_mask, save_stats, inplace, num_vector_cores())
+    key = engram_gate_fwd_key(hidden_states, image_token_mask, save_stats, inplace, num_vector_cores(), residual)
     kernel = get_engram_gate_fwd_kernel(*key)
     kernel(hidden_states, kv, weight_fused, image_token_mask, out, dot, gate_score, rstd_x, rstd_k, float(eps), float(clamp_value))
 
 
-def engram_gate_bwd_key(hidden_states, image_token_mask, grad_w_partial, num_cores: int) -> tuple:
-    """(H, m, has_mask, P, num_cores); never T."""
+def engram_gate_bwd_key(hidden_states, image_token_mask, grad_w_partial, num_cores: int, residual: bool = True) -> tuple:
+    """(H, m, has_mask, P, num_cores, residual); never T."""
     _, m, hidden = hidden_states.shape
-    return (int(hidden), int(m), image_token_mask is not None, int(grad_w_partial.shape[0]), int(num_cores))
+    return (int(hidden), int(m), image_token_mask is not None, int(grad_w_partial.shape[0]), int(num_cores),
+            bool(residual))
 
 
-def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_partials: int, num_cores: int):
+def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_partials: int, num_cores: int,
+                          residual: bool = True):
     """prim_func(go (T,m,H) bf16, x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, dot/gate_score/
     rstd_x/rstd_k (T,m) f32, mask (T,) bool, grad_x (T,m,H) bf16, grad_kv (T,m+1,H) bf16,
     grad_w_partial (P,m,H) f32, clamp_value f32); T is a dynamic dim. mask may be None without has_mask.
@@ -275,6 +298,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
     four stream workers of a q share their token set, so worker (q, h) also produces the value gradient
     for the column slice ``[h*H/m, (h+1)*H/m)`` of its tokens from the go slices of all m streams.
     Masked tokens: grad_x = go (copied), grad_kv rows and slice = 0, no grad_wf contribution.
+    ``residual=False`` (the forward wrote ``g*v`` alone): ``grad_x = bf16(beta*(k*wf - x*ax))``, masked
+    tokens 0; ``residual=True`` builds the kernel as before the flag.
     """
     H, m = _require_sizes("engram_gate_bwd", hidden_size, hc_mult)
     P = IntRange("num_partials", 1).require("engram_gate_bwd", num_partials)
@@ -343,6 +368,9 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
                             zb = S.vdup(0.0, T.bfloat16)
                             for c in T.serial(H // _BF16_LANES):
                                 S.vsts(x_ub[c * _BF16_LANES], zb, dist="NORM_B16")
+                            if not residual:
+                                for c in T.serial(H // _BF16_LANES):
+                                    S.vsts(go_ub[c * _BF16_LANES], zb, dist="NORM_B16")
                             for c in T.serial(W // _BF16_LANES):
                                 S.vsts(v_ub[h * W + c * _BF16_LANES], zb, dist="NORM_B16")
                             if W % _BF16_LANES != 0:
@@ -404,8 +432,11 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
                                 xf = S.vcvt(S.vld(x_ub[d], dist="UNPK_B16"), T.float32, part=0)
                                 kf = S.vcvt(S.vld(k_ub[d], dist="UNPK_B16"), T.float32, part=0)
                                 wf = S.vld(wf_ub[d])
-                                r[0] = gof
-                                S.vmula(r[0], beta, S.vsub(S.vmul(kf, wf), S.vmul(xf, ax)))
+                                if residual:
+                                    r[0] = gof
+                                    S.vmula(r[0], beta, S.vsub(S.vmul(kf, wf), S.vmul(xf, ax)))
+                                else:
+                                    r[0] = S.vmul(beta, S.vsub(S.vmul(kf, wf), S.vmul(xf, ax)))
                                 r[1] = S.vmul(beta, S.vsub(S.vmul(xf, wf), S.vmul(kf, ak)))
                                 r[2] = S.vld(gw_ub[d])
                                 S.vmula(r[2], S.vmul(beta, xf), kf)
@@ -423,21 +454,22 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
 
 
 @functools.lru_cache(maxsize=None)
-def get_engram_gate_bwd_kernel(hidden_size, hc_mult, has_mask, num_partials, num_cores):
+def get_engram_gate_bwd_kernel(hidden_size, hc_mult, has_mask, num_partials, num_cores, residual=True):
     from .._build import jit_compile
 
-    key = (hidden_size, hc_mult, has_mask, num_partials, num_cores)
+    key = (hidden_size, hc_mult, has_mask, num_partials, num_cores, residual)
     return jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
 
 
 def engram_gate_bwd(
     grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, image_token_mask, clamp_value,
-    grad_hidden_states, grad_kv, grad_w_partial,
+    grad_hidden_states, grad_kv, grad_w_partial, residual=True,
 ) -> None:
     """go/x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, stats (T,m) f32, mask (T,) bool | None,
     clamp float -> grad_hidden_states (T,m,H) bf16, grad_kv (T,m+1,H) bf16, grad_w_partial (P,m,H) f32
-    (any P >= 1; every row written). Current stream, no sync."""
-    key = engram_gate_bwd_key(hidden_states, image_token_mask, grad_w_partial, num_vector_cores())
+    (any P >= 1; every row written); residual: the forward added x (False: grad_x without go). Current
+    stream, no sync."""
+    key = engram_gate_bwd_key(hidden_states, image_token_mask, grad_w_partial, num_vector_cores(), residual)
     kernel = get_engram_gate_bwd_kernel(*key)
     kernel(
         grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, image_token_mask,
@@ -455,7 +487,9 @@ def lowering_cases(
     ``num_cores`` and ``num_partials`` are the Ascend 950's, no NPU needed).
 
     Cases: ``engram_gate_fwd_{save,nosave}_{mask,nomask}``, ``engram_gate_fwd_nosave_mask_inplace`` (in place
-    only changes the masked path, and never saves: docs/ops/engram.md#gate), ``engram_gate_bwd_{mask,nomask}``.
+    only changes the masked path, and never saves: docs/ops/engram.md#gate), ``engram_gate_bwd_{mask,nomask}``;
+    without the residual ``engram_gate_fwd_noresidual_{save,nosave}_{mask,nomask}`` and
+    ``engram_gate_bwd_noresidual_{mask,nomask}`` (no in-place one).
     """
     H, m = hidden_size, hc_mult
     cases = {}
@@ -467,5 +501,14 @@ def lowering_cases(
     for mask in (False, True):
         cases[f"engram_gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(
             H, m, mask, num_partials, num_cores
+        )
+    for mask in (False, True):
+        tag = "mask" if mask else "nomask"
+        for save in (True, False):
+            cases[f"engram_gate_fwd_noresidual_{'save' if save else 'nosave'}_{tag}"] = build_engram_gate_fwd(
+                H, m, save, mask, False, num_cores, residual=False
+            )
+        cases[f"engram_gate_bwd_noresidual_{tag}"] = build_engram_gate_bwd(
+            H, m, mask, num_partials, num_cores, residual=False
         )
     return cases

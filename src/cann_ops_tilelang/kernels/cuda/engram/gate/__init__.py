@@ -41,7 +41,8 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     Cases: ``engram_gate_fwd_{mask,nomask}``, ``engram_gate_fwd_mask_inplace`` (the CUDA forward always writes
     the statistics, see :func:`engram_gate_fwd`: the Ascend backend's ``save``/``nosave`` part is absent),
     ``engram_gate_bwd_{mask,nomask}`` plus ``engram_gate_bwd_pipelined_{mask,nomask}`` where the backward
-    has that variant, the backward at the CUDA partial count ``P`` of ``config.grad_w_partials``.
+    has that variant, the backward at the CUDA partial count ``P`` of ``config.grad_w_partials``; the same
+    without the residual (``residual=False``) as ``engram_gate_{fwd,bwd}_noresidual_*`` (no in-place one).
 
     Returns:
         ``{case name: T.prim_func}``.
@@ -57,5 +58,13 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
         if bwd_plan(H, m).pipe:
             cases[f"engram_gate_bwd_pipelined_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(
                 H, m, partials, mask, pipelined=True
+            )
+    for mask in (False, True):
+        tag = "mask" if mask else "nomask"
+        cases[f"engram_gate_fwd_noresidual_{tag}"] = build_engram_gate_fwd(H, m, mask, False, residual=False)
+        cases[f"engram_gate_bwd_noresidual_{tag}"] = build_engram_gate_bwd(H, m, partials, mask, residual=False)
+        if bwd_plan(H, m).pipe:
+            cases[f"engram_gate_bwd_noresidual_pipelined_{tag}"] = build_engram_gate_bwd(
+                H, m, partials, mask, pipelined=True, residual=False
             )
     return cases

@@ -24,15 +24,8 @@ from .....limits import IntRange, LimitError
 from ..._build import jit_compile
 from ._plan import BwdPlan, bwd_plan, num_partials
 
-__all__ = [
-    "BwdPlan",
-    "bwd_plan",
-    "build_engram_gate_bwd",
-    "engram_gate_bwd",
-    "engram_gate_bwd_key",
-    "get_engram_gate_bwd_kernel",
-    "num_partials",
-]
+__all__ = ["BwdPlan", "bwd_plan", "build_engram_gate_bwd", "engram_gate_bwd", "engram_gate_bwd_key",
+           "get_engram_gate_bwd_kernel", "num_partials"]
 
 _VEC = 8
 # the pipelined kernel for at most this many tokens per worker (T <= 2112 at P = 66), the unpipelined one
@@ -49,13 +42,15 @@ __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float v
 """
 
 
-def engram_gate_bwd_key(hidden_states: torch.Tensor, grad_w_partial: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
-    """Compile-time key ``(H, m, P, has_mask)`` (never the token count)."""
+def engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask, residual: bool = True) -> tuple:
+    """Compile-time key ``(H, m, P, has_mask, residual)`` (never the token count)."""
     _, hc_mult, hidden_size = hidden_states.shape
-    return (int(hidden_size), int(hc_mult), int(grad_w_partial.shape[0]), image_token_mask is not None)
+    partials = int(grad_w_partial.shape[0])
+    return (int(hidden_size), int(hc_mult), partials, image_token_mask is not None, bool(residual))
 
 
-def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, pipelined: bool = False):
+def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, residual: bool = True,
+                          pipelined: bool = False):
     """Builds the backward prim_func.
 
     Args:
@@ -70,6 +65,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             ``t``, then waits for the cluster, so that the exchange and the loads overlap a phase 2. The
             worker's first go/v and x/k and its second go/v (into that token's free x/k buffer) are loaded
             before its first phase 1. Same arithmetic in the same order (bitwise-equal outputs).
+        residual: The forward added ``x``: ``grad_x`` includes ``go``; False: not (masked tokens get 0, not ``go``).
 
     Returns:
         ``T.prim_func(go, x, kv, wf, dot, gate, rstd_x, rstd_k, [mask], clamp: f32, grad_x, grad_kv,
@@ -187,10 +183,13 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     def image_token(go, kv, gov_s, r0, grad_x, grad_kv, cp, t, t_pf, t_stop, tid, c0):
         # Image token t: grad_x = go (bit copy, from the prefetched go/v in rows r0 .. r0 + m of gov_s where
         # there is one; then token t_pf's go/v, if t_pf < t_stop, into the go/v rows), grad_kv = 0, no
-        # weight-gradient contribution.
+        # weight-gradient contribution. Without the residual grad_x = 0 (the prefetched go/v is not read).
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                if pre_gov:
+                if not residual:
+                    for k in T.vectorized(_VEC):
+                        cp[k] = T.cast(0.0, bf16)
+                elif pre_gov:
                     for k in T.vectorized(_VEC):
                         cp[k] = gov_s[r0 + h, (i * threads + tid) * _VEC + k]
                 else:
@@ -264,13 +263,18 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
 
     @T.macro
     def phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0):
-        # Column vector i of stream h in phase 2 (x, k, wf in xr, kr, wr): grad_x, grad_k, weight gradient.
-        for k in T.vectorized(_VEC):
-            cp[k] = gor[i, h, k]
-        for k in T.vectorized(_VEC):
-            grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
-                T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
-            )
+        # Column vector i of stream h in phase 2 (x, k, wf in xr, kr, wr): grad_x (+ go if residual), grad_k, grad_wf.
+        if residual:
+            for k in T.vectorized(_VEC):
+                cp[k] = gor[i, h, k]
+            for k in T.vectorized(_VEC):
+                grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+                    T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
+                )
+        else:
+            for k in T.vectorized(_VEC):
+                grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+                    beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16)
         for k in T.vectorized(_VEC):
             grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
         for k in T.unroll(_VEC):
@@ -647,7 +651,7 @@ def get_engram_gate_bwd_kernel(*key):
     """Compiled kernels for ``key`` (see :func:`engram_gate_bwd_key`), built once per key (never per token
     count): ``(kernel, pipelined kernel or None)``; the launcher takes the pipelined one for at most
     ``_PIPE_MAX_PER`` tokens per worker."""
-    H, m, P, _ = key
+    H, m, _, _, _ = key
     kernel = jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
     if not bwd_plan(H, m).pipe:
         return kernel, None
@@ -668,6 +672,7 @@ def engram_gate_bwd(
     grad_hidden_states: torch.Tensor,
     grad_kv: torch.Tensor,
     grad_w_partial: torch.Tensor,
+    residual: bool = True,
 ) -> None:
     """Launches the Engram gate backward on the current stream (inputs validated upstream).
 
@@ -682,8 +687,9 @@ def engram_gate_bwd(
         grad_hidden_states: ``(T, m, H)`` bf16, written.
         grad_kv: ``(T, m+1, H)`` bf16, written.
         grad_w_partial: ``(P, m, H)`` f32, every row written (row ``p`` = worker ``p``'s sum).
+        residual: the forward added the residual (``grad_x`` includes ``grad_out``); False: it did not.
     """
-    key = engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask)
+    key = engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask, residual)
     kernel, pipelined = get_engram_gate_bwd_kernel(*key)
     if pipelined is not None and -(-hidden_states.shape[0] // key[2]) <= _PIPE_MAX_PER:
         kernel = pipelined

@@ -8,7 +8,8 @@ per group plus a step that adds the groups in ascending order gives the per-stre
 memory and a barrier where several warps serve a stream, in registers where one warp does; every thread
 of the stream adds the same values in the same order, so they are bitwise equal).
 Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x`` and ``kv`` are
-read from HBM exactly once. The kernel always writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
+read from HBM exactly once (``residual=False``: ``out = bf16(g * v)``, masked tokens 0). The kernel always
+writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
 without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see
 :func:`engram_gate_fwd`). The token count is a dynamic dimension."""
 
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from .....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN
+from .....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, LimitError
 from ..._build import jit_compile
 
 __all__ = ["build_engram_gate_fwd", "engram_gate_fwd", "engram_gate_fwd_key", "fwd_layout", "get_engram_gate_fwd_kernel"]
@@ -52,15 +53,16 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int
     return gps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
 
 
-def engram_gate_fwd_key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch.Tensor | None) -> tuple:
-    """Compile-time key ``(H, m, has_mask, inplace)`` (never the token count; saving the statistics or not
-    is the same kernel, see :func:`engram_gate_fwd`)."""
+def engram_gate_fwd_key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch.Tensor | None,
+                        residual: bool = True) -> tuple:
+    """Compile-time key ``(H, m, has_mask, inplace, residual)`` (never the token count; saving the statistics
+    or not is the same kernel, see :func:`engram_gate_fwd`)."""
     _, hc_mult, hidden_size = hidden_states.shape
     inplace = out.data_ptr() == hidden_states.data_ptr()
-    return (int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace))
+    return (int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace), bool(residual))
 
 
-def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplace: bool):
+def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplace: bool, residual: bool = True):
     """Builds the forward prim_func.
 
     Args:
@@ -68,6 +70,9 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
         hc_mult: ``m`` in ``limits.ENGRAM_HC_MULT`` (else ``limits.LimitError``).
         has_mask: Take an ``image_token_mask`` ``(T,)`` bool.
         inplace: Write the output into ``hidden_states`` (no ``out`` parameter).
+        residual: Write ``x + g * v`` (else ``g * v`` alone, masked tokens 0; not with ``inplace``). The
+            choice only moves the add in pass 2 and the masked store, so ``residual=True`` builds the
+            same kernel as before the flag existed.
 
     Returns:
         ``T.prim_func(x, kv, wf, [mask], eps: f32, clamp: f32, [out], dot, gate, rstd_x, rstd_k)`` with
@@ -77,6 +82,8 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
 
     H = ENGRAM_HIDDEN.require("engram_gate_fwd", hidden_size)
     m = ENGRAM_HC_MULT.require("engram_gate_fwd", hc_mult)
+    if inplace and not residual:
+        raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
     wps, gps, nv, guarded, min_blocks = fwd_layout(H, m)
     q = gps // wps  # summation groups per warp
     warp_local = wps == 1  # one warp per stream: no shared-memory step, no barrier
@@ -169,18 +176,30 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                     rstd_x[t, h] = 0.0
                     rstd_k[t, h] = 0.0
                     gate[t, h] = 0.0
-            # Pass 2: stream v, write bf16(x + g * v) from the registers.
+            # Pass 2: stream v, write bf16(x + g * v) from the registers (bf16(g * v) without the residual).
             if live:
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
                             for k in T.vectorized(_VEC):
                                 vr[k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
-                                    T.cast(xr[i, u, k], f32) + st[3] * vr[k], bf16)
+                            if residual:
+                                for k in T.vectorized(_VEC):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
+                                        T.cast(xr[i, u, k], f32) + st[3] * vr[k], bf16)
+                            else:
+                                for k in T.vectorized(_VEC):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
+                                        st[3] * vr[k], bf16)
             else:
-                if not inplace:
+                if not residual:
+                    # a masked token's gated value is 0
+                    for i in T.unroll(nv):
+                        for u in T.unroll(q):
+                            if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                                for k in T.vectorized(_VEC):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(0.0, bf16)
+                elif not inplace:
                     for i in T.unroll(nv):
                         for u in T.unroll(q):
                             if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
@@ -236,6 +255,7 @@ def engram_gate_fwd(
     gate_score: torch.Tensor | None,
     rstd_x: torch.Tensor | None,
     rstd_k: torch.Tensor | None,
+    residual: bool = True,
 ) -> None:
     """Launches the Engram gate forward on the current stream (inputs validated upstream).
 
@@ -249,15 +269,16 @@ def engram_gate_fwd(
         out: ``(T, m, H)`` bf16; may be ``hidden_states`` itself (in place).
         dot, gate_score, rstd_x, rstd_k: ``(T, m)`` f32 each, or all None (statistics not saved: the kernel
             writes them into a scratch buffer of ``4 T m`` floats instead).
+        residual: ``out = bf16(x + g * v)``; False: ``bf16(g * v)`` (never in place).
 
     Without ``save_for_backward`` the same kernel runs with its statistics pointed at scratch memory (64
     bytes per token, rows padded to 16 tokens so that each of the four starts 64-byte aligned): the kernel
     without the statistics stores was slower (docs/perf/h200/engram.md, 2026-12-01 — gate forward: statistics
     always written), and the output is bitwise the same either way.
     """
-    key = engram_gate_fwd_key(hidden_states, out, image_token_mask)
+    key = engram_gate_fwd_key(hidden_states, out, image_token_mask, residual)
     kernel = get_engram_gate_fwd_kernel(*key)
-    _, _, has_mask, inplace = key
+    _, _, has_mask, inplace, _ = key
     if dot is None:
         num_tokens, hc_mult = hidden_states.shape[0], hidden_states.shape[1]
         rows = -(-num_tokens // 16) * 16

@@ -1,0 +1,173 @@
+"""CUDA kernel of ``engram_hash`` (docs/ops/engram.md#hash).
+
+One thread per ``V`` adjacent output columns of one token and layer (``V`` = 4, 2 or 1, the largest that
+divides ``E``, so the ``V`` columns share one n-gram order ``n``): it forms ``h_n`` from the token's first
+``n`` ids (int64 products, XOR), reduces it modulo each of its ``V`` table sizes (C's truncated ``%`` on int64,
+then shifted to the floor modulo), adds the offsets, and stores the ``V`` int32 results as one vector. A warp's
+stores cover consecutive columns of consecutive tokens: the output, the only sizeable traffic, is written
+coalesced in ``4 V``-byte vectors. The ids, multipliers, table sizes and offsets are read element by element
+(tiny; the same row serves ``(N-1) E / V`` threads from L1). Blocks of 256 threads cover the flat
+(token, column group) range of one layer (``grid.y`` = layer); the token count is dynamic.
+"""
+
+import functools
+
+import torch
+
+from ....limits import ENGRAM_HASH_COLUMNS, ENGRAM_HASH_LAYERS, ENGRAM_HASH_NGRAM, IntRange
+from .._build import jit_compile
+
+__all__ = [
+    "build_engram_hash",
+    "column_vector",
+    "engram_hash",
+    "engram_hash_key",
+    "floor_fix",
+    "get_engram_hash_kernel",
+    "lowering_cases",
+]
+
+_THREADS = 256  # threads per block: a flat, memory-bound grid; any multiple of 32 serves as well
+
+
+def column_vector(tables: int) -> int:
+    """``V``: the columns one thread writes, the largest of 4, 2, 1 dividing ``E`` (its columns share ``j``)."""
+    return next(v for v in (4, 2, 1) if tables % v == 0)
+
+
+def floor_fix(r, d):
+    """The floor modulo (sign of ``d``: Python's and torch's ``%``) from ``r``, C's truncated remainder of some
+    ``h`` by ``d`` (int64 PrimExprs)."""
+    from tilelang import language as T
+
+    return T.if_then_else(T.And(r != 0, (r < 0) != (d < 0)), r + d, r)
+
+
+def engram_hash_key(ngram_token_ids: torch.Tensor, vocab_sizes: torch.Tensor,
+                    image_token_mask: torch.Tensor | None) -> tuple:
+    """Compile-time key ``(N, L, E, has_mask)`` (never the token count)."""
+    layers, orders, tables = (int(n) for n in vocab_sizes.shape)
+    return (orders + 1, layers, tables, image_token_mask is not None)
+
+
+def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool):
+    """Builds the hash prim_func.
+
+    Args:
+        ngram: ``N`` (``limits.ENGRAM_HASH_NGRAM``).
+        layers: ``L`` (``limits.ENGRAM_HASH_LAYERS``).
+        tables: ``E >= 1``, with ``(N-1) * E`` in ``limits.ENGRAM_HASH_COLUMNS``.
+        has_mask: take an ``image_token_mask`` ``(T,)`` bool (masked tokens get ``-1``).
+
+    Values outside these ranges raise ``limits.LimitError``.
+
+    Returns:
+        ``T.prim_func(ngram_token_ids (T, N) i32, multipliers (L, N) i64, vocab_sizes (L, N-1, E) i32,
+        offsets (L, (N-1) E) i32, [image_token_mask (T,) bool], output (L, T, (N-1) E) i32)``.
+    """
+    from tilelang import language as T
+
+    N = ENGRAM_HASH_NGRAM["cuda"].require("engram_hash", ngram)
+    L = ENGRAM_HASH_LAYERS["cuda"].require("engram_hash", layers)
+    E = IntRange("tables E", 1).require("engram_hash", tables)
+    C = ENGRAM_HASH_COLUMNS["cuda"].require("engram_hash", (N - 1) * E)
+    V = column_vector(E)
+    G = C // V  # column groups of a token row
+    i32, i64 = T.int32, T.int64
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.macro
+    def body(ids, mult, vocab, offs, mask, output):
+        with T.Kernel(T.ceildiv(num_tokens * G, _THREADS), L, threads=_THREADS) as (bx, lay):
+            tid = T.get_thread_binding()
+            res = T.alloc_local((V,), i32)
+            h = T.alloc_var(i64)
+            i = bx * _THREADS + tid
+            if i < num_tokens * G:
+                t = i // G
+                g = i % G
+                j = g // (E // V)  # n-gram order n = j + 2 of this group's columns
+                h = T.cast(ids[t, 0], i64) * mult[lay, 0]
+                for k in T.unroll(1, N):
+                    # XOR only the first j + 2 products (a select: no divergent branch)
+                    h = h ^ T.if_then_else(k <= j + 1, T.cast(ids[t, k], i64) * mult[lay, k], T.int64(0))
+                for v in T.unroll(V):
+                    col = g * V + v
+                    size = T.cast(vocab[lay, j, col % E], i64)
+                    r = T.truncmod(h, size)  # one int64 remainder (bound once, fixed up below)
+                    # int64 sum, then the low 32 bits: the int32 wrap-around of torch's addition
+                    res[v] = T.cast(floor_fix(r, size) + T.cast(offs[lay, col], i64), i32)
+                # the store is a select (without a mask on a condition that holds here): nvcc split the plain
+                # copy of the local array into four 4-byte stores, a computed vector stays one 16-byte store
+                if has_mask:
+                    for v in T.vectorized(V):
+                        output[lay, t, g * V + v] = T.if_then_else(mask[t], -1, res[v])
+                else:
+                    for v in T.vectorized(V):
+                        output[lay, t, g * V + v] = T.if_then_else(t < num_tokens, res[v], -1)
+
+    ids_s, mult_s, vocab_s, offs_s = (num_tokens, N), (L, N), (L, N - 1, E), (L, C)
+    out_s, mask_s = (L, num_tokens, C), (num_tokens,)
+
+    if has_mask:
+
+        @T.prim_func
+        def engram_hash_cuda(ngram_token_ids: T.Tensor(ids_s, i32), multipliers: T.Tensor(mult_s, i64),
+                             vocab_sizes: T.Tensor(vocab_s, i32), offsets: T.Tensor(offs_s, i32),
+                             image_token_mask: T.Tensor(mask_s, T.bool), output: T.Tensor(out_s, i32)):
+            body(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask, output)
+
+    else:
+
+        @T.prim_func
+        def engram_hash_cuda(ngram_token_ids: T.Tensor(ids_s, i32), multipliers: T.Tensor(mult_s, i64),
+                             vocab_sizes: T.Tensor(vocab_s, i32), offsets: T.Tensor(offs_s, i32),
+                             output: T.Tensor(out_s, i32)):
+            body(ngram_token_ids, multipliers, vocab_sizes, offsets, None, output)
+
+    return engram_hash_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_hash_kernel(*key):
+    """Compiled kernel for ``key`` (see :func:`engram_hash_key`), built once per key."""
+    return jit_compile("engram_hash", key, build_engram_hash(*key))
+
+
+def engram_hash(
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    image_token_mask: torch.Tensor | None,
+    output: torch.Tensor,
+) -> None:
+    """Launches the hash on the current stream (inputs validated upstream, ``T > 0``).
+
+    Args:
+        ngram_token_ids: ``(T, N)`` int32.
+        multipliers: ``(L, N)`` int64.
+        vocab_sizes: ``(L, N-1, E)`` int32.
+        offsets: ``(L, (N-1) E)`` int32.
+        image_token_mask: ``(T,)`` bool or None.
+        output: ``(L, T, (N-1) E)`` int32, fresh from the op (its rows start ``4 V``-byte aligned).
+    """
+    key = engram_hash_key(ngram_token_ids, vocab_sizes, image_token_mask)
+    kernel = get_engram_hash_kernel(*key)
+    args = [ngram_token_ids, multipliers, vocab_sizes, offsets]
+    if image_token_mask is not None:
+        args.append(image_token_mask)
+    kernel(*args, output)
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """The hash kernels (independent of the hidden size) as un-compiled prim_funcs: the Engram layer's
+    ``N = 3, E = 8, L = 2`` with and without a mask, and ``N = 4, E = 2, L = 3`` (``V = 2``) and
+    ``N = 2, E = 1, L = 1`` (``V = 1``) with one."""
+    del hidden_size, hc_mult
+    return {
+        "engram_hash_n3e8l2": build_engram_hash(3, 2, 8, False),
+        "engram_hash_n3e8l2_mask": build_engram_hash(3, 2, 8, True),
+        "engram_hash_n4e2l3_mask": build_engram_hash(4, 3, 2, True),
+        "engram_hash_n2e1l1_mask": build_engram_hash(2, 1, 1, True),
+    }

@@ -1,0 +1,506 @@
+"""CUDA kernels of the Engram Sinkhorn optimizer ops (docs/ops/engram.md#sinkhorn).
+
+All four stream their data once with 16-byte vectors and are memory-bound at the optimizer's table sizes:
+
+* momentum update: one thread per 8 consecutive elements of the flat buffers (one 16-byte bf16 vector, two
+  fp32 ones), 2048 elements per CTA; the thread holding the last ``N % 8`` elements takes them one by one
+  (a masked tail: any element count). The products and sums are rounded one by one
+  (``__fmul_rn``/``__fadd_rn``) so that the result is the reference's, bit for bit, whatever nvcc would
+  contract.
+* step: :data:`PLAN.ctas` CTAs (four per H200 SM), each owning a contiguous row range and writing one row of
+  column partials (no atomics). A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
+  power of two dividing ``D / 4`` up to a warp), its sum of squares completed by an xor butterfly; the
+  ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, two rows per thread in flight,
+  and their column sums are added in group order through shared memory at the end. A thread loads
+  :func:`rows_in_flight` rows (up to 4 vectors) before it reduces any.
+* step reduce: one CTA, a thread per 4 columns, sums the partial rows in ascending order (8 loads in flight),
+  then updates its 4 column scales (``__fmul_rn``, ``__fsqrt_rn``, ``__fadd_rn``, ``__fdiv_rn``).
+* finalize: the step's row layout without partials, one CTA per ``rows_in_flight * 256 / G`` rows; the apply
+  variant reads the table instead of writing an output and stores ``(p * decay) - (u * lr)``
+  (``__fmul_rn``/``__fsub_rn``) into it.
+"""
+
+import dataclasses
+import functools
+
+import torch
+
+from ....chips import H200
+from ....limits import ENGRAM_SINKHORN_COLS
+from .._build import jit_compile
+
+__all__ = [
+    "PLAN",
+    "build_engram_sinkhorn_finalize",
+    "build_engram_sinkhorn_finalize_apply",
+    "build_engram_sinkhorn_momentum_update",
+    "build_engram_sinkhorn_step",
+    "build_engram_sinkhorn_step_reduce",
+    "engram_sinkhorn_finalize",
+    "engram_sinkhorn_finalize_key",
+    "engram_sinkhorn_momentum_update",
+    "engram_sinkhorn_momentum_update_key",
+    "engram_sinkhorn_step",
+    "engram_sinkhorn_step_key",
+    "engram_sinkhorn_step_reduce",
+    "engram_sinkhorn_step_reduce_key",
+    "get_engram_sinkhorn_finalize_kernel",
+    "get_engram_sinkhorn_momentum_update_kernel",
+    "get_engram_sinkhorn_step_kernel",
+    "get_engram_sinkhorn_step_reduce_kernel",
+    "lowering_cases",
+    "row_layout",
+    "rows_in_flight",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM keep 1024 threads with four
+    16-byte row loads each in flight (64 KiB per SM; the copy ceiling needs ~25 KiB in flight per H200 SM
+    by Little's law, 4.8 TB/s x ~700 ns / 132); the momentum update's 8 elements per thread give one
+    16-byte vector of bf16 (two of fp32). Not yet measured on the H200."""
+
+    threads: int = 256
+    ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
+    row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
+    elems: int = 8  # momentum elements per thread
+    reduce_unroll: int = 8  # partial rows loaded before they are added (step reduce)
+
+
+PLAN = Plan()
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def row_layout(cols: int) -> tuple[int, int, int]:
+    """``(G, C, NG)``: lanes per row (the largest power of two up to 32 dividing ``D / 4``), 4-column vectors
+    per lane and row groups per CTA."""
+    cols = ENGRAM_SINKHORN_COLS.require("engram_sinkhorn", cols)
+    lanes = 32
+    while (cols // 4) % lanes:
+        lanes //= 2
+    return lanes, cols // (4 * lanes), PLAN.threads // lanes
+
+
+def rows_in_flight(cols: int) -> int:
+    """Rows a thread loads before reducing any (``PLAN.row_vectors`` vectors, at least one row): 4 at D = 64
+    and 128 (one vector per lane and row), 2 at D = 256, 1 from three vectors per lane (at most 32 row
+    registers per thread)."""
+    return max(1, min(4, PLAN.row_vectors // row_layout(cols)[1]))
+
+
+# ---- momentum update ---------------------------------------------------------------------------------------
+
+
+def engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov) -> tuple:
+    """``(grad dtype, momentum dtype, nesterov)``; the element count is dynamic."""
+    return (_DTYPES[grad.dtype], _DTYPES[momentum_buffer.dtype], bool(nesterov))
+
+
+def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool):
+    """prim_func(grad (N,), momentum_buffer (N,) in/out, out (N,) f32, beta1 f32, one_minus_beta1 f32), ``N``
+    dynamic (any element count)."""
+    from tilelang import language as T
+
+    f32 = T.float32
+    vec, threads = PLAN.elems, PLAN.threads
+    # a thread's 8 elements start at 8 * i: whole vectors (16-byte bf16 / two fp32 loads) while in range, the
+    # last N % 8 elements element by element (the masked tail)
+    numel = T.dynamic("numel")
+
+    @T.prim_func
+    def engram_sinkhorn_momentum_update_cuda(
+        grad: T.Tensor((numel,), grad_dtype),
+        momentum_buffer: T.Tensor((numel,), momentum_dtype),
+        out: T.Tensor((numel,), f32),
+        beta1: f32,
+        one_minus_beta1: f32,
+    ):
+        with T.Kernel(T.ceildiv(numel, threads * vec), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            i = bx * threads + tid
+            g = T.alloc_local((vec,), f32)
+            m = T.alloc_local((vec,), f32)
+            u = T.alloc_local((vec,), f32)
+            if i < numel // vec:  # (compared in vectors: no int32 overflow up to 2^31 - 1 elements)
+                for v in T.vectorized(vec):
+                    g[v] = T.cast(grad[i * vec + v], f32)
+                for v in T.vectorized(vec):
+                    m[v] = T.cast(momentum_buffer[i * vec + v], f32)
+                for v in T.unroll(vec):
+                    m[v] = T.ieee_add(T.ieee_mul(m[v], beta1), T.ieee_mul(g[v], one_minus_beta1))
+                    if nesterov:
+                        u[v] = T.ieee_add(T.ieee_mul(m[v], beta1), T.ieee_mul(g[v], one_minus_beta1))
+                    else:
+                        u[v] = m[v]
+                for v in T.vectorized(vec):
+                    momentum_buffer[i * vec + v] = T.cast(m[v], momentum_dtype)
+                for v in T.vectorized(vec):
+                    out[i * vec + v] = u[v]
+            elif i == numel // vec:  # the masked tail: N % 8 elements, one by one
+                for v in T.serial(vec):
+                    if i * vec + v < numel:
+                        gs = T.cast(grad[i * vec + v], f32)
+                        ms = T.ieee_add(T.ieee_mul(T.cast(momentum_buffer[i * vec + v], f32), beta1),
+                                        T.ieee_mul(gs, one_minus_beta1))
+                        momentum_buffer[i * vec + v] = T.cast(ms, momentum_dtype)
+                        if nesterov:
+                            out[i * vec + v] = T.ieee_add(T.ieee_mul(ms, beta1), T.ieee_mul(gs, one_minus_beta1))
+                        else:
+                            out[i * vec + v] = ms
+
+    return engram_sinkhorn_momentum_update_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_sinkhorn_momentum_update_kernel(*key):
+    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_momentum_update_key`), built once per key."""
+    return jit_compile("engram_sinkhorn_momentum_update", key, build_engram_sinkhorn_momentum_update(*key))
+
+
+def engram_sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov, out) -> None:
+    """grad, momentum_buffer (any shape, N elements) bf16/fp32; momentum updated in place, out (N) fp32."""
+    kernel = get_engram_sinkhorn_momentum_update_kernel(
+        *engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov))
+    kernel(grad.view(-1), momentum_buffer.view(-1), out.view(-1), float(beta1), 1.0 - float(beta1))
+
+
+# ---- step -----------------------------------------------------------------------------------------------
+
+
+def _row_macros(T, cols: int):
+    """Macros shared by the step and the finalize: load ``rows_in_flight`` rows of this row group (zeros past
+    ``hi``) and their scales, and the scaled iterate's row sums of squares (xor butterfly over the G lanes)."""
+    lanes, chunks, _groups = row_layout(cols)
+    f32 = T.float32
+    nv, fl = 4 * chunks, rows_in_flight(cols)
+
+    @T.macro
+    def load_rows(matrix, row_scale, x, rs, first, stride, hi, lane):
+        for u in T.unroll(fl):
+            row = first + u * stride
+            if row < hi:
+                for c in T.unroll(chunks):
+                    for v in T.vectorized(4):
+                        x[u, c * 4 + v] = matrix[row, (c * lanes + lane) * 4 + v]
+                rs[u] = row_scale[row]
+            else:
+                for j in T.unroll(nv):
+                    x[u, j] = T.float32(0)
+                rs[u] = T.float32(0)
+
+    @T.macro
+    def row_sumsq(x, rs, cs, s):
+        for u in T.unroll(fl):
+            s[u] = T.float32(0)
+            for j in T.unroll(nv):
+                t = (rs[u] * x[u, j]) * cs[j]
+                s[u] = s[u] + T.ieee_mul(t, t)
+            for o in T.unroll(lanes.bit_length() - 1):
+                s[u] = s[u] + T.shfl_xor(s[u], 1 << o)
+
+    return load_rows, row_sumsq, f32
+
+
+def engram_sinkhorn_step_key(matrix) -> tuple:
+    """``(D,)``; the row count is dynamic."""
+    return (int(matrix.shape[1]),)
+
+
+def build_engram_sinkhorn_step(cols: int):
+    """prim_func(matrix (R, D) f32, row_scale (R,) f32 in/out, col_scale (D,) f32, row_norm (R,) f32,
+    col_sumsq_partial (PLAN.ctas, D) f32, eps f32), ``R`` dynamic; ``D`` in ``limits.ENGRAM_SINKHORN_COLS``."""
+    from tilelang import language as T
+
+    lanes, chunks, groups = row_layout(cols)
+    load_rows, row_sumsq, f32 = _row_macros(T, cols)
+    rows = T.dynamic("num_rows")
+    nv, fl, ctas = 4 * chunks, rows_in_flight(cols), PLAN.ctas
+
+    @T.prim_func
+    def engram_sinkhorn_step_cuda(
+        matrix: T.Tensor((rows, cols), f32),
+        row_scale: T.Tensor((rows,), f32),
+        col_scale: T.Tensor((cols,), f32),
+        row_norm: T.Tensor((rows,), f32),
+        col_sumsq_partial: T.Tensor((ctas, cols), f32),
+        eps: f32,
+    ):
+        with T.Kernel(ctas, threads=PLAN.threads) as b:
+            tid = T.get_thread_binding()
+            lane = tid % lanes
+            grp = tid // lanes
+            cs = T.alloc_local((nv,), f32)
+            acc = T.alloc_local((nv,), f32)
+            x = T.alloc_local((fl, nv), f32)
+            rs = T.alloc_local((fl,), f32)
+            s = T.alloc_local((fl,), f32)
+            tot = T.alloc_local((4,), f32)
+            red = T.alloc_shared((groups, cols), f32)
+            for c in T.unroll(chunks):
+                for v in T.vectorized(4):
+                    cs[c * 4 + v] = col_scale[(c * lanes + lane) * 4 + v]
+            for j in T.unroll(nv):
+                acc[j] = T.float32(0)
+            per = T.ceildiv(rows, ctas)
+            lo = T.min(b * per, rows)
+            hi = T.min(lo + per, rows)
+            for it in T.serial(T.ceildiv(per, groups * fl)):
+                first = lo + it * groups * fl + grp
+                load_rows(matrix, row_scale, x, rs, first, groups, hi, lane)
+                row_sumsq(x, rs, cs, s)
+                for u in T.unroll(fl):
+                    row = first + u * groups
+                    if row < hi:
+                        nrm = T.ieee_fsqrt(s[u])
+                        scale = T.ieee_fdiv(rs[u], nrm + eps)
+                        if lane == 0:
+                            row_norm[row] = nrm
+                            row_scale[row] = scale
+                        for j in T.unroll(nv):
+                            y = (scale * x[u, j]) * cs[j]
+                            acc[j] = acc[j] + T.ieee_mul(y, y)
+            for c in T.unroll(chunks):
+                for v in T.vectorized(4):
+                    red[grp, (c * lanes + lane) * 4 + v] = acc[c * 4 + v]
+            T.sync_threads()
+            if tid < cols // 4:
+                for v in T.vectorized(4):
+                    tot[v] = red[0, tid * 4 + v]
+                for g in T.unroll(1, groups):  # row groups in order: a fixed sum
+                    for v in T.vectorized(4):
+                        tot[v] = tot[v] + red[g, tid * 4 + v]
+                for v in T.vectorized(4):
+                    col_sumsq_partial[b, tid * 4 + v] = tot[v]
+
+    return engram_sinkhorn_step_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_sinkhorn_step_kernel(*key):
+    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_step_key`), built once per key."""
+    return jit_compile("engram_sinkhorn_step", key, build_engram_sinkhorn_step(*key))
+
+
+def engram_sinkhorn_step(matrix, row_scale, col_scale, eps, row_norm, col_sumsq_partial) -> None:
+    """matrix (R, D) f32, row_scale (R,) in/out, col_scale (D,), row_norm (R,) out, partials (PLAN.ctas, D) out."""
+    kernel = get_engram_sinkhorn_step_kernel(*engram_sinkhorn_step_key(matrix))
+    kernel(matrix, row_scale, col_scale, row_norm, col_sumsq_partial, float(eps))
+
+
+# ---- step reduce ----------------------------------------------------------------------------------------
+
+
+def engram_sinkhorn_step_reduce_key(col_sumsq_partial) -> tuple:
+    """``(D,)``; the partial row count is dynamic."""
+    return (int(col_sumsq_partial.shape[1]),)
+
+
+def build_engram_sinkhorn_step_reduce(cols: int):
+    """prim_func(col_sumsq_partial (P, D) f32, col_sumsq (D,) f32, col_scale (D,) f32 in/out, rows i32,
+    eps f32), ``P >= 1`` dynamic."""
+    from tilelang import language as T
+
+    cols = ENGRAM_SINKHORN_COLS.require("engram_sinkhorn_step_reduce", cols)
+    f32 = T.float32
+    parts = T.dynamic("num_partials")
+    un = PLAN.reduce_unroll
+
+    @T.prim_func
+    def engram_sinkhorn_step_reduce_cuda(
+        col_sumsq_partial: T.Tensor((parts, cols), f32),
+        col_sumsq: T.Tensor((cols,), f32),
+        col_scale: T.Tensor((cols,), f32),
+        rows: T.int32,
+        eps: f32,
+    ):
+        with T.Kernel(1, threads=cols // 4) as _b:
+            tid = T.get_thread_binding()
+            acc = T.alloc_local((4,), f32)
+            cs = T.alloc_local((4,), f32)
+            buf = T.alloc_local((un, 4), f32)
+            for v in T.vectorized(4):
+                acc[v] = col_sumsq_partial[0, tid * 4 + v]
+            full = (parts - 1) // un
+            for it in T.serial(full):
+                for k in T.unroll(un):
+                    for v in T.vectorized(4):
+                        buf[k, v] = col_sumsq_partial[1 + it * un + k, tid * 4 + v]
+                for k in T.unroll(un):  # p ascending
+                    for v in T.vectorized(4):
+                        acc[v] = acc[v] + buf[k, v]
+            for p in T.serial(1 + full * un, parts):
+                for v in T.vectorized(4):
+                    acc[v] = acc[v] + col_sumsq_partial[p, tid * 4 + v]
+            for v in T.vectorized(4):
+                col_sumsq[tid * 4 + v] = acc[v]
+            # epilogue: c <- c / (sqrt(s * (D / R)) + eps) where s > 0, each operation rounded on its own
+            balance = T.ieee_fdiv(T.float32(cols), T.cast(rows, f32))
+            for v in T.vectorized(4):
+                cs[v] = col_scale[tid * 4 + v]
+            for v in T.unroll(4):
+                if acc[v] > T.float32(0):
+                    cs[v] = T.ieee_fdiv(cs[v], T.ieee_add(T.ieee_fsqrt(T.ieee_mul(acc[v], balance)), eps))
+            for v in T.vectorized(4):
+                col_scale[tid * 4 + v] = cs[v]
+
+    return engram_sinkhorn_step_reduce_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_sinkhorn_step_reduce_kernel(*key):
+    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_step_reduce_key`), built once per key."""
+    return jit_compile("engram_sinkhorn_step_reduce", key, build_engram_sinkhorn_step_reduce(*key))
+
+
+def engram_sinkhorn_step_reduce(col_sumsq_partial, col_sumsq, col_scale, rows, eps) -> None:
+    """partials (P >= 1, D) f32 -> col_sumsq (D,) f32 (written); col_scale (D,) f32 updated in place."""
+    kernel = get_engram_sinkhorn_step_reduce_kernel(*engram_sinkhorn_step_reduce_key(col_sumsq_partial))
+    kernel(col_sumsq_partial, col_sumsq, col_scale, int(rows), float(eps))
+
+
+# ---- finalize -------------------------------------------------------------------------------------------
+
+
+def engram_sinkhorn_finalize_key(matrix, param=None) -> tuple:
+    """``(D,)``, or ``(D, table dtype)`` for the apply variant; the row count is dynamic."""
+    return (int(matrix.shape[1]),) if param is None else (int(matrix.shape[1]), _DTYPES[param.dtype])
+
+
+def build_engram_sinkhorn_finalize(cols: int):
+    """prim_func(matrix (R, D) f32, row_scale (R,) f32, col_scale (D,) f32, out (R, D) f32, eps f32,
+    alpha f32), ``R`` dynamic."""
+    from tilelang import language as T
+
+    lanes, chunks, groups = row_layout(cols)
+    load_rows, row_sumsq, f32 = _row_macros(T, cols)
+    rows = T.dynamic("num_rows")
+    nv, fl = 4 * chunks, rows_in_flight(cols)
+    per_cta = groups * fl
+
+    @T.prim_func
+    def engram_sinkhorn_finalize_cuda(
+        matrix: T.Tensor((rows, cols), f32),
+        row_scale: T.Tensor((rows,), f32),
+        col_scale: T.Tensor((cols,), f32),
+        out: T.Tensor((rows, cols), f32),
+        eps: f32,
+        alpha: f32,
+    ):
+        with T.Kernel(T.ceildiv(rows, per_cta), threads=PLAN.threads) as b:
+            tid = T.get_thread_binding()
+            lane = tid % lanes
+            grp = tid // lanes
+            cs = T.alloc_local((nv,), f32)
+            x = T.alloc_local((fl, nv), f32)
+            rs = T.alloc_local((fl,), f32)
+            s = T.alloc_local((fl,), f32)
+            o = T.alloc_local((nv,), f32)
+            for c in T.unroll(chunks):
+                for v in T.vectorized(4):
+                    cs[c * 4 + v] = col_scale[(c * lanes + lane) * 4 + v]
+            first = b * per_cta + grp
+            load_rows(matrix, row_scale, x, rs, first, groups, rows, lane)
+            row_sumsq(x, rs, cs, s)
+            for u in T.unroll(fl):
+                row = first + u * groups
+                if row < rows:
+                    f = T.ieee_fdiv(alpha, T.ieee_fsqrt(s[u]) + eps)
+                    for j in T.unroll(nv):
+                        o[j] = T.ieee_mul((rs[u] * x[u, j]) * cs[j], f)
+                    for c in T.unroll(chunks):
+                        for v in T.vectorized(4):
+                            out[row, (c * lanes + lane) * 4 + v] = o[c * 4 + v]
+
+    return engram_sinkhorn_finalize_cuda
+
+
+def build_engram_sinkhorn_finalize_apply(cols: int, param_dtype: str):
+    """prim_func(matrix (R, D) f32, row_scale (R,) f32, col_scale (D,) f32, param (R, D) in/out, eps f32,
+    alpha f32, lr f32, decay f32), ``R`` dynamic: the finalize's ``u`` (same arithmetic), then
+    ``param <- (f32(param) * decay) - (u * lr)`` with every operation rounded on its own."""
+    from tilelang import language as T
+
+    lanes, chunks, groups = row_layout(cols)
+    load_rows, row_sumsq, f32 = _row_macros(T, cols)
+    rows = T.dynamic("num_rows")
+    nv, fl = 4 * chunks, rows_in_flight(cols)
+    per_cta = groups * fl
+
+    @T.prim_func
+    def engram_sinkhorn_finalize_apply_cuda(
+        matrix: T.Tensor((rows, cols), f32),
+        row_scale: T.Tensor((rows,), f32),
+        col_scale: T.Tensor((cols,), f32),
+        param: T.Tensor((rows, cols), param_dtype),
+        eps: f32,
+        alpha: f32,
+        lr: f32,
+        decay: f32,
+    ):
+        with T.Kernel(T.ceildiv(rows, per_cta), threads=PLAN.threads) as b:
+            tid = T.get_thread_binding()
+            lane = tid % lanes
+            grp = tid // lanes
+            cs = T.alloc_local((nv,), f32)
+            x = T.alloc_local((fl, nv), f32)
+            rs = T.alloc_local((fl,), f32)
+            s = T.alloc_local((fl,), f32)
+            w = T.alloc_local((nv,), f32)
+            for c in T.unroll(chunks):
+                for v in T.vectorized(4):
+                    cs[c * 4 + v] = col_scale[(c * lanes + lane) * 4 + v]
+            first = b * per_cta + grp
+            load_rows(matrix, row_scale, x, rs, first, groups, rows, lane)
+            row_sumsq(x, rs, cs, s)
+            for u in T.unroll(fl):
+                row = first + u * groups
+                if row < rows:
+                    f = T.ieee_fdiv(alpha, T.ieee_fsqrt(s[u]) + eps)
+                    for c in T.unroll(chunks):
+                        for v in T.vectorized(4):
+                            w[c * 4 + v] = T.cast(param[row, (c * lanes + lane) * 4 + v], f32)
+                    for j in T.unroll(nv):
+                        upd = T.ieee_mul((rs[u] * x[u, j]) * cs[j], f)
+                        w[j] = T.ieee_sub(T.ieee_mul(w[j], decay), T.ieee_mul(upd, lr))
+                    for c in T.unroll(chunks):
+                        for v in T.vectorized(4):
+                            param[row, (c * lanes + lane) * 4 + v] = T.cast(w[c * 4 + v], param_dtype)
+
+    return engram_sinkhorn_finalize_apply_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_sinkhorn_finalize_kernel(*key):
+    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_finalize_key`), built once per key."""
+    build = build_engram_sinkhorn_finalize if len(key) == 1 else build_engram_sinkhorn_finalize_apply
+    return jit_compile("engram_sinkhorn_finalize", key, build(*key))
+
+
+def engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha, out=None, param=None, lr=0.0,
+                             decay=1.0) -> None:
+    """matrix (R, D) f32, row_scale (R,), col_scale (D,) -> out (R, D) f32 (pre-allocated), or with ``param``
+    (R, D) bf16/fp32 instead: ``param <- param * decay - lr * U`` in place."""
+    kernel = get_engram_sinkhorn_finalize_kernel(*engram_sinkhorn_finalize_key(matrix, param))
+    if param is None:
+        kernel(matrix, row_scale, col_scale, out, float(eps), float(alpha))
+    else:
+        kernel(matrix, row_scale, col_scale, param, float(eps), float(alpha), float(lr), float(decay))
+
+
+def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
+    """The kernels at the optimizer's table widths (independent of ``hidden_size``): momentum for bf16/fp32
+    buffers with and without Nesterov, step, reduce and finalize at D = 64 and 128, the finalize's apply
+    variant for a bf16 table at D = 64 and an fp32 one at D = 128 (the other widths and the mixed dtypes are
+    lowered once by tests/engram/test_engram_sinkhorn.py)."""
+    cases = {}
+    for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
+        name = f"engram_sinkhorn_momentum_update_{'bf16' if m == 'bfloat16' else 'fp32'}_{'nesterov' if nesterov else 'plain'}"
+        cases[name] = build_engram_sinkhorn_momentum_update(g, m, nesterov)
+    for cols in (64, 128):
+        cases[f"engram_sinkhorn_step_d{cols}"] = build_engram_sinkhorn_step(cols)
+        cases[f"engram_sinkhorn_step_reduce_d{cols}"] = build_engram_sinkhorn_step_reduce(cols)
+        cases[f"engram_sinkhorn_finalize_d{cols}"] = build_engram_sinkhorn_finalize(cols)
+    cases["engram_sinkhorn_finalize_apply_bf16_d64"] = build_engram_sinkhorn_finalize_apply(64, "bfloat16")
+    cases["engram_sinkhorn_finalize_apply_fp32_d128"] = build_engram_sinkhorn_finalize_apply(128, "float32")
+    return cases

@@ -1,0 +1,162 @@
+"""``EngramSinkhorn``: momentum + Sinkhorn (row/column) normalization for Engram embedding tables.
+
+One update of a ``(R, D)`` table with gradient ``G`` (docs/ops/engram.md#sinkhorn):
+
+1. ``M <- beta1 * M + (1 - beta1) * G`` in place; ``A = beta1 * M + (1 - beta1) * G`` with Nesterov, else
+   ``A = M`` (fp32, ``engram_sinkhorn_momentum_update``).
+2. ``sinkhorn_iters`` times, on the implicit iterate ``X = diag(r) A diag(c)`` (``c = 1`` at first):
+   rows to unit L2 norm (``r_i = 1 / (||A_i c|| + eps)``: ``engram_sinkhorn_step`` from ``r = 1``), then
+   columns to the balanced norm ``sqrt(R / D)`` that unit rows give on average
+   (``c_j <- c_j / (sqrt(s_j * D / R) + eps)`` from the column sums of squares ``s_j``: the epilogue of
+   ``engram_sinkhorn_step_reduce``; a column of zeros keeps its scale).
+3. ``U = alpha * rownormalize(X)`` (``alpha = sqrt(D)`` by default: every update row has norm ``sqrt(D)``,
+   entries of unit RMS, the scale of SinkGD's final row normalization) and
+   ``W <- W * (1 - lr * weight_decay) - lr * U`` (decoupled weight decay) in one pass,
+   ``engram_sinkhorn_finalize_apply`` (``U`` is never stored).
+
+Every float operation of the update runs inside the ops, each rounded on its own as their contracts say; the
+optimizer itself only fills scales with 1 (exact). So ``torch.compile`` (any backend) cannot fuse, contract or
+reorder any of the arithmetic: a compiled step gives the eager step's bits.
+
+This is SinkGD's alternating row/column L2 normalization (Scetbon et al., 2025, "Gradient Multi-Normalization
+for Stateless and Scalable LLM Training") applied to the momentum, ending with a row normalization so that
+every embedding row moves by the same norm. ``r`` restarts from 1 at every step, so a row of zeros (an n-gram
+no token has touched yet) keeps ``r = 1 / eps`` instead of growing by ``1 / eps`` per step into ``inf``
+(``inf * 0`` would be NaN); its update is exactly zero. All reductions are fixed-order: the same inputs give
+bitwise the same update on every run.
+"""
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import limits
+from ..engram.sinkhorn import (
+    engram_sinkhorn_finalize,
+    engram_sinkhorn_finalize_apply,
+    engram_sinkhorn_momentum_update,
+    engram_sinkhorn_step,
+    engram_sinkhorn_step_reduce,
+)
+
+__all__ = ["EngramSinkhorn", "sinkhorn_update"]
+
+
+def _sinkhorn_scales(matrix: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 above on an ``(R, D)`` fp32 Sinkhorn input (R >= 1): the final ``(row_scale, col_scale)``."""
+    rows, cols = matrix.shape
+    row_scale = matrix.new_empty((rows,))
+    col_scale = matrix.new_ones((cols,))
+    col_sumsq = matrix.new_empty((cols,))
+    for _ in range(iters):
+        row_scale.fill_(1.0)
+        _row_norm, partial = engram_sinkhorn_step(matrix, row_scale, col_scale, eps)
+        engram_sinkhorn_step_reduce(partial, col_sumsq, col_scale, rows, eps)  # and col_scale in place
+    if iters == 0:
+        row_scale.fill_(1.0)
+    return row_scale, col_scale
+
+
+def sinkhorn_update(matrix: torch.Tensor, iters: int, eps: float, alpha: float) -> torch.Tensor:
+    """Steps 2-3 above on an ``(R, D)`` fp32 Sinkhorn input (R >= 1): the ``(R, D)`` fp32 update ``U``."""
+    row_scale, col_scale = _sinkhorn_scales(matrix, iters, eps)
+    return engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha)
+
+
+class EngramSinkhorn(torch.optim.Optimizer):
+    """Sinkhorn-normalized momentum SGD for 2-D embedding tables (module docstring).
+
+    Args:
+        params: ``(R, D)`` tables (or param groups), contiguous, bf16 or fp32, ``D`` in
+            ``limits.ENGRAM_SINKHORN_COLS`` (64..1024, multiples of 64), any row count.
+            Dense gradients of the table's dtype. On CUDA or Ascend devices (the ops have no CPU kernels).
+        lr: learning rate (the update has entries of RMS ``alpha / sqrt(D)``, 1 by default).
+        beta1: momentum decay in [0, 1] (``momentum`` is accepted as an alias).
+        nesterov: use the look-ahead ``beta1 * M + (1 - beta1) * G`` as the Sinkhorn input.
+        sinkhorn_iters: row/column normalization rounds before the final row normalization (SinkGD: 5).
+        eps: added to every row and column norm; rows whose momentum norm is far below it get a proportionally
+            smaller update (it must be >= fp32's smallest normal, 1.2e-38).
+        alpha: norm of every update row; ``None``: ``sqrt(D)``.
+        weight_decay: decoupled weight decay (``W *= 1 - lr * weight_decay`` before the update).
+
+    State per table: ``momentum_buffer`` (the table's dtype and shape) and ``step``; ``state_dict()`` /
+    ``load_state_dict()`` restore them exactly, so a resumed run repeats the updates bit for bit.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, beta1: float = 0.9, nesterov: bool = True,
+                 sinkhorn_iters: int = 5, eps: float = 1e-8, alpha: float | None = None,
+                 weight_decay: float = 0.0, *, momentum: float | None = None):
+        if momentum is not None:
+            beta1 = momentum
+        if not (isinstance(lr, (int, float)) and lr >= 0.0 and math.isfinite(lr)):
+            raise ValueError(f"EngramSinkhorn: lr must be a finite number >= 0, got {lr!r}")
+        if not (isinstance(beta1, (int, float)) and 0.0 <= beta1 <= 1.0):
+            raise ValueError(f"EngramSinkhorn: beta1 must be in [0, 1], got {beta1!r}")
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"EngramSinkhorn: nesterov must be a bool, got {type(nesterov).__name__}")
+        if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 0:
+            raise ValueError(f"EngramSinkhorn: sinkhorn_iters must be an int >= 0, got {sinkhorn_iters!r}")
+        if not (isinstance(eps, (int, float)) and 1.1754943508222875e-38 <= eps < 1.0):
+            raise ValueError(f"EngramSinkhorn: eps must be in [1.2e-38, 1), got {eps!r}")
+        if alpha is not None and not (isinstance(alpha, (int, float)) and alpha > 0 and math.isfinite(alpha)):
+            raise ValueError(f"EngramSinkhorn: alpha must be None or a finite number > 0, got {alpha!r}")
+        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+            raise ValueError(f"EngramSinkhorn: weight_decay must be >= 0, got {weight_decay!r}")
+        defaults = dict(lr=lr, beta1=beta1, nesterov=nesterov, sinkhorn_iters=sinkhorn_iters, eps=eps, alpha=alpha,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._check_param(p)
+
+    @staticmethod
+    def _check_param(p: torch.Tensor) -> None:
+        if p.dim() != 2:
+            raise ValueError(f"EngramSinkhorn: expected 2-D (rows, dim) tables, got shape {tuple(p.shape)}")
+        if p.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"EngramSinkhorn: expected bf16 or fp32 tables, got {p.dtype}")
+        if p.shape[1] not in limits.ENGRAM_SINKHORN_COLS:
+            raise ValueError(f"EngramSinkhorn: expected a table width {limits.ENGRAM_SINKHORN_COLS.describe()}, "
+                             f"got {p.shape[1]}")
+        limits.ENGRAM_SINKHORN_ELEMENTS.require("EngramSinkhorn", p.numel())
+        if not p.is_contiguous():
+            raise ValueError("EngramSinkhorn: expected contiguous tables")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._check_param(p)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every table that has a gradient; returns ``closure()`` when given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError("EngramSinkhorn: sparse gradients are not supported (use dense embeddings)")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                rows, cols = p.shape
+                if rows == 0:
+                    continue
+                sinkhorn_input = engram_sinkhorn_momentum_update(
+                    grad.contiguous().to(p.dtype), state["momentum_buffer"], group["beta1"], group["nesterov"])
+                alpha = math.sqrt(cols) if group["alpha"] is None else group["alpha"]
+                row_scale, col_scale = _sinkhorn_scales(sinkhorn_input, group["sinkhorn_iters"], group["eps"])
+                # W <- W * (1 - lr * wd) - lr * U inside the op: no float arithmetic left to PyTorch/inductor
+                engram_sinkhorn_finalize_apply(sinkhorn_input, row_scale, col_scale, group["eps"], alpha, p,
+                                               lr, 1.0 - lr * wd)
+        return loss

@@ -1,0 +1,385 @@
+"""``modeling.Engram`` and the gate's no-residual mode.
+
+CPU tier (the gate runs on the CPU references of tests/_plugins/references.py): the layer's output and the
+gradient of every input and parameter against float64 autograd of the demo's math (``engram_layer_model``
+in engram_ref.py), eager and under ``torch.compile(fullgraph=True)``; ``main_grad``; bad inputs; the n-gram
+windows and the hash helper; the gate op without its residual against its references and float64 autograd.
+Device tier (skipped without a device): the same comparisons on the device, compiled by inductor.
+
+Comparison metric (docs/ops/engram.md#layer): the module stores ``kv``, ``g·v``, the norms'
+and the convolution's outputs and every gradient in bf16, so it is compared with the float64 model with
+the projections and ``g·v`` rounded to bf16 where the module stores them (gradients straight through; see
+``engram_layer_model(stored=...)``) by ``calc_diff`` (relative squared error, the peer's test metric) below
+``CALC_DIFF`` and by a largest error below ``MAX_ERR`` of the reference's largest magnitude.
+"""
+
+import math
+
+import pytest
+import torch
+from _plugins.device import requires_device
+from engram_ref import (
+    engram_fused_weight_ref,
+    engram_gate_bwd_ref,
+    engram_gate_fwd_ref,
+    engram_layer_model,
+    gate_model,
+    make_inputs,
+)
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang import config
+from cann_ops_tilelang.modeling import Engram, engram_gate, ngram_token_ids
+
+# A bf16 rounding contributes u^2 = 2^-18 (3.8e-6) to calc_diff; the layer's longest chain (projection, gate,
+# norm, convolution, SiLU, two adds, then the same backwards) has about eight. Measured on the CPU tier:
+# at most 7.4e-6 (conv_norm_weight), largest error 0.0066 of the largest magnitude.
+CALC_DIFF = 3e-5
+MAX_ERR = 2**-6
+EPS, CLAMP = 1e-20, 1e-6
+HIDDEN = 512
+SIZES = [31, 37, 41, 43, 47, 53, 59, 61]  # (N - 1) * heads = 2 * 4 tables, primes as in the demo
+SMALL = dict(n_embed_per_ngram=64, n_head_per_ngram=4)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def calc_diff(a, b):
+    a, b = a.double(), b.double()
+    denominator = (a.square() + b.square()).sum()
+    return 0.0 if denominator == 0 else ((a - b).square().sum() / denominator).item()
+
+
+def assert_near(name, got, want):
+    diff = calc_diff(got, want)
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    assert diff < CALC_DIFF and err <= MAX_ERR * scale, \
+        f"{name}: calc_diff {diff:.3g}, max error {err:.3g} of {scale:.3g}"
+
+
+def make_module(seed, hidden=HIDDEN, device="cpu"):
+    torch.manual_seed(seed)
+    return Engram(hidden, SIZES, **SMALL, device=device)
+
+
+def layer_inputs(module, lead, length, seed, device="cpu"):
+    g = gen(seed)
+    m, hidden = module.hc_mult, module.hidden_size
+    x = torch.randn(*lead, length, m, hidden, generator=g).bfloat16().to(device)
+    local = torch.stack([torch.randint(0, s, (*lead, length), generator=g) for s in module.table_sizes], -1)
+    ids = (local.to(device) + module.offsets.long()).to(torch.int32)
+    go = torch.randn(*lead, length, m, hidden, generator=g).bfloat16().to(device)
+    return x, ids, go
+
+
+def parameters(module):
+    return {
+        "embedding.weight": module.embedding.weight, "kv_proj.weight": module.kv_proj.weight,
+        "kv_proj.bias": module.kv_proj.bias, "gate.weight_hidden": module.gate.weight_hidden,
+        "gate.weight_embed": module.gate.weight_embed, "conv_norm_weight": module.conv_norm_weight,
+        "conv.weight": module.conv.weight,
+    }
+
+
+def reference(module, x, ids, go):
+    """Output and gradients (of x, then each parameter) of the float64 demo model at the module's values."""
+    d = torch.float64
+    lead, length = x.shape[:-3], x.shape[-3]
+    params = [p.detach().to(d).requires_grad_() for p in parameters(module).values()]
+    x64 = x.detach().to(d).reshape(-1, length, *x.shape[-2:]).requires_grad_()
+    out = engram_layer_model(x64, ids.long().reshape(-1, length, ids.shape[-1]), *params,
+                             max_ngram_size=module.max_ngram_size, gate_eps=module.gate_eps,
+                             conv_eps=module.conv_eps, clamp_value=module.clamp_value, stored=torch.bfloat16)
+    out.backward(go.to(d).reshape(out.shape))
+    return out.detach().reshape(*lead, *out.shape[1:]), [x64.grad.reshape(x.shape)] + [p.grad for p in params]
+
+
+def ours(fn, module, x, ids, go):
+    module.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_()
+    out = fn(xr, ids)
+    out.backward(go)
+    return out.detach(), [xr.grad] + [p.grad for p in parameters(module).values()]
+
+
+def compare(module, got, want):
+    out, grads = got
+    ref_out, ref_grads = want
+    assert out.dtype == torch.bfloat16
+    assert_near("output", out, ref_out)
+    for name, g, r in zip(["hidden_states", *parameters(module)], grads, ref_grads):
+        assert g is not None and g.dtype == torch.bfloat16, name
+        assert_near(name, g, r)
+
+
+# --- the layer against the demo's math -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead,length", [((2,), 16), ((), 9), ((2, 3), 5)])
+def test_layer_matches_demo_math(lead, length, seed):
+    module = make_module(seed)
+    x, ids, go = layer_inputs(module, lead, length, seed + 1)
+    got = ours(module, module, x, ids, go)
+    compare(module, got, reference(module, x, ids, go))
+
+
+def test_layer_compiled_fullgraph_equals_eager(seed):
+    """``torch.compile(fullgraph=True)`` (no graph break) gives the eager bits, for two sequence lengths without
+    a recompile (dynamic shapes)."""
+    module = make_module(seed)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for length in (7, 13):
+            x, ids, go = layer_inputs(module, (2,), length, seed + length)
+            eager_out, eager_grads = ours(module, module, x, ids, go)
+            out, grads = ours(compiled, module, x, ids, go)
+            assert torch.equal(out, eager_out)
+            for a, b in zip(grads, eager_grads):
+                assert torch.equal(a, b)
+    compare(module, (out, grads), reference(module, x, ids, go))
+
+
+def test_layer_is_causal(seed):
+    """Changing the last token changes no earlier output (the convolution is causal, the rest per token)."""
+    module = make_module(seed)
+    x, ids, _ = layer_inputs(module, (1,), 12, seed + 2)
+    with torch.no_grad():
+        before = module(x, ids)
+        x2, ids2 = x.clone(), ids.clone()
+        x2[:, -1] = torch.randn(x2[:, -1].shape, generator=gen(seed + 3)).bfloat16()
+        ids2[:, -1] = module.offsets
+        after = module(x2, ids2)
+    assert torch.equal(before[:, :-1], after[:, :-1]) and not torch.equal(before[:, -1], after[:, -1])
+
+
+def test_gate_weights_main_grad(seed):
+    """The gate's weights with an fp32 ``main_grad`` accumulate there (the gate's autograd function) and get
+    no ``.grad``; the other parameters' gradients do not change; a second backward adds the same again."""
+    module = make_module(seed)
+    x, ids, go = layer_inputs(module, (2,), 8, seed + 4)
+    _, grads = ours(module, module, x, ids, go)
+    module.gate.weight_hidden.main_grad = torch.zeros(module.gate.weight_hidden.shape)
+    module.gate.weight_embed.main_grad = torch.zeros(module.gate.weight_embed.shape)
+    _, grads2 = ours(module, module, x, ids, go)
+    assert module.gate.weight_hidden.grad is None and module.gate.weight_embed.grad is None
+    # the bf16 .grad is the rounded fp32 gradient that main_grad accumulates
+    once_h, once_e = module.gate.weight_hidden.main_grad.clone(), module.gate.weight_embed.main_grad.clone()
+    assert torch.equal(once_h.bfloat16(), grads[4]) and torch.equal(once_e.bfloat16(), grads[5])
+    for a, b in zip(grads2[:4] + grads2[6:], grads[:4] + grads[6:]):
+        assert torch.equal(a, b)
+    ours(module, module, x, ids, go)
+    assert torch.equal(module.gate.weight_hidden.main_grad, 2 * once_h)
+    assert torch.equal(module.gate.weight_embed.main_grad, 2 * once_e)
+
+
+def test_parameters_and_initialization(seed):
+    module = make_module(seed)
+    m, hidden = 4, HIDDEN
+    assert module.embedding.weight.shape == (sum(SIZES), 16)
+    assert module.kv_proj.weight.shape == ((m + 1) * hidden, 2 * 64)
+    assert module.kv_proj.bias.shape == ((m + 1) * hidden,)
+    assert module.conv.weight.shape == (m * hidden, 1, 4) and module.conv.bias is None
+    assert module.conv.dilation == (3,) and module.conv.padding == (9,)
+    assert module.offsets.tolist() == [sum(SIZES[:i]) for i in range(len(SIZES))]
+    assert module.offsets.dtype == torch.int32
+    for p in (module.gate.weight_hidden, module.gate.weight_embed, module.conv_norm_weight):
+        assert torch.equal(p, torch.ones_like(p))
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert abs(module.embedding.weight.float().std().item() - 1) < 0.05  # N(0, 1)
+    bound = 1 / math.sqrt(2 * 64)
+    assert module.kv_proj.weight.abs().max().item() <= bound and module.kv_proj.bias.abs().max().item() <= bound
+    assert module.conv.weight.abs().max().item() <= 0.5
+    assert module.gate_eps == torch.finfo(torch.float32).eps and module.conv_eps == 1e-5 and module.clamp_value == 1e-6
+
+
+# --- bad inputs --------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_module_and_argument(seed):
+    module = make_module(seed)
+    x, ids, _ = layer_inputs(module, (2,), 4, seed)
+    prefix = "cann_ops_tilelang::modeling.Engram: argument"
+    cases = [
+        (lambda: module(x[..., :256], ids), ValueError, "'hidden_states'.*expected shape"),
+        (lambda: module(x[0, 0], ids), ValueError, "'hidden_states'.*expected shape"),
+        (lambda: module(x.float(), ids), TypeError, "'hidden_states'.*expected torch.bfloat16"),
+        (lambda: module(x, ids.float()), TypeError, "'hash_ids'.*expected int32 or int64"),
+        (lambda: module(x, ids[..., :3]), ValueError, "'hash_ids'.*expected shape"),
+        (lambda: module(x, ids[:1]), ValueError, "'hash_ids'.*expected shape"),
+        (lambda: module(x, ids.tolist()), TypeError, "'hash_ids'.*expected a torch.Tensor"),
+        (lambda: Engram(HIDDEN, SIZES[:5], **SMALL), ValueError, "'table_sizes'.*expected 8 positive sizes"),
+        (lambda: Engram(HIDDEN, SIZES, n_embed_per_ngram=64, n_head_per_ngram=5), ValueError, "'n_head_per_ngram'"),
+        (lambda: Engram(HIDDEN, SIZES, max_ngram_size=1, **SMALL), ValueError, "'max_ngram_size'"),
+        (lambda: ngram_token_ids(ids.float(), 3, 0), TypeError, "'token_ids'"),
+    ]
+    for call, kind, match in cases:
+        with pytest.raises(kind, match=f"{prefix} {match}"):
+            call()
+    # a hidden size outside the gate's range is refused by the gate op
+    small = Engram(256, SIZES, **SMALL)
+    x256, ids256, _ = layer_inputs(small, (1,), 3, seed)
+    with pytest.raises(ValueError, match="engram_gate_fwd: argument 'hidden_states'"):
+        small(x256, ids256)
+
+
+# --- n-gram windows and the hash helper ----------------------------------------------------------------
+
+
+def test_ngram_token_ids_shift_like_the_demo(seed):
+    tokens = torch.randint(0, 1000, (2, 7), generator=gen(seed), dtype=torch.int32)
+    windows = ngram_token_ids(tokens, 3, pad_id=-5)
+    assert windows.shape == (2, 7, 3) and windows.dtype == torch.int32
+    for k in range(3):
+        shifted = torch.cat([torch.full((2, k), -5, dtype=torch.int32), tokens[:, : 7 - k]], dim=1)
+        assert torch.equal(windows[..., k], shifted)
+
+
+def test_hash_helper_matches_the_demo_hash(seed):
+    """:meth:`Engram.hash_ids` through ``engram_hash`` equals the demo's hash (XOR of id * multiplier over the
+    n-gram, mod each table's size) plus each table's offset."""
+    from _plugins.references import reference
+
+    hash_mod = pytest.importorskip("cann_ops_tilelang.engram.hash")
+    try:
+        reference(hash_mod.engram_hash)
+    except RuntimeError as exc:
+        pytest.skip(f"engram_hash has no CPU reference yet: {exc}")
+    from _plugins.references import _kernel
+
+    hash_mod.engram_hash.op.register_kernel("cpu", _kernel(hash_mod.engram_hash, reference(hash_mod.engram_hash)))
+    module = make_module(seed)
+    tokens = torch.randint(0, 129280, (2, 9), generator=gen(seed), dtype=torch.int32)
+    multipliers = torch.randint(0, 2**20, (3,), generator=gen(seed + 1), dtype=torch.int64) * 2 + 1
+    rows = module.hash_ids(tokens, multipliers, pad_id=2)
+    windows = ngram_token_ids(tokens.long(), 3, 2)
+    want = []
+    for n in (2, 3):
+        mix = windows[..., 0] * multipliers[0]
+        for k in range(1, n):
+            mix = torch.bitwise_xor(mix, windows[..., k] * multipliers[k])
+        for e in range(4):
+            j = (n - 2) * 4 + e
+            want.append(torch.remainder(mix, SIZES[j]) + int(module.offsets[j]))
+    assert rows.dtype == torch.int32 and torch.equal(rows.long(), torch.stack(want, -1))
+
+
+# --- the gate without its residual ----------------------------------------------------------------------
+
+
+def gate_args(tokens, masked, seed):
+    x, kv, wh, we, mask = make_inputs(tokens, HIDDEN, masked=masked, generator=gen(seed))
+    return x, kv, wh, we, engram_fused_weight_ref(wh, we), mask
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_no_residual_reference_is_the_residual_output_without_x(masked, seed):
+    """``residual=False``: output ``bf16(g·v)`` (zeros on masked tokens), the same statistics; the backward's
+    ``grad_x`` lacks exactly ``go`` (masked tokens: 0), ``grad_kv`` and the partials are unchanged."""
+    x, kv, wh, we, wf, mask = gate_args(33, masked, seed)
+    res = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    nores = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
+    for a, b in zip(res[1:], nores[1:]):
+        assert torch.equal(a, b)
+    gated = (res[2].unsqueeze(-1) * kv[:, 4:].float()).bfloat16()
+    if mask is not None:
+        gated[mask] = 0
+    assert torch.equal(nores[0], gated)
+    go = torch.randn(x.shape, generator=gen(seed + 1)).bfloat16()
+    full = engram_gate_bwd_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, partials=3)
+    part = engram_gate_bwd_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, False, partials=3)
+    assert torch.equal(full[1], part[1]) and torch.equal(full[2], part[2])
+    # masked tokens: go with the residual, 0 without; others: go + the gate's term, the term alone
+    torch.testing.assert_close(full[0] - go.float(), part[0], rtol=0, atol=2e-6)
+    if mask is not None:
+        assert torch.equal(part[0][mask], torch.zeros_like(part[0][mask]))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_no_residual_backward_vs_float64_autograd(masked, seed):
+    x, kv, wh, we, _, mask = gate_args(13, masked, seed)
+    d, eps, clamp = torch.float64, 1e-6, 1e-6
+    x64, kv64, wh64, we64 = (t.to(d).requires_grad_() for t in (x, kv, wh, we))
+    out = gate_model(x64, kv64, wh64, we64, eps, clamp, mask, residual=False)
+    go = torch.randn(out.shape, generator=gen(seed + 1), dtype=d)
+    out.backward(go)
+    with torch.no_grad():
+        xd, kd, wf = x64.detach(), kv64.detach(), wh64.detach() * we64.detach()
+        raw = (xd * wf * kd[:, :4]).sum(-1)
+        rx = torch.rsqrt(xd.square().mean(-1) + eps)
+        rk = torch.rsqrt(kd[:, :4].square().mean(-1) + eps)
+        z = raw * rx * rk / HIDDEN**0.5
+        g = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp)), z))
+        gx, gkv, part = engram_gate_bwd_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, False, partials=3)
+        gw = part.sum(0)
+    for name, got, want in (("x", gx, x64.grad), ("kv", gkv, kv64.grad), ("wh", gw * we64.detach(), wh64.grad),
+                            ("we", gw * wh64.detach(), we64.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_gate_no_residual_opcheck_and_wrapper(seed):
+    x, kv, wh, we, wf, mask = gate_args(7, True, seed)
+    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, False)
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_gate_fwd.default,
+                          (x, kv, wf, EPS, CLAMP, True, mask, False))
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_gate_bwd.default,
+                          (out, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False))
+    got = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, False, mask, residual=False)
+    assert torch.equal(got[0], out) and got[1:] == (None,) * 4
+    # the autograd wrapper: output and gradients against the fp32 model without the residual
+    go = torch.randn(x.shape, generator=gen(seed + 2)).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in (x, kv.view(7, -1), wh, we)]
+    engram_gate(*leaves, CLAMP, 1e-6, mask, residual=False).backward(go)
+    ref = [t.float().clone().requires_grad_() for t in (x, kv, wh, we)]
+    ref_out = gate_model(*ref, 1e-6, CLAMP, mask, residual=False)
+    ref_out.backward(go.float())
+    torch.testing.assert_close(leaves[0].grad.float(), ref[0].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(leaves[1].grad.float().view(ref[1].shape), ref[1].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(leaves[2].grad.float(), ref[2].grad, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(leaves[3].grad.float(), ref[3].grad, rtol=1.6e-2, atol=1e-3)
+
+
+def test_gate_no_residual_refusals(seed):
+    x, kv, wh, we, wf, mask = gate_args(5, False, seed)
+    with pytest.raises(ValueError, match="engram_gate_fwd: argument 'inplace': .*residual=False"):
+        ops.engram_gate_fwd(x.clone(), kv, wf, EPS, CLAMP, False, None, inplace=True, residual=False)
+    with pytest.raises(TypeError, match="engram_gate_fwd: argument 'residual'"):
+        ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, None, residual=1)
+    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP)
+    with pytest.raises(TypeError, match="engram_gate_bwd: argument 'residual'"):
+        ops.engram_gate_bwd(out, x, kv, wf, dot, g, rx, rk, CLAMP, None, "no")
+
+
+# --- device tier ----------------------------------------------------------------------------------------
+
+
+@requires_device
+@pytest.mark.parametrize("hidden", [512, 4096])
+def test_layer_on_device_matches_demo_math(hidden, device, seed):
+    torch.manual_seed(seed)
+    module = Engram(hidden, SIZES, **SMALL, device=device)
+    x, ids, go = layer_inputs(module, (2,), 64, seed + 1, device=device)
+    got = ours(module, module, x, ids, go)
+    compare(module, got, reference(module, x, ids, go))
+    # inductor, fullgraph: the same comparison, and the gate's kernels are the eager ones (bitwise gate)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    got_c = ours(compiled, module, x, ids, go)
+    compare(module, got_c, reference(module, x, ids, go))
+
+
+@requires_device
+def test_layer_on_device_main_grad(device, seed):
+    torch.manual_seed(seed)
+    module = Engram(4096, SIZES, **SMALL, device=device)
+    x, ids, go = layer_inputs(module, (2,), 32, seed + 1, device=device)
+    _, grads = ours(module, module, x, ids, go)
+    module.gate.weight_hidden.main_grad = torch.zeros(4, 4096, device=device)
+    module.gate.weight_embed.main_grad = torch.zeros(4, 4096, device=device)
+    ours(module, module, x, ids, go)
+    assert module.gate.weight_hidden.grad is None
+    assert torch.equal(module.gate.weight_hidden.main_grad.bfloat16(), grads[4])
+    assert torch.equal(module.gate.weight_embed.main_grad.bfloat16(), grads[5])
