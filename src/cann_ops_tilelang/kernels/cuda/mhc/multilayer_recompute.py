@@ -66,9 +66,8 @@ class RecomputePlan:
 
 
 # One vector per thread in CTAs of 128 threads, as the apply-mix forward, at 96 registers (5 CTAs per SM; the
-# layer's working set, 16 bf16-pair + 32 fp32 residual registers, spills below 80): 3.87-3.89 TB/s at T = 8192,
-# H in {4096, 7168}, L = 10, Lp in {9, 10} (~91 % of a 4.26 TB/s copy ceiling); 80 registers within 3 %, 64
-# registers 8-53 % slower (spills), 256 threads level (docs/perf/h200/mhc.md, 2026-12-02).
+# layer's working set, 16 bf16-pair + 32 fp32 residual registers, spills below 80). Measurements and the variants
+# not adopted: docs/perf/h200/mhc.md, 2026-12-02.
 PLAN = RecomputePlan(threads=128, fallback_threads=256, regs=96)
 
 

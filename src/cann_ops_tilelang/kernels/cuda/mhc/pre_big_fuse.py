@@ -68,7 +68,7 @@ class BigFusePlan:
 
 
 # 8 tokens x 1 vector per streaming thread and CTA, a 4-deep ring (6 CTAs of 192 threads per SM at 64 registers),
-# a Sinkhorn warp of its own from the start (off the pre phase's path: R = 20 costs T = 512 0.3 us instead of 1.4).
+# a Sinkhorn warp of its own from the start (its passes off the pre phase's critical path).
 # Wide rows: 4 chunk CTAs of 224 threads per token group instead of 7 of 128 at H = 7168 (each chunk CTA redoes
 # the group's split reduction), 8 split partials per load, a 3-deep ring, 48 registers. H200 figures and the
 # variants not adopted: docs/perf/h200/mhc.md, 2026-12-02 entries.
