@@ -2,7 +2,6 @@
 Megatron-style ``main_grad`` buffers and FSDP2, checked against one process on the same global batch.
 
     python tools/distributed_train.py --nproc 2                      # 2 GPUs, NCCL (the default on CUDA)
-    python tools/distributed_train.py --nproc 2 --same-device        # 2 processes on cuda:0, gloo
     python tools/distributed_train.py --nproc 1                      # the single-GPU baseline alone
     python tools/distributed_train.py --device cpu --cpu-references  # CPU, gloo, the test references
 
@@ -53,7 +52,7 @@ BF16_BOUND, FP32_BOUND = 1e-2, 1e-4  # relative to the gradient's max: bf16 and 
 def _device(args, rank: int) -> torch.device:
     if args.device == "cpu":
         return torch.device("cpu")
-    return torch.device("cuda", 0 if args.same_device else rank)
+    return torch.device("cuda", rank)
 
 
 def _sync(device):
@@ -249,9 +248,7 @@ def parse(argv=None):
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default=None,
-                        help="default: nccl on separate GPUs, gloo on the CPU or with --same-device")
-    parser.add_argument("--same-device", action="store_true", help="every rank on cuda:0 (gloo: NCCL refuses "
-                                                                   "two ranks on one GPU)")
+                        help="default: nccl on GPUs, gloo on the CPU")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=512)
@@ -265,15 +262,12 @@ def parse(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="JSON report")
     args = parser.parse_args(argv)
     if args.backend is None:
-        args.backend = "gloo" if args.device == "cpu" or args.same_device else "nccl"
-    if args.device == "cuda":
-        have = torch.cuda.device_count()
-        need = 1 if args.same_device else args.nproc
-        if have < need:
-            parser.error(f"--nproc {args.nproc} needs {need} CUDA devices, found {have} (use --same-device or "
-                         f"--device cpu --cpu-references)")
-    if args.backend == "nccl" and args.same_device and args.nproc > 1:
-        parser.error("NCCL does not run two ranks on one GPU: use --backend gloo with --same-device")
+        args.backend = "gloo" if args.device == "cpu" else "nccl"
+    # One GPU per rank: NCCL refuses two ranks on one GPU, and gloo's collectives on CUDA tensors crashed
+    # there (a segfault in allgather_coalesced, PyTorch 2.11 on the H200).
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        parser.error(f"--nproc {args.nproc} needs {args.nproc} CUDA devices, found {torch.cuda.device_count()} "
+                     f"(or use --device cpu --cpu-references)")
     return args
 
 

@@ -13,6 +13,14 @@ import torch
 HC_MULT = 4
 
 
+def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative squared error in float64, ``sum((a - b)^2) / sum(a^2 + b^2)`` (0 for two zero tensors): the
+    peer's test metric."""
+    a, b = a.double(), b.double()
+    denominator = (a.square() + b.square()).sum()
+    return 0.0 if denominator == 0 else ((a - b).square().sum() / denominator).item()
+
+
 def engram_fused_weight_ref(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
     """``f32(wh) * f32(we)``: exact in fp32 (8-bit by 8-bit significands)."""
     return weight_hidden.float() * weight_embed.float()

@@ -19,6 +19,7 @@ import pytest
 import torch
 from _plugins.device import requires_device
 from engram_ref import (
+    calc_diff,
     engram_fused_weight_ref,
     engram_gate_bwd_ref,
     engram_gate_fwd_ref,
@@ -44,12 +45,6 @@ SMALL = dict(n_embed_per_ngram=64, n_head_per_ngram=4)
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def calc_diff(a, b):
-    a, b = a.double(), b.double()
-    denominator = (a.square() + b.square()).sum()
-    return 0.0 if denominator == 0 else ((a - b).square().sum() / denominator).item()
 
 
 def assert_near(name, got, want):
