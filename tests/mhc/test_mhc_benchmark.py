@@ -247,8 +247,9 @@ def _peer_chain(monkeypatch):
 
 @pytest.mark.parametrize("tokens,hidden", SHAPES)
 def test_bench_sublayer_fwd_bwd(bench, device, tokens, hidden, monkeypatch):
-    """``MHCSublayer`` around an identity sublayer, forward + backward: compiled and eager against the sum of
-    the kernels' device times (CUPTI) and against the peer's kernels in the same chain, with peak memory."""
+    """``MHCSublayer`` around an identity sublayer, forward + backward: compiled (inductor, and inductor with CUDA
+    graphs) and eager against the sum of the kernels' device times (CUPTI) and against the peer's kernels in
+    the same chain, with peak memory."""
     from torch import nn
 
     from cann_ops_tilelang.modeling import MHCSublayer
@@ -258,8 +259,10 @@ def test_bench_sublayer_fwd_bwd(bench, device, tokens, hidden, monkeypatch):
     grad = torch.randn_like(residual)
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    def stepper(layer):
+    def stepper(layer, graphs=False):
         def step():
+            if graphs:  # a new training step for the CUDA-graph trees: the last replay's outputs are dead
+                torch.compiler.cudagraph_mark_step_begin()
             residual.grad = None
             for p in layer.parameters():
                 p.grad = None
@@ -278,7 +281,9 @@ def test_bench_sublayer_fwd_bwd(bench, device, tokens, hidden, monkeypatch):
     layer = MHCSublayer(hidden, nn.Identity(), device=device)
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    impls = {"ours": stepper(compiled), "eager": stepper(layer)}
+    # reduce-overhead: the same graphs replayed as CUDA graphs (no host time between the kernels)
+    graphed = torch.compile(layer, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    impls = {"ours": stepper(compiled), "graphs": stepper(graphed, graphs=True), "eager": stepper(layer)}
     if HAVE_PEER:
         peer_layer = MHCSublayer(hidden, nn.Identity(), n_splits=1, device=device)
         peer_layer.load_state_dict(layer.state_dict())
