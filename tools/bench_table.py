@@ -53,6 +53,9 @@ def _shape(parts: list[str]) -> str:
     """``["T512", "H4096", "save0"]`` -> ``"T=512, H=4096, save=0"``."""
     out = []
     for part in parts:
+        if re.fullmatch(r"(bf|fp)\d+", part):  # a dtype ("bf16"), not a name and a value
+            out.append(part)
+            continue
         match = re.fullmatch(r"([A-Za-z_]+?)(\d+)", part)
         out.append(f"{match[1]}={match[2]}" if match else part)
     return ", ".join(out)

@@ -2,9 +2,9 @@
 
 All four stream their data once with 16-byte vectors and are memory-bound at the optimizer's table sizes:
 
-* momentum update: one thread per 8 consecutive elements of the flat buffers (one 16-byte bf16 vector, two
-  fp32 ones), 2048 elements per CTA; the thread holding the last ``N % 8`` elements takes them one by one
-  (a masked tail: any element count). The products and sums are rounded one by one
+* momentum update: one thread per 4 consecutive elements of the flat buffers (one 16-byte fp32 vector, an
+  8-byte bf16 one), 1024 elements per CTA; the thread holding the last ``N % 4`` elements takes them one by
+  one (a masked tail: any element count). The products and sums are rounded one by one
   (``__fmul_rn``/``__fadd_rn``) so that the result is the reference's, bit for bit, whatever nvcc would
   contract.
 * step: :data:`PLAN.ctas` CTAs (four per H200 SM), each owning a contiguous row range and writing one row of
@@ -58,13 +58,14 @@ __all__ = [
 class Plan:
     """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM keep 1024 threads with four
     16-byte row loads each in flight (64 KiB per SM; the copy ceiling needs ~25 KiB in flight per H200 SM
-    by Little's law, 4.8 TB/s x ~700 ns / 132); the momentum update's 8 elements per thread give one
-    16-byte vector of bf16 (two of fp32). Not yet measured on the H200."""
+    by Little's law, 4.8 TB/s x ~700 ns / 132). The momentum update takes 4 elements per thread: 96-99 % of
+    the copy ceiling at bf16 and fp32 where 8 gave 78 % at fp32 and 16 gave 65 % (docs/perf/h200/engram.md,
+    2026-12-02 — Sinkhorn momentum update: elements per thread)."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
-    elems: int = 8  # momentum elements per thread
+    elems: int = 4  # momentum elements per thread
     reduce_unroll: int = 8  # partial rows loaded before they are added (step reduce)
 
 
@@ -104,8 +105,8 @@ def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, 
 
     f32 = T.float32
     vec, threads = PLAN.elems, PLAN.threads
-    # a thread's 8 elements start at 8 * i: whole vectors (16-byte bf16 / two fp32 loads) while in range, the
-    # last N % 8 elements element by element (the masked tail)
+    # a thread's elements start at vec * i: whole vectors while in range, the last N % vec one by one (the
+    # masked tail)
     numel = T.dynamic("numel")
 
     @T.prim_func
@@ -137,7 +138,7 @@ def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, 
                     momentum_buffer[i * vec + v] = T.cast(m[v], momentum_dtype)
                 for v in T.vectorized(vec):
                     out[i * vec + v] = u[v]
-            elif i == numel // vec:  # the masked tail: N % 8 elements, one by one
+            elif i == numel // vec:  # the masked tail: N % vec elements, one by one
                 for v in T.serial(vec):
                     if i * vec + v < numel:
                         gs = T.cast(grad[i * vec + v], f32)

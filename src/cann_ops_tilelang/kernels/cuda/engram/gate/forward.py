@@ -142,6 +142,14 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                                 part[u, 0] += T.cast(xr[i, u, k], f32) * T.cast(xr[i, u, k], f32)
                                 part[u, 1] += kf[k] * kf[k]
                                 part[u, 2] += T.cast(xr[i, u, k], f32) * wr[k] * kf[k]
+            if live and not residual:
+                # x is dead once its sums are formed: its registers take v now, so the loads of pass 2 overlap
+                # the reductions and the barrier
+                for i in T.unroll(nv):
+                    for u in T.unroll(q):
+                        if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                            for k in T.vectorized(_VEC):
+                                xr[i, u, k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
             for u in T.unroll(q):
                 for j in T.unroll(3):
                     part[u, j] = T.warp_reduce_sum(part[u, j])
@@ -181,16 +189,16 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
-                            for k in T.vectorized(_VEC):
-                                vr[k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
                             if residual:
+                                for k in T.vectorized(_VEC):
+                                    vr[k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
                                 for k in T.vectorized(_VEC):
                                     out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
                                         T.cast(xr[i, u, k], f32) + st[3] * vr[k], bf16)
-                            else:
+                            else:  # v is in xr (bf16, exact in fp32)
                                 for k in T.vectorized(_VEC):
                                     out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
-                                        st[3] * vr[k], bf16)
+                                        st[3] * T.cast(xr[i, u, k], f32), bf16)
             else:
                 if not residual:
                     # a masked token's gated value is 0
