@@ -487,10 +487,13 @@ def test_cuda_compiles_other_widths_and_mixed_dtypes():
     assert all(f in reduce_src for f in ("__fmul_rn", "__fsqrt_rn", "__fadd_rn", "__fdiv_rn"))
     apply_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_finalize_apply(64, "bfloat16"), arch="sm_90a").source
     assert "__fsub_rn(__fmul_rn(" in apply_src
-    # the momentum update: 16-byte vectors in the main pass, a masked element-wise tail
-    mom_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_momentum_update("bfloat16", "bfloat16", True),
-                                       arch="sm_90a").source
-    assert "*(uint4*)" in mom_src and "< numel" in mom_src
+    # the momentum update: PLAN.elems (4) elements per thread, one vector per buffer in the main pass (16 bytes of
+    # fp32, 8 of bf16), a masked element-wise tail
+    assert cu.PLAN.elems == 4
+    for dtype, vector in (("float32", "*(float4*)"), ("bfloat16", "*(uint2*)")):
+        mom_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_momentum_update(dtype, dtype, True),
+                                           arch="sm_90a").source
+        assert vector in mom_src and "< numel" in mom_src
 
 
 def test_builders_refuse_widths_outside_the_range():
