@@ -1,6 +1,7 @@
 """CUDA kernels of the Engram Sinkhorn optimizer ops (docs/ops/engram.md#sinkhorn).
 
-All four stream their data once with 16-byte vectors and are memory-bound at the optimizer's table sizes:
+All four stream their data once in vectors (16 bytes; 8 for the momentum update's bf16 buffers) and are
+memory-bound at the optimizer's table sizes:
 
 * momentum update: one thread per 4 consecutive elements of the flat buffers (one 16-byte fp32 vector, an
   8-byte bf16 one), 1024 elements per CTA; the thread holding the last ``N % 4`` elements takes them one by
@@ -58,9 +59,9 @@ __all__ = [
 class Plan:
     """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM keep 1024 threads with four
     16-byte row loads each in flight (64 KiB per SM; the copy ceiling needs ~25 KiB in flight per H200 SM
-    by Little's law, 4.8 TB/s x ~700 ns / 132). The momentum update takes 4 elements per thread: 96-99 % of
-    the copy ceiling at bf16 and fp32 where 8 gave 78 % at fp32 and 16 gave 65 % (docs/perf/h200/engram.md,
-    2026-12-02 — Sinkhorn momentum update: elements per thread)."""
+    by Little's law, 4.8 TB/s x ~700 ns / 132). The momentum update takes 4 elements per thread, the fastest
+    count measured at fp32 and bf16 (docs/perf/h200/engram.md, 2026-12-02 (night) — Sinkhorn momentum update:
+    elements per thread)."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)

@@ -184,7 +184,8 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                     rstd_x[t, h] = 0.0
                     rstd_k[t, h] = 0.0
                     gate[t, h] = 0.0
-            # Pass 2: stream v, write bf16(x + g * v) from the registers (bf16(g * v) without the residual).
+            # Pass 2: stream v, write bf16(x + g * v) from the registers (without the residual v is already in
+            # xr: write bf16(g * v)).
             if live:
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
