@@ -114,6 +114,7 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
         caller passes ``fn_grad`` itself).
     """
     from tilelang import language as T
+    from tilelang.layout import make_swizzled_layout
 
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
     K, M3 = cols, rows
@@ -148,10 +149,17 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
             f_s = T.alloc_shared((KA, BK), bf16)  # [fn_hi; fn_lo; fn_hi; fn_lo] of the CTA's columns
             g_s = T.alloc_shared((BT, KA), bf16)  # [g_hi g_hi g_lo g_lo] of the tile's tokens
             gt_s = T.alloc_shared((BT, 2 * _PAD), bf16)  # [g_hi 0 g_lo 0]: A^T of the fn_grad product
-            o_s = T.alloc_shared((BT, BK), bf16)
             r_s = T.alloc_shared((2 * _PAD, BK), f32)
             acc_x = T.alloc_fragment((BT, BK), f32)
             acc_f = T.alloc_fragment((2 * _PAD, BK), f32)
+            # x_grad's stage is read and rewritten in the accumulator's fragment layout (two bf16 per thread,
+            # 8 rows per warp access): 128-byte swizzled, as x's stage is for the WGMMA, not 8-way conflicted
+            T.annotate_layout({xg_s: make_swizzled_layout(xg_s)})
+            sg2 = T.alloc_fragment((BT,), f32)  # 2 sg of the tile's rows, in acc_x's row layout
+            # the partition's first tile and tile count, the tile's first token: scalars, computed once
+            b0 = T.alloc_var(T.int32)
+            n = T.alloc_var(T.int32)
+            t0 = T.alloc_var(T.int32)
             c0 = cb * BK
             tiles = T.ceildiv(num_tokens, BT)
             per = T.ceildiv(tiles, num_partials)
@@ -189,8 +197,14 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
                     for i, c in T.Parallel(BT, BK):
                         if t0 + i >= num_tokens:
                             x_s[it % NS, i, c] = T.bfloat16(0)
+                    for i, j in T.Parallel(BT, M3):
+                        if t0 + i >= num_tokens:
+                            gf_s[it % NS, i, j] = T.float32(0)
+                    T.sync_threads()
+                for i in T.Parallel(BT):
+                    sg2[i] = 2.0 * sg_s[it % NS, i]
                 for i, j in T.Parallel(BT, M3):
-                    hi, lo = _bf16_pair(T.if_then_else(t0 + i < num_tokens, gf_s[it % NS, i, j], T.float32(0)))
+                    hi, lo = _bf16_pair(gf_s[it % NS, i, j])
                     g_s[i, j] = hi
                     g_s[i, M3 + j] = hi
                     g_s[i, 2 * M3 + j] = lo
@@ -199,18 +213,24 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
                     gt_s[i, _PAD + j] = lo
                 T.fence_proxy_async()  # the generic-proxy writes above are read by the WGMMAs below
                 T.sync_threads()
-                T.gemm(g_s, f_s, acc_x, clear_accum=True)
-                T.gemm(gt_s, x_s[it % NS, :, :], acc_f, transpose_A=True)
-                for i, c in T.Parallel(BT, BK):
-                    o_s[i, c] = T.cast(
+                # Both products issued at once; the epilogue waits for the first only: the fn_grad product (it
+                # reads x's stage and gt_s, which nothing writes before the closing wait) runs under it.
+                T.wgmma_gemm(g_s, f_s, acc_x, clear_accum=True)
+                T.wgmma_gemm(gt_s, x_s[it % NS, :, :], acc_f, transpose_A=True)
+                T.wait_wgmma(1)
+                T.warpgroup_fence_operand(acc_x, num_regs=BT * BK // TH)  # the epilogue's reads stay after the wait
+                for i, c in T.Parallel(BT, BK):  # in place: each element read and written by one thread
+                    xg_s[it % NS, i, c] = T.cast(
                         T.cast(xg_s[it % NS, i, c], f32)
-                        + (acc_x[i, c] + 2.0 * T.cast(x_s[it % NS, i, c], f32) * sg_s[it % NS, i]),
+                        + (acc_x[i, c] + T.cast(x_s[it % NS, i, c], f32) * sg2[i]),
                         bf16,
                     )
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc_f, num_regs=2 * _PAD * BK // TH)
                 T.sync_threads()
                 for i, c in T.Parallel(BT, BK):
                     if t0 + i < num_tokens:
-                        x_grad[t0 + i, c0 + c] = o_s[i, c]
+                        x_grad[t0 + i, c0 + c] = xg_s[it % NS, i, c]
                 T.sync_threads()
             T.copy(acc_f, r_s)
             T.sync_threads()
