@@ -167,6 +167,21 @@ def test_cuda_gemm_forward_tightest_resident_case_fits():
     assert built.fits and built.smem_bytes > 220 * 1024, built.smem_bytes
 
 
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("hidden", [1280, 7168])
+def test_cuda_gemm_backward_keeps_three_ctas_per_sm(hidden):
+    """The CUDA GEMM backward's shared memory (two stages of x, x_grad, g and sg, the split weights and G) lets
+    3 CTAs share an SM of sm_90a, with their reservations: the occupancy its speed rests on
+    (docs/perf/h200/mhc.md, 2026-12-03)."""
+    from cann_ops_tilelang.chips import cuda_arch
+    from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
+
+    arch = cuda_arch("sm_90a")
+    built = cuda_build.compile_cubin(gemm.build_mhc_gemm_with_sqrsum_backward(4 * hidden, 24), arch="sm_90a")
+    assert built.threads == 128
+    assert 3 * (built.smem_bytes + arch.smem_reserved_per_cta) <= arch.smem_per_sm, built.smem_bytes
+
+
 def test_cuda_streaming_row_layouts_cover_the_row():
     """The one-token CTA layouts of the CUDA streaming kernels (apply-mix forward 128 threads where the row
     allows, else as the post forward; post forward up to 256, apply-mix backward up to 512, post backward

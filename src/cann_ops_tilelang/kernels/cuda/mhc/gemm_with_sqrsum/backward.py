@@ -11,16 +11,18 @@ cost in bytes.
 Grid ``(K / BK, P)``: CTA ``(cb, p)`` owns ``BK`` columns and the token tiles ``[p * per, min((p + 1) * per,
 tiles))`` of ``BT`` tokens, ``per = ceil(tiles / P)``, ``P`` chosen per call by the launcher (a kernel
 argument through the partials' shape, never a compile key). One pass over x and x_grad: per tile (x, x_grad,
-g, sg in a ``PLAN.stages`` cp.async pipeline)
+g, sg in a ``PLAN.stages`` cp.async pipeline) one shared tile ``G = [g_hi 0 g_lo 0]`` (``BT x 64``, each half
+padded to 32 columns) is the A operand of all three WGMMAs:
 
-* ``x_grad tile (BT x BK) = [g_hi g_hi g_lo g_lo] (BT x 4 M3) @ [fn_hi; fn_lo; fn_hi; fn_lo] (4 M3 x BK)``,
-  then ``+ 2 x sg`` and the prior ``x_grad``, one bf16 rounding, stored through shared memory;
-* ``acc (64 x BK) += [g_hi | 0 | g_lo | 0]^T (64 x BT) @ x (BT x BK)`` (rows ``j`` and ``32 + j``), summed
-  ``hi + lo`` once at the end into the CTA's fn_grad partial row ``p``.
+* ``x_grad tile (BT x BK) = G @ [fn_hi; 0; fn_hi; 0] + G @ [fn_lo; 0; fn_lo; 0]`` (``64 x BK`` each), then
+  ``+ 2 x sg`` and the prior ``x_grad``, one bf16 rounding, written back into x_grad's stage and stored from
+  there with 16-byte stores;
+* ``acc (64 x BK) += G^T (64 x BT) @ x (BT x BK)`` (rows ``j`` and ``32 + j``), issued with the x_grad products
+  and waited for after the epilogue; summed ``hi + lo`` once at the end into the CTA's fn_grad partial row ``p``.
 
 Token tiles run in ascending order in every CTA; with ``P > 1`` a second kernel sums the ``P`` partials in
 ascending ``p``. Fixed partition, fixed order, no atomics: fn_grad is bitwise reproducible for a given ``T``.
-Rows past ``T`` (never loaded: predicated cp.async) are zeroed in the x tile and masked in g: they add exact zeros.
+Rows past ``T`` (never loaded: predicated cp.async) are zeroed in the x and g tiles: they add exact zeros.
 """
 
 import dataclasses
@@ -44,7 +46,7 @@ __all__ = [
     "mhc_gemm_with_sqrsum_backward_partials",
 ]
 
-_PAD = 32  # each of g_hi / g_lo padded to 32 rows of the fn_grad product (M3 <= 32): a 64-row MMA tile
+_PAD = 32  # each of g_hi / g_lo padded to 32 columns of G (M3 <= 32): the 64-row A^T of the fn_grad product
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +68,12 @@ class BackwardPlan:
     reduce_threads: int
 
 
-# 64 x 64 tiles (16 KiB of x + x_grad per stage), one warpgroup, 3 stages: 107 KiB of shared memory, 2 CTAs
-# per SM with 2 tiles of loads in flight each. ~16 CTAs per SM over all waves keeps the last wave's tail short;
+# NOTE 64 x 64 tiles (22 KiB of x, x_grad, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
+# 115 registers: 3 CTAs per SM (3 stages: 2 CTAs, 9 % slower at T = 8192). ~16 CTAs per SM over all waves keeps
+# the last wave's tail short;
 # partitions of >= 4 tiles keep the partials' traffic (written and read) within 1/8 of x / x_grad's, 2 % at
-# T = 8192 (docs/perf/h200/mhc.md, 2026-12-02).
-PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=3, ctas_per_sm=16, max_partials=32,
+# T = 8192 (docs/perf/h200/mhc.md, 2026-12-02 and 2026-12-03).
+PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, ctas_per_sm=16, max_partials=32,
                     min_tiles_per_partial=4, reduce_threads=128)
 
 
@@ -119,7 +122,6 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
     K, M3 = cols, rows
     BT, BK, TH, NS = PLAN.block_t, PLAN.block_k, PLAN.threads, PLAN.stages
-    KA = 4 * M3  # K of the x_grad product: [hi hi lo lo] x [hi; lo; hi; lo]
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
     num_partials = T.dynamic("num_partials")
@@ -146,9 +148,9 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
             xg_s = T.alloc_shared((NS, BT, BK), bf16)
             gf_s = T.alloc_shared((NS, BT, M3), f32)
             sg_s = T.alloc_shared((NS, BT), f32)
-            f_s = T.alloc_shared((KA, BK), bf16)  # [fn_hi; fn_lo; fn_hi; fn_lo] of the CTA's columns
-            g_s = T.alloc_shared((BT, KA), bf16)  # [g_hi g_hi g_lo g_lo] of the tile's tokens
-            gt_s = T.alloc_shared((BT, 2 * _PAD), bf16)  # [g_hi 0 g_lo 0]: A^T of the fn_grad product
+            fh_s = T.alloc_shared((2 * _PAD, BK), bf16)  # [fn_hi; 0; fn_hi; 0] of the CTA's columns
+            fl_s = T.alloc_shared((2 * _PAD, BK), bf16)  # [fn_lo; 0; fn_lo; 0]
+            gt_s = T.alloc_shared((BT, 2 * _PAD), bf16)  # [g_hi 0 g_lo 0]: A of both products
             r_s = T.alloc_shared((2 * _PAD, BK), f32)
             acc_x = T.alloc_fragment((BT, BK), f32)
             acc_f = T.alloc_fragment((2 * _PAD, BK), f32)
@@ -166,13 +168,16 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
             b0 = T.min(p * per, tiles)
             n = T.min(p * per + per, tiles) - b0
             T.clear(gt_s)
+            T.clear(fh_s)
+            T.clear(fl_s)
             T.clear(acc_f)
+            T.sync_threads()
             for j, c in T.Parallel(M3, BK):  # once per CTA, straight from global memory
                 hi, lo = _bf16_pair(fn[j, c0 + c])
-                f_s[j, c] = hi
-                f_s[M3 + j, c] = lo
-                f_s[2 * M3 + j, c] = hi
-                f_s[3 * M3 + j, c] = lo
+                fh_s[j, c] = hi
+                fh_s[_PAD + j, c] = hi
+                fl_s[j, c] = lo
+                fl_s[_PAD + j, c] = lo
             # Prologue: tiles 0 .. NS-2 of the partition in flight (4 cp.async groups per tile: x, x_grad,
             # g, sg; empty groups where the partition is shorter, so the wait count below stays constant).
             for st in T.unroll(NS - 1):
@@ -205,17 +210,14 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
                     sg2[i] = 2.0 * sg_s[it % NS, i]
                 for i, j in T.Parallel(BT, M3):
                     hi, lo = _bf16_pair(gf_s[it % NS, i, j])
-                    g_s[i, j] = hi
-                    g_s[i, M3 + j] = hi
-                    g_s[i, 2 * M3 + j] = lo
-                    g_s[i, 3 * M3 + j] = lo
                     gt_s[i, j] = hi
                     gt_s[i, _PAD + j] = lo
                 T.fence_proxy_async()  # the generic-proxy writes above are read by the WGMMAs below
                 T.sync_threads()
                 # Both products issued at once; the epilogue waits for the first only: the fn_grad product (it
                 # reads x's stage and gt_s, which nothing writes before the closing wait) runs under it.
-                T.wgmma_gemm(g_s, f_s, acc_x, clear_accum=True)
+                T.wgmma_gemm(gt_s, fh_s, acc_x, clear_accum=True)
+                T.wgmma_gemm(gt_s, fl_s, acc_x)
                 T.wgmma_gemm(gt_s, x_s[it % NS, :, :], acc_f, transpose_A=True)
                 T.wait_wgmma(1)
                 T.warpgroup_fence_operand(acc_x, num_regs=BT * BK // TH)  # the epilogue's reads stay after the wait
