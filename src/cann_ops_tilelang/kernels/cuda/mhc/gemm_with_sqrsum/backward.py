@@ -171,13 +171,6 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
             T.clear(fh_s)
             T.clear(fl_s)
             T.clear(acc_f)
-            T.sync_threads()
-            for j, c in T.Parallel(M3, BK):  # once per CTA, straight from global memory
-                hi, lo = _bf16_pair(fn[j, c0 + c])
-                fh_s[j, c] = hi
-                fh_s[_PAD + j, c] = hi
-                fl_s[j, c] = lo
-                fl_s[_PAD + j, c] = lo
             # Prologue: tiles 0 .. NS-2 of the partition in flight (4 cp.async groups per tile: x, x_grad,
             # g, sg; empty groups where the partition is shorter, so the wait count below stays constant).
             for st in T.unroll(NS - 1):
@@ -186,6 +179,14 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
                 else:
                     for _ in T.unroll(4):
                         T.ptx_commit_group()
+            # the weights once per CTA, straight from global memory, while the prologue's tiles are in flight
+            T.sync_threads()
+            for j, c in T.Parallel(M3, BK):
+                hi, lo = _bf16_pair(fn[j, c0 + c])
+                fh_s[j, c] = hi
+                fh_s[_PAD + j, c] = hi
+                fl_s[j, c] = lo
+                fl_s[_PAD + j, c] = lo
             for it in T.serial(n):
                 # Tile it + NS - 1 goes into the stage consumed at it - 1 (released by the closing barrier).
                 if it + NS - 1 < n:
