@@ -64,17 +64,30 @@ H200 = CudaChip("H200", sms=132, arch=CUDA_ARCHS["sm_90a"])
 
 @dataclasses.dataclass(frozen=True)
 class AscendChip:
-    """An Ascend NPU: vector cores and the unified buffer (UB) of one vector core.
+    """An Ascend NPU: vector cores, the unified buffer (UB) of one vector core and the buffers of one Cube
+    core (shared by the two vector cores of its group in a mixed kernel).
 
     ub_bytes: UB per vector core a kernel may use (256 KiB less 8 KiB the runtime reserves).
     ub_bytes_simt: the same for a kernel with a SimtVF region (another 32 KiB go to the SIMT stack and
         data cache).
+    l1_bytes, l0a_bytes, l0b_bytes, l0c_bytes: L1 and the Cube's operand (L0A, L0B) and accumulator (L0C)
+        buffers of one Cube core (the limits TileLang's Ascend scheduler plans them against).
     """
 
     name: str
     vector_cores: int
     ub_bytes: int
     ub_bytes_simt: int
+    l1_bytes: int = 512 * 1024
+    l0a_bytes: int = 64 * 1024
+    l0b_bytes: int = 64 * 1024
+    l0c_bytes: int = 256 * 1024
+
+    @property
+    def cube_bytes(self) -> dict[str, int]:
+        """Capacity per Cube buffer scope: ``{"l1": .., "l0a": .., "l0b": .., "l0c": ..}``."""
+        return {"l1": self.l1_bytes, "l0a": self.l0a_bytes, "l0b": self.l0b_bytes, "l0c": self.l0c_bytes}
 
 
-ASCEND_950 = AscendChip("Ascend 950", vector_cores=64, ub_bytes=248 * 1024, ub_bytes_simt=216 * 1024)
+ASCEND_950 = AscendChip("Ascend 950", vector_cores=64, ub_bytes=248 * 1024, ub_bytes_simt=216 * 1024,
+                        l1_bytes=512 * 1024, l0a_bytes=64 * 1024, l0b_bytes=64 * 1024, l0c_bytes=256 * 1024)

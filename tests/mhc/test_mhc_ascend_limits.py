@@ -37,6 +37,33 @@ def test_ub_budgets_are_the_chip_facts():
     assert _build.UB_BUDGET_SIMT_BYTES == chips.ASCEND_950.ub_bytes_simt
 
 
+def test_cube_capacities_are_the_chip_facts():
+    assert chips.ASCEND_950.cube_bytes == {"l1": 512 * 1024, "l0a": 64 * 1024, "l0b": 64 * 1024, "l0c": 256 * 1024}
+
+
+@pytest.mark.parametrize("width", gemm_with_sqrsum.BACKWARD_PLAN.widths)
+def test_gemm_backward_plan_fits_the_cube_and_ub_at_every_width(width):
+    """The Cube backward's budget (UB per vector core, L1 / L0A / L0B / L0C per Cube core) fits at every
+    column tile the plan may pick; the lowering equals this arithmetic (test_mhc_lowering.py)."""
+    plan = gemm_with_sqrsum.BACKWARD_PLAN
+    budget = plan.budget(width, chips.ASCEND_950.l0b_bytes)
+    assert budget.pop("ub") <= _build.UB_BUDGET_BYTES
+    for scope, size in budget.items():
+        assert 0 < size <= chips.ASCEND_950.cube_bytes[scope], (width, scope, size)
+
+
+@pytest.mark.parametrize("hidden", [limits.MHC_HIDDEN.low, 1280, 2560, 4096, 7168, limits.MHC_HIDDEN.high])
+def test_gemm_backward_width_is_the_shortest_critical_path(hidden):
+    """Every Cube core sweeps all tokens of its column tiles: W minimizes the columns of the busiest Cube core
+    (ties to the widest) and divides K."""
+    plan, k, cores = gemm_with_sqrsum.BACKWARD_PLAN, 4 * hidden, CORES // 2
+    width = plan.width(k, cores)
+    assert k % width == 0
+    busiest = {w: -(-(k // w) // cores) * w for w in plan.widths if k % w == 0}
+    shortest = min(busiest.values())
+    assert busiest[width] == shortest and width == max(w for w, c in busiest.items() if c == shortest)
+
+
 @pytest.mark.parametrize("repeat", REPEAT.edges())
 def test_sinkhorn_repeat_edges_lower_within_ub(repeat):
     for build in (sinkhorn.build_mhc_sinkhorn_forward, sinkhorn.build_mhc_sinkhorn_backward):

@@ -1,6 +1,7 @@
-"""CPU tier: every mHC kernel lowers for both targets (Ascend 950: AscendC within the UB budget; CUDA:
-an sm_90a cubin within the per-CTA shared-memory and thread limits, when nvcc is present), the per-token kernels once, the hidden-size-dependent ones at
-H in {1280, 2560, 4096, 7168}; and the token count is never part of a compile key."""
+"""CPU tier: every mHC kernel lowers for both targets (Ascend 950: AscendC within the UB budget and the
+Cube's L1 / L0 capacities; CUDA: an sm_90a cubin within the per-CTA shared-memory and thread limits, when nvcc
+is present), the per-token kernels once, the hidden-size-dependent ones at H in {1280, 2560, 4096, 7168}; and the
+token count is never part of a compile key."""
 
 import shutil
 
@@ -39,6 +40,33 @@ def test_ascend_lowers_within_ub(hidden, name):
     lowered = ascend_build.lower_ascendc(ascend_mhc.lowering_cases(hidden)[name])
     assert "__aicore__" in lowered.source or "__global__" in lowered.source
     assert 0 < lowered.ub_bytes <= lowered.budget_bytes, (name, hidden, lowered.ub_bytes, lowered.budget_bytes)
+    assert lowered.cube_fits, (name, hidden, lowered.cube_bytes)  # L1 / L0A / L0B / L0C of a Cube core
+
+
+@pytest.mark.parametrize("hidden", [1280, 4096, 7168])  # column tiles W = 64, 256, 128
+def test_ascend_gemm_with_sqrsum_backward_runs_on_the_cube(hidden):
+    """Both products of the backward are Cube MADs in plain fp32 (HF32 off), g^T @ x through transposed
+    L1 -> L0 loads; the g @ fn block goes L0C -> UB (both vector cores) for the x_grad epilogue and fn_grad
+    leaves L0C once per column tile (accumulated over all token blocks in order: no atomics, no partials).
+    The merged UB and Cube pools are exactly the plan's budget arithmetic, within the chip's capacities."""
+    from cann_ops_tilelang import chips
+    from cann_ops_tilelang.kernels.ascend.mhc import gemm_with_sqrsum as gemm
+
+    case = "gemm_with_sqrsum/mhc_gemm_with_sqrsum_backward"
+    lowered = ascend_build.lower_ascendc(ascend_mhc.lowering_cases(hidden)[case])
+    src = lowered.source
+    assert "__mix__(1, 2)" in src and "if ASC_IS_AIC" in src and "if ASC_IS_AIV" in src
+    assert src.count("asc_mmad(") == 2
+    assert "asc_copy_l12l0a_transpose(" in src and "asc_copy_l12l0b_transpose(" in src
+    assert src.count("asc_copy_l0c2ub(") == 1 and "asc_dual_dst_mode>(1)" in src  # M-split over the two AIVs
+    assert src.count("asc_copy_l0c2gm(") == 1  # fn_grad
+    assert "asc_disable_hf32()" in src and "enable_hf32" not in src
+    assert "atomic" not in src.lower()
+    plan = gemm.BACKWARD_PLAN
+    width = plan.width(4 * hidden, chips.ASCEND_950.vector_cores // 2)
+    budget = plan.budget(width, chips.ASCEND_950.l0b_bytes)
+    assert lowered.ub_bytes == budget.pop("ub") <= lowered.budget_bytes
+    assert lowered.cube_bytes == budget and lowered.cube_fits, (hidden, width, lowered.cube_bytes)
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")

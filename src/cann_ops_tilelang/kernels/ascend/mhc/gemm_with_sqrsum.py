@@ -9,6 +9,8 @@ Backward ``mhc_gemm_with_sqrsum_backward(out_mul_grad, sqrsum_grad, x, fn, x_gra
     x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j]*fn[j, k] + (2*sg[t])*f32(x[t, k]))
     fn_grad[j, k] = sum_t g[t, j]*f32(x[t, k])
 
+Both products of the backward run on the Cube unit in plain fp32 (see ``build_mhc_gemm_with_sqrsum_backward``).
+
 Constraints: ``M3 <= 32`` (the ops: 24), ``K = m*H`` a multiple of 256 in the declared range.
 """
 
@@ -20,7 +22,7 @@ import tilelang  # noqa: F401  (registers the TileLang frontend before the diale
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
-from .... import limits
+from .... import chips, limits
 from .. import num_vector_cores
 from ._common import CASE_MHC_MULT3, CASE_NUM_CORES, LANES, require_mixes, require_width
 
@@ -51,23 +53,50 @@ class ForwardPlan:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
-    """Column tile W: the widest of ``widths`` that divides K and still gives every vector core a tile
-    (else the narrowest); token block ``block_t``; ``stages`` of the token pipeline."""
+    """Cube backward: column tile W from ``widths`` (see :meth:`width`), token block ``block_t`` (half per
+    vector core), ``stages`` versions of every per-block UB / L1 / L0A / L0C tile (and of the x tile in L0B
+    where two fit beside the resident fn tile)."""
 
     widths: tuple[int, ...] = (256, 128, 64)
     block_t: int = 32
     stages: int = 2
 
-    def width(self, numel: int, num_cores: int) -> int:
-        for w in self.widths:
-            if numel % w == 0 and numel // w >= num_cores:
-                return w
-        return self.widths[-1]
+    def width(self, numel: int, num_cube_cores: int) -> int:
+        """The W of ``widths`` dividing K with the shortest critical path (``ceil(K/W / cores) * W``
+        columns on the busiest Cube core), the widest on a tie (longer DMA bursts, fewer tiles)."""
+        fits = [w for w in self.widths if numel % w == 0]
+        return min(fits, key=lambda w: (-(-(numel // w) // num_cube_cores) * w, -w))
+
+    def x_l0b_versions(self, width: int, l0b_bytes: int) -> int:
+        """Versions of the (block_t, W) fp32 x tile in L0B beside the resident (32, W) fp32 fn tile."""
+        x_tile, fn_tile = self.block_t * width * 4, _N_PAD * width * 4
+        return self.stages if self.stages * x_tile + fn_tile <= l0b_bytes else 1
+
+    def budget(self, width: int, l0b_bytes: int) -> dict[str, int]:
+        """Bytes per buffer scope at column tile ``width`` as the kernel allocates them (UB: per vector
+        core); the lowering's merged pools equal these (tests/mhc/test_mhc_lowering.py)."""
+        W, BT, st = width, self.block_t, self.stages
+        half = BT // _AIVS
+        return {
+            # per block: x fp32 + the Cube's g @ fn rows fp32 (stages); x bf16, x_grad bf16, sg (one version:
+            # loaded under the tail guard); the UB -> L1 ND -> NZ staging rows (half + 1); the T = 0 zero row
+            "ub": st * half * W * (4 + 4) + half * W * (2 + 2) + half * 4 + (half + 1) * W * 4 + W * 4,
+            # per block: x fp32 and g (padded to 32 columns); the fn tile resident
+            "l1": st * (BT * W * 4 + BT * _N_PAD * 4) + _N_PAD * W * 4,
+            # per block: g and g^T
+            "l0a": st * 2 * BT * _N_PAD * 4,
+            # per block: x; the fn tile resident
+            "l0b": self.x_l0b_versions(W, l0b_bytes) * BT * W * 4 + _N_PAD * W * 4,
+            # the fn_grad accumulator resident; per block: g @ fn
+            "l0c": _N_PAD * W * 4 + st * BT * W * 4,
+        }
 
 
-# Forward ~108 KiB of UB and 192 KiB of L1; backward ~124 KiB of UB at W = 256
-# (docs/perf/ascend950/mhc.md, 2026-11-30 — gemm_with_sqrsum: tiles).
+# Forward ~108 KiB of UB and 192 KiB of L1 (docs/perf/ascend950/mhc.md, 2026-11-30 — gemm_with_sqrsum: tiles).
 FORWARD_PLAN = ForwardPlan()
+# NOTE: BT = 32 keeps a (32, W) fp32 x tile at 32 KiB of L0B beside the resident fn tile at W = 256, and two
+# stages overlap the AIVs' x loads / x_grad stores with the Cube; W by the critical path, since every Cube
+# core sweeps all T tokens of its tiles (2026-12-03 — gemm_with_sqrsum: backward on the Cube (issue 27)).
 BACKWARD_PLAN = BackwardPlan()
 
 
@@ -181,11 +210,8 @@ def mhc_gemm_with_sqrsum_forward(x, fn, n_splits, out_mul_part, sqrsum_part) -> 
     kernel(x, fn, out_mul_part, sqrsum_part)
 
 
-    return _BWD_WIDTHS[-1]
-
-
 def mhc_gemm_with_sqrsum_backward_key(fn, num_cores: int) -> tuple:
-    """(M3, K, num_cores); never T."""
+    """(M3, K, num_cores); never T. ``num_cores`` is the vector core count."""
     return (int(fn.shape[0]), int(fn.shape[1]), int(num_cores))
 
 
@@ -193,17 +219,26 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
     """prim_func(out_mul_grad (T,M3) f32, sqrsum_grad (T,) f32, x (T,K) bf16, fn (M3,K) f32,
     x_grad (T,K) bf16 in/out, fn_grad (M3,K) f32 out).
 
-    Vector cores only: one task per K column tile owns that tile of ``fn_grad`` and sweeps all tokens in
-    ascending order (fixed partition, fixed order, no atomics: deterministic); the same sweep updates
-    ``x_grad`` in place (bf16 read-modify-write). ``g`` is used in full fp32 (no TF32 rounding) and fn as
-    given (the caller saves the rounded fn). Per token and 64-column chunk: ``r = f32(x_grad)``,
-    ``r += g_j*fn_j`` for j ascending, ``r += (2*sg)*x`` (fused multiply-adds), one bf16 rounding;
-    ``fn_grad_j += g_j*x`` with the chunk's M3 accumulators in registers across the 32 tokens of a block
-    and in UB across blocks (tokens ascending).
+    Mixed Cube/Vector kernel over ``num_cores // 2`` Cube cores; both products on the Cube in plain fp32
+    (HF32 off: ``g`` and ``fn`` enter unrounded, so there is no TF32 error on g near zero and no hi/lo split;
+    x is exact in fp32). Each Cube core owns W-column tiles (``T.Persistent``) and sweeps all token blocks
+    of BT rows in ascending order (tails guarded by runtime extents). Per block the two vector cores widen
+    their BT/2 x rows to fp32 (tail rows zero) and ship them to L1 (``dual_copy`` UB -> L1); the Cube loads
+    the g block (zero-padded to 32 columns and BT rows by the GM -> L1 copy) and runs
+    ``acc_fg (32, W) += g^T @ x`` (K = BT, transposed L1 -> L0 loads; L0C-resident across blocks: fixed
+    partition, fixed order, no atomics: deterministic) and ``acc_xg (BT, W) = g @ fn`` (K = 32, fn tile
+    resident in L0B, pad rows zero); ``acc_xg`` goes to UB (``dual_copy`` L0C -> UB, M-split) where each
+    vector core computes ``bf16((f32(x_grad) + acc_xg) + (2*sg)*x)`` (one rounding) and stores its rows.
+    ``fn_grad`` leaves L0C once per tile; with T = 0 the vector cores store zeros instead.
     """
-    M3, K = _check("mhc_gemm_with_sqrsum_backward", mhc_mult3, numel)
-    W = BACKWARD_PLAN.width(K, num_cores)
-    BT, stages = BACKWARD_PLAN.block_t, BACKWARD_PLAN.stages
+    where = "mhc_gemm_with_sqrsum_backward"
+    M3, K = _check(where, mhc_mult3, numel)
+    ncube = max(1, int(num_cores) // _AIVS)
+    plan = BACKWARD_PLAN
+    W = plan.width(K, ncube)
+    BT, stages = plan.block_t, plan.stages
+    half = BT // _AIVS
+    x_l0b_versions = plan.x_l0b_versions(W, chips.ASCEND_950.l0b_bytes)
     n_ct = K // W
     w_chunks = W // LANES
     num_tokens = T.dynamic("num_tokens")
@@ -217,50 +252,83 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
         x_grad: T.Tensor[(num_tokens, K), T.bfloat16],
         fn_grad: T.Tensor[(M3, K), T.float32],
     ):
-        with T.Kernel(num_cores) as core_id:
-            fn_ub = T.alloc_shared((M3, W), T.float32)
-            fg_ub = T.alloc_shared((M3, W), T.float32)
-            x_ub = T.alloc_shared((BT, W), T.bfloat16)
-            xg_ub = T.alloc_shared((BT, W), T.bfloat16)
-            g_ub = T.alloc_shared((BT, _N_PAD), T.float32)
-            sg_ub = T.alloc_shared((BT,), T.float32)
-            T.annotate_buffer_versions({x_ub: stages, xg_ub: stages, g_ub: stages, sg_ub: stages})
-            for (ct,) in T.Persistent([n_ct], num_cores, core_id, group_size=1):
+        with T.MixedKernel(ncube, sids=_AIVS) as (core_id, sid):
+            T.set_hf32_mode(None)  # full fp32 products (the forward leaves HF32 on)
+            x_ub = T.alloc_shared((half, W), T.bfloat16)
+            xf_ub = T.alloc_shared((half, W), T.float32)
+            xg_ub = T.alloc_shared((half, W), T.bfloat16)
+            p_ub = T.alloc_shared((half, W), T.float32)  # this core's rows of g @ fn
+            sg_ub = T.alloc_shared((half,), T.float32)
+            zero_ub = T.alloc_shared((1, W), T.float32)  # fn_grad rows for T = 0
+            x_l1 = T.alloc_l1((BT, W), T.float32)
+            g_l1 = T.alloc_l1((BT, _N_PAD), T.float32)
+            fn_l1 = T.alloc_l1((_N_PAD, W), T.float32)
+            gt_l0a = T.alloc_l0a((BT, _N_PAD), T.float32)  # g as the transposed A of g^T @ x
+            g_l0a = T.alloc_l0a((BT, _N_PAD), T.float32)
+            x_l0b = T.alloc_l0b((BT, W), T.float32)
+            fn_l0b = T.alloc_l0b((_N_PAD, W), T.float32)
+            acc_fg = T.alloc_l0c((_N_PAD, W), T.float32)
+            acc_xg = T.alloc_l0c((BT, W), T.float32)
+            # x_ub, xg_ub and sg_ub are loaded under the tail guard: one version (the scheduler's rule)
+            T.annotate_buffer_versions({
+                xf_ub: stages, p_ub: stages, x_l1: stages, g_l1: stages, gt_l0a: stages, g_l0a: stages,
+                acc_xg: stages, x_l0b: x_l0b_versions,
+            })
+            for (ct,) in T.Persistent([n_ct], ncube, core_id, group_size=1):
                 c0 = ct * W
-                T.copy(fn[:, c0 : c0 + W], fn_ub)
-                with T.SimdVF():
-                    zero = S.vdup(0.0, T.float32)
-                    for j in T.serial(M3):
-                        for c in T.unroll(w_chunks, explicit=True):
-                            S.vsts(fg_ub[j, c * LANES], zero)
+                # rows M3..31 of the tile are out of bounds: the copy fills them with zeros
+                T.copy(fn[0:_N_PAD, c0 : c0 + W], fn_l1)
+                T.copy(fn_l1, fn_l0b)
                 for tb in T.Pipelined(T.ceildiv(num_tokens, BT), num_stages=stages):
                     t0 = tb * BT
-                    n_rows = T.min(num_tokens - t0, BT)
-                    T.copy(out_mul_grad[t0 : t0 + n_rows, :], g_ub[0:n_rows, 0:M3])
-                    T.copy(sqrsum_grad[t0 : t0 + n_rows], sg_ub[0:n_rows])
-                    T.copy(x[t0 : t0 + n_rows, c0 : c0 + W], x_ub[0:n_rows, :])
-                    T.copy(x_grad[t0 : t0 + n_rows, c0 : c0 + W], xg_ub[0:n_rows, :])
+                    a0 = t0 + sid * half  # first token of this vector core's half block
+                    valid_h = T.max(T.min(num_tokens - a0, half), 0)
+                    if valid_h > 0:
+                        T.copy(x[a0 : a0 + valid_h, c0 : c0 + W], x_ub[0:valid_h, :])
+                        T.copy(x_grad[a0 : a0 + valid_h, c0 : c0 + W], xg_ub[0:valid_h, :])
+                        T.copy(sqrsum_grad[a0 : a0 + valid_h], sg_ub[0:valid_h])
                     with T.SimdVF():
-                        fg = S.alloc_local((M3,), T.float32)
-                        r = S.alloc_local((1,), T.float32)
+                        zero = S.vdup(0.0, T.float32)
+                        for r in T.serial(valid_h):
+                            for c in T.unroll(w_chunks, explicit=True):
+                                xf = S.vcvt(S.vld(x_ub[r, c * LANES], dist="UNPK_B16"), T.float32, part=0)
+                                S.vsts(xf_ub[r, c * LANES], xf)
+                        for r in T.serial(valid_h, half):  # tail rows: zero x (g^T @ x sums all BT rows)
+                            for c in T.unroll(w_chunks, explicit=True):
+                                S.vsts(xf_ub[r, c * LANES], zero)
+                    T.dual_copy(xf_ub, x_l1)
+                    # token tail rows and columns M3..31 out of bounds: filled with zeros
+                    T.copy(out_mul_grad[t0 : t0 + BT, 0:_N_PAD], g_l1)
+                    T.copy(g_l1, gt_l0a)
+                    T.copy(x_l1, x_l0b)
+                    T.gemm(gt_l0a, x_l0b, acc_fg, transpose_A=True, clear_accum=(tb == 0))
+                    T.copy(g_l1, g_l0a)
+                    T.gemm(g_l0a, fn_l0b, acc_xg, clear_accum=True)
+                    T.dual_copy(acc_xg, p_ub)
+                    with T.SimdVF():
+                        r_acc = S.alloc_local((1,), T.float32)
+                        for r in T.serial(valid_h):
+                            sg2 = S.vmuls(S.vld(sg_ub[r], dist="BRC_B32"), 2.0)
+                            for c in T.unroll(w_chunks, explicit=True):
+                                d = c * LANES
+                                xg = S.vcvt(S.vld(xg_ub[r, d], dist="UNPK_B16"), T.float32, part=0)
+                                r_acc[0] = S.vadd(xg, S.vld(p_ub[r, d]))
+                                S.vmula(r_acc[0], sg2, S.vld(xf_ub[r, d]))
+                                S.vsts(xg_ub[r, d], S.vcvt(r_acc[0], T.bfloat16), dist="PK_B32")
+                    if valid_h > 0:
+                        T.copy(xg_ub[0:valid_h, :], x_grad[a0 : a0 + valid_h, c0 : c0 + W])
+                if num_tokens > 0:
+                    T.copy(acc_fg[0:M3, :], fn_grad[:, c0 : c0 + W])
+                else:
+                    # no token block ran, acc_fg was never cleared: the vector cores store zero rows
+                    f0 = sid * half
+                    valid_f = T.max(T.min(M3 - f0, half), 0)
+                    with T.SimdVF():
+                        zero = S.vdup(0.0, T.float32)
                         for c in T.unroll(w_chunks, explicit=True):
-                            d = c * LANES
-                            for j in T.unroll(M3, explicit=True):
-                                fg[j] = S.vld(fg_ub[j, d])
-                            for row in T.serial(n_rows):
-                                xf = S.vcvt(S.vld(x_ub[row, d], dist="UNPK_B16"), T.float32, part=0)
-                                r[0] = S.vcvt(S.vld(xg_ub[row, d], dist="UNPK_B16"), T.float32, part=0)
-                                for j in T.unroll(M3, explicit=True):
-                                    gj = S.vld(g_ub[row, j], dist="BRC_B32")
-                                    S.vmula(r[0], gj, S.vld(fn_ub[j, d]))
-                                    S.vmula(fg[j], gj, xf)
-                                sg2 = S.vmuls(S.vld(sg_ub[row], dist="BRC_B32"), 2.0)
-                                S.vmula(r[0], sg2, xf)
-                                S.vsts(xg_ub[row, d], S.vcvt(r[0], T.bfloat16), dist="PK_B32")
-                            for j in T.unroll(M3, explicit=True):
-                                S.vsts(fg_ub[j, d], fg[j])
-                    T.copy(xg_ub[0:n_rows, :], x_grad[t0 : t0 + n_rows, c0 : c0 + W])
-                T.copy(fg_ub, fn_grad[:, c0 : c0 + W])
+                            S.vsts(zero_ub[0, c * LANES], zero)
+                    for r in T.serial(valid_f):
+                        T.copy(zero_ub[0:1, :], fn_grad[f0 + r : f0 + r + 1, c0 : c0 + W])
 
     return mhc_gemm_with_sqrsum_backward_asc
 
