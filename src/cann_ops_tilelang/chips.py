@@ -78,10 +78,10 @@ class AscendChip:
     vector_cores: int
     ub_bytes: int
     ub_bytes_simt: int
-    l1_bytes: int = 512 * 1024
-    l0a_bytes: int = 64 * 1024
-    l0b_bytes: int = 64 * 1024
-    l0c_bytes: int = 256 * 1024
+    l1_bytes: int
+    l0a_bytes: int
+    l0b_bytes: int
+    l0c_bytes: int
 
     @property
     def cube_bytes(self) -> dict[str, int]:

@@ -80,6 +80,13 @@ def has_simt_region(source: str) -> bool:
     return "__simt_vf__" in source
 
 
+def _buffer_bytes(buf) -> int:
+    n = 1
+    for e in buf.shape:
+        n *= int(e)
+    return n * buf.dtype.bits // 8
+
+
 def _ub_bytes_of(device_mod) -> int:
     from tvm import tirx
 
@@ -100,10 +107,7 @@ def _ub_bytes_of(device_mod) -> int:
                 scope = buf.scope()
                 cube = scope.startswith("shared.l1") or scope.startswith("shared.l0")
                 if scope.startswith("shared") and scope != "shared.dyn" and not cube:
-                    n = 1
-                    for e in buf.shape:
-                        n *= int(e)
-                    extra += n * buf.dtype.bits // 8
+                    extra += _buffer_bytes(buf)
 
         tirx.stmt_functor.post_order_visit(func.body, visit)
         total = max(total, dyn + extra)
@@ -125,10 +129,7 @@ def _cube_bytes_of(device_mod) -> dict:
                 scope = buf.scope()  # shared.l1.dyn, shared.l0a.dyn, ... (sf handles: shared.l0a.sf)
                 parts = scope.split(".")
                 if len(parts) >= 2 and parts[0] == "shared" and parts[1] in found and not scope.endswith(".sf"):
-                    n = 1
-                    for e in buf.shape:
-                        n *= int(e)
-                    found[parts[1]] += n * buf.dtype.bits // 8
+                    found[parts[1]] += _buffer_bytes(buf)
 
         tirx.stmt_functor.post_order_visit(func.body, visit)
         for scope, size in found.items():

@@ -69,7 +69,7 @@ class BackwardPlan:
 
 
 # NOTE 64 x 64 tiles (22 KiB of x, x_grad, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
-# 115 registers: 3 CTAs per SM (3 stages: 2 CTAs, 9 % slower at T = 8192). ~16 CTAs per SM over all waves keeps
+# 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it). ~16 CTAs per SM over all waves keeps
 # the last wave's tail short;
 # partitions of >= 4 tiles keep the partials' traffic (written and read) within 1/8 of x / x_grad's, 2 % at
 # T = 8192 (docs/perf/h200/mhc.md, 2026-12-02 and 2026-12-03).
@@ -215,8 +215,8 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
                     gt_s[i, _PAD + j] = lo
                 T.fence_proxy_async()  # the generic-proxy writes above are read by the WGMMAs below
                 T.sync_threads()
-                # Both products issued at once; the epilogue waits for the first only: the fn_grad product (it
-                # reads x's stage and gt_s, which nothing writes before the closing wait) runs under it.
+                # All three issued at once; the epilogue waits for the two x_grad products only: the fn_grad
+                # product (it reads x's stage and gt_s, which nothing writes before the closing wait) runs under it.
                 T.wgmma_gemm(gt_s, fh_s, acc_x, clear_accum=True)
                 T.wgmma_gemm(gt_s, fl_s, acc_x)
                 T.wgmma_gemm(gt_s, x_s[it % NS, :, :], acc_f, transpose_A=True)
