@@ -166,8 +166,9 @@ def test_cuda_gemm_forward_schedule_choice(hidden):
 @pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 7168, 8192])
 def test_cuda_gemm_backward_token_partitions(hidden):
     """The CUDA GEMM backward's token partitions (a launch argument, never a compile key): none empty, each at
-    least 4 tiles of 64 tokens unless there is a single one, at most 32, one for T <= 64 (no reduction
-    pass); 5 at T = 8192 and 2 at T = 512 for H = 7168."""
+    least 4 tiles of 64 tokens unless there is a single one, at least 3 of them where the column CTAs fit in
+    one wave of 3 per SM, at most 32, one for T <= 64 (no reduction pass); 5 at T = 8192, 4 at T = 1024 and 2
+    at T = 512 for H = 7168, 1 at T = 512 for H = 4096."""
     from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
 
     k = 4 * hidden
@@ -177,9 +178,12 @@ def test_cuda_gemm_backward_token_partitions(hidden):
         per = -(-tiles // p)
         assert 1 <= p <= 32 and (p - 1) * per < max(tiles, 1), (hidden, tokens, p)  # the last partition has a tile
         assert p == 1 or per >= 4, (hidden, tokens, p)
+        assert p == 1 or p >= 3 or k // 64 > 3 * 132, (hidden, tokens, p)
         assert tiles > 1 or p == 1
     assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 7168) == 5
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(1024, 4 * 7168) == 4
     assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * 7168) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * 4096) == 1
     assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(3, 64), torch.empty(24, 64)) == (64, 24)
 
 

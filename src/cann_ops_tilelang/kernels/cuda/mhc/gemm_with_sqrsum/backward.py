@@ -55,8 +55,9 @@ class BackwardPlan:
     fn_grad product), ``block_k`` columns per CTA, ``threads`` per CTA, ``stages`` of the x / x_grad / g
     pipeline; the grid's ``ctas_per_sm`` target over all waves, at most ``max_partials`` token partitions and
     at least ``min_tiles_per_partial`` token tiles per partition (each partition writes an ``M3 x K`` fp32
-    partial, ``2 * 4 * M3`` bytes per column written and read, against ``6 * 64`` per tile of x / x_grad);
-    ``reduce_threads`` of the partial reduction."""
+    partial, ``2 * 4 * M3`` bytes per column written and read, against ``6 * 64`` per tile of x / x_grad), no
+    split into fewer than ``min_partials`` where the ``K / BK`` column CTAs fit in one wave of
+    ``resident_per_sm`` per SM; ``reduce_threads`` of the partial reduction."""
 
     block_t: int
     block_k: int
@@ -65,6 +66,8 @@ class BackwardPlan:
     ctas_per_sm: int
     max_partials: int
     min_tiles_per_partial: int
+    min_partials: int
+    resident_per_sm: int
     reduce_threads: int
 
 
@@ -72,18 +75,25 @@ class BackwardPlan:
 # 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it). ~16 CTAs per SM over all waves keeps
 # the last wave's tail short;
 # partitions of >= 4 tiles keep the partials' traffic (written and read) within 1/8 of x / x_grad's, 2 % at
-# T = 8192 (docs/perf/h200/mhc.md, 2026-12-02 and 2026-12-03).
+# T = 8192; a split in 2 (T = 512) costs its partials and reduction and still leaves a tail wave: none where
+# the column CTAs fit in one wave (H = 4096), as before where they do not (H = 7168)
+# (docs/perf/h200/mhc.md, 2026-12-02 and both 2026-12-03 entries).
 PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, ctas_per_sm=16, max_partials=32,
-                    min_tiles_per_partial=4, reduce_threads=128)
+                    min_tiles_per_partial=4, min_partials=3, resident_per_sm=3, reduce_threads=128)
 
 
 def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     """Number ``P`` of token partitions of the backward for ``T = num_tokens`` at ``K = cols`` (1: no second
     pass): ``K / BK`` column CTAs times ``P`` near ``PLAN.ctas_per_sm`` per H200 SM, every partition at least
-    ``PLAN.min_tiles_per_partial`` token tiles and none empty (``P = 5`` at T = 8192, K = 28672; 2 at T = 512)."""
+    ``PLAN.min_tiles_per_partial`` token tiles and none empty; 1 where that leaves fewer than
+    ``PLAN.min_partials`` and the column CTAs fit in one resident wave (``P = 5`` at T = 8192, K = 28672; 4 at
+    T = 1024; 2 at T = 512, K = 28672; 1 at T = 512, K = 16384)."""
     tiles = -(-num_tokens // PLAN.block_t)
-    want = -(-PLAN.ctas_per_sm * H200.sms // (cols // PLAN.block_k))
+    col_ctas = cols // PLAN.block_k
+    want = -(-PLAN.ctas_per_sm * H200.sms // col_ctas)
     p = max(1, min(want, PLAN.max_partials, tiles // PLAN.min_tiles_per_partial))
+    if p < PLAN.min_partials and col_ctas <= PLAN.resident_per_sm * H200.sms:
+        p = 1
     per = -(-tiles // p) if tiles else 1
     return max(1, -(-tiles // per))
 
