@@ -14,8 +14,10 @@ memory-bound at the optimizer's table sizes:
   ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, two rows per thread in flight,
   and their column sums are added in group order through shared memory at the end. A thread loads
   :func:`rows_in_flight` rows (up to 4 vectors) before it reduces any.
-* step reduce: one CTA, a thread per 4 columns, sums the partial rows in ascending order (8 loads in flight),
-  then updates its 4 column scales (``__fmul_rn``, ``__fsqrt_rn``, ``__fadd_rn``, ``__fdiv_rn``).
+* step reduce: a CTA per :data:`PLAN.reduce_cols` columns; its threads stage chunks of
+  :data:`PLAN.reduce_chunk` partial rows of those columns in shared memory (the loads of the whole CTA in
+  flight at once), then a thread per column adds them in ascending order, one rounding per addition, and
+  updates its column scale (``__fmul_rn``, ``__fsqrt_rn``, ``__fadd_rn``, ``__fdiv_rn``).
 * finalize: the step's row layout without partials, one CTA per ``rows_in_flight * 256 / G`` rows; the apply
   variant reads the table instead of writing an output and stores ``(p * decay) - (u * lr)``
   (``__fmul_rn``/``__fsub_rn``) into it.
@@ -67,7 +69,9 @@ class Plan:
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
     elems: int = 4  # momentum elements per thread
-    reduce_unroll: int = 8  # partial rows loaded before they are added (step reduce)
+    reduce_cols: int = 16  # step-reduce columns per CTA (16 CTAs at D = 256): 64-byte row pieces
+    reduce_chunk: int = 512  # partial rows staged at once (32 KiB): one chunk for the 528 partials and a tail
+    reduce_unroll: int = 8  # staged rows read ahead of the sequential additions (step reduce)
 
 
 PLAN = Plan()
@@ -306,7 +310,7 @@ def build_engram_sinkhorn_step_reduce(cols: int):
     cols = ENGRAM_SINKHORN_COLS.require("engram_sinkhorn_step_reduce", cols)
     f32 = T.float32
     parts = T.dynamic("num_partials")
-    un = PLAN.reduce_unroll
+    cw, chunk, threads, un = PLAN.reduce_cols, PLAN.reduce_chunk, PLAN.threads, PLAN.reduce_unroll
 
     @T.prim_func
     def engram_sinkhorn_step_reduce_cuda(
@@ -316,35 +320,37 @@ def build_engram_sinkhorn_step_reduce(cols: int):
         rows: T.int32,
         eps: f32,
     ):
-        with T.Kernel(1, threads=cols // 4) as _b:
+        with T.Kernel(cols // cw, threads=threads) as b:
             tid = T.get_thread_binding()
-            acc = T.alloc_local((4,), f32)
-            cs = T.alloc_local((4,), f32)
-            buf = T.alloc_local((un, 4), f32)
-            for v in T.vectorized(4):
-                acc[v] = col_sumsq_partial[0, tid * 4 + v]
-            full = (parts - 1) // un
-            for it in T.serial(full):
-                for k in T.unroll(un):
-                    for v in T.vectorized(4):
-                        buf[k, v] = col_sumsq_partial[1 + it * un + k, tid * 4 + v]
-                for k in T.unroll(un):  # p ascending
-                    for v in T.vectorized(4):
-                        acc[v] = acc[v] + buf[k, v]
-            for p in T.serial(1 + full * un, parts):
-                for v in T.vectorized(4):
-                    acc[v] = acc[v] + col_sumsq_partial[p, tid * 4 + v]
-            for v in T.vectorized(4):
-                col_sumsq[tid * 4 + v] = acc[v]
-            # epilogue: c <- c / (sqrt(s * (D / R)) + eps) where s > 0, each operation rounded on its own
-            balance = T.ieee_fdiv(T.float32(cols), T.cast(rows, f32))
-            for v in T.vectorized(4):
-                cs[v] = col_scale[tid * 4 + v]
-            for v in T.unroll(4):
-                if acc[v] > T.float32(0):
-                    cs[v] = T.ieee_fdiv(cs[v], T.ieee_add(T.ieee_fsqrt(T.ieee_mul(acc[v], balance)), eps))
-            for v in T.vectorized(4):
-                col_scale[tid * 4 + v] = cs[v]
+            stage = T.alloc_shared((chunk, cw), f32)
+            acc = T.alloc_local((1,), f32)
+            for ch in T.serial(T.ceildiv(parts, chunk)):
+                # the chunk's rows of this CTA's columns, every thread loading (rows past P: not read)
+                for r, c in T.Parallel(chunk, cw):
+                    if ch * chunk + r < parts:
+                        stage[r, c] = col_sumsq_partial[ch * chunk + r, b * cw + c]
+                T.sync_threads()
+                if tid < cw:
+                    if ch == 0:
+                        acc[0] = stage[0, tid]
+                    # rows 1.. (0.. after the first chunk) in ascending order, 8 loads in flight; a select,
+                    # not an added zero, past the ends (exact for every input, -0 included)
+                    n = T.min(chunk, parts - ch * chunk)
+                    for blk in T.serial(T.ceildiv(n, un)):
+                        for k in T.unroll(un):
+                            acc[0] = T.if_then_else(
+                                T.And(blk * un + k >= T.if_then_else(ch == 0, 1, 0), blk * un + k < n),
+                                acc[0] + stage[blk * un + k, tid],
+                                acc[0],
+                            )
+                T.sync_threads()
+            if tid < cw:
+                col_sumsq[b * cw + tid] = acc[0]
+                # epilogue: c <- c / (sqrt(s * (D / R)) + eps) where s > 0, each operation rounded on its own
+                balance = T.ieee_fdiv(T.float32(cols), T.cast(rows, f32))
+                if acc[0] > T.float32(0):
+                    col_scale[b * cw + tid] = T.ieee_fdiv(
+                        col_scale[b * cw + tid], T.ieee_add(T.ieee_fsqrt(T.ieee_mul(acc[0], balance)), eps))
 
     return engram_sinkhorn_step_reduce_cuda
 
