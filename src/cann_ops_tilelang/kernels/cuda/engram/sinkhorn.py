@@ -12,8 +12,10 @@ memory-bound at the optimizer's table sizes:
   column partials (no atomics). A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
   power of two dividing ``D / 4`` up to a warp), its sum of squares completed by an xor butterfly; the
   ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, two rows per thread in flight,
-  and their column sums are added in group order through shared memory at the end. A thread loads
-  :func:`rows_in_flight` rows (up to 4 vectors) before it reduces any.
+  and their column sums are added in group order through shared memory at the end. A thread stages
+  :func:`rows_in_flight` rows (up to 4 vectors) by ``cp.async`` in two private shared-memory slots: the next
+  rows are in flight while it reduces the current ones, and one lane per row copies the row's scale, which
+  reaches the row's other lanes by a shuffle.
 * step reduce: a CTA per :data:`PLAN.reduce_cols` columns; its threads stage chunks of
   :data:`PLAN.reduce_chunk` partial rows of those columns in shared memory (the loads of the whole CTA in
   flight at once), then a thread per column adds them in ascending order, one rounding per addition, and
@@ -59,9 +61,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM keep 1024 threads with four
-    16-byte row loads each in flight (64 KiB per SM; the copy ceiling needs ~25 KiB in flight per H200 SM
-    by Little's law, 4.8 TB/s x ~700 ns / 132). The momentum update takes 4 elements per thread, the fastest
+    """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM (the most that 64 registers
+    allow) keep 1024 threads with four 16-byte row copies each in flight while they reduce four more (34 KiB
+    of staging per CTA up to D = 512; 66 KiB at D = 1024, three CTAs per SM). The momentum update takes 4 elements per thread, the fastest
     count measured at fp32 and bf16 (docs/perf/h200/engram.md, 2026-12-02 (night) — Sinkhorn momentum update:
     elements per thread)."""
 
@@ -69,8 +71,8 @@ class Plan:
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
     elems: int = 4  # momentum elements per thread
-    reduce_cols: int = 16  # step-reduce columns per CTA (16 CTAs at D = 256): 64-byte row pieces
-    reduce_chunk: int = 512  # partial rows staged at once (32 KiB): one chunk for the 528 partials and a tail
+    reduce_cols: int = 8  # step-reduce columns per CTA (32 CTAs at D = 256): 32-byte row pieces
+    reduce_chunk: int = 512  # partial rows staged at once (16 KiB): one chunk for the 528 partials and a tail
     reduce_unroll: int = 8  # staged rows read ahead of the sequential additions (step reduce)
 
 
@@ -175,8 +177,8 @@ def engram_sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov, out)
 
 
 def _row_macros(T, cols: int):
-    """Macros shared by the step and the finalize: load ``rows_in_flight`` rows of this row group (zeros past
-    ``hi``) and their scales, and the scaled iterate's row sums of squares (xor butterfly over the G lanes)."""
+    """The finalize's row loads (``rows_in_flight`` rows of this row group and their scales, zeros past ``hi``)
+    and the scaled iterate's row sums of squares (xor butterfly over the G lanes), which the step shares."""
     lanes, chunks, _groups = row_layout(cols)
     f32 = T.float32
     nv, fl = 4 * chunks, rows_in_flight(cols)
@@ -219,9 +221,25 @@ def build_engram_sinkhorn_step(cols: int):
     from tilelang import language as T
 
     lanes, chunks, groups = row_layout(cols)
-    load_rows, row_sumsq, f32 = _row_macros(T, cols)
+    _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl, ctas = 4 * chunks, rows_in_flight(cols), PLAN.ctas
+
+    @T.macro
+    def issue(matrix, row_scale, xs, rss, slot, first, hi, lane, tid):
+        # cp.async of this thread's vectors of rows first + u * groups (those below hi) into its own 16-byte
+        # columns of slot `slot`, and lane u < fl of a row group the scale of row u into its own word (a scale
+        # copied by every lane made 75 % of the shared-memory wavefronts excessive); one commit group per call
+        for u in T.unroll(fl):
+            if first + u * groups < hi:
+                for c in T.unroll(chunks):
+                    T.ptx_cp_async(T.access_ptr(xs[(slot * fl + u) * chunks + c, tid * 4], "w", 4),
+                                   T.access_ptr(matrix[first + u * groups, (c * lanes + lane) * 4], "r", 4), 4)
+        if lane < fl:
+            if first + lane * groups < hi:
+                T.ptx_cp_async(T.access_ptr(rss[slot, tid], "w", 1),
+                               T.access_ptr(row_scale[first + lane * groups], "r", 1), 1)
+        T.ptx_commit_group()
 
     @T.prim_func
     def engram_sinkhorn_step_cuda(
@@ -233,6 +251,7 @@ def build_engram_sinkhorn_step(cols: int):
         eps: f32,
     ):
         with T.Kernel(ctas, threads=PLAN.threads) as b:
+            T.annotate_min_blocks_per_sm(ctas // H200.sms)
             tid = T.get_thread_binding()
             lane = tid % lanes
             grp = tid // lanes
@@ -243,6 +262,8 @@ def build_engram_sinkhorn_step(cols: int):
             s = T.alloc_local((fl,), f32)
             tot = T.alloc_local((4,), f32)
             red = T.alloc_shared((groups, cols), f32)
+            xs = T.alloc_shared((2 * fl * chunks, PLAN.threads * 4), f32)  # two slots of the thread's rows
+            rss = T.alloc_shared((2, PLAN.threads), f32)
             for c in T.unroll(chunks):
                 for v in T.vectorized(4):
                     cs[c * 4 + v] = col_scale[(c * lanes + lane) * 4 + v]
@@ -251,9 +272,20 @@ def build_engram_sinkhorn_step(cols: int):
             per = T.ceildiv(rows, ctas)
             lo = T.min(b * per, rows)
             hi = T.min(lo + per, rows)
+            issue(matrix, row_scale, xs, rss, 0, lo + grp, hi, lane, tid)
             for it in T.serial(T.ceildiv(per, groups * fl)):
                 first = lo + it * groups * fl + grp
-                load_rows(matrix, row_scale, x, rs, first, groups, hi, lane)
+                # the next iteration's rows in flight while this one's are reduced (thread-private slots: a
+                # wait_group, no barrier; the scales pass between lanes by shuffles)
+                issue(matrix, row_scale, xs, rss, (it + 1) % 2, first + groups * fl, hi, lane, tid)
+                T.ptx_wait_group(1)
+                mine = rss[it % 2, tid]
+                for u in T.unroll(fl):
+                    rs[u] = T.shfl_sync(mine, u, lanes)
+                for u in T.unroll(fl):
+                    for c in T.unroll(chunks):
+                        for v in T.vectorized(4):
+                            x[u, c * 4 + v] = xs[((it % 2) * fl + u) * chunks + c, tid * 4 + v]
                 row_sumsq(x, rs, cs, s)
                 for u in T.unroll(fl):
                     row = first + u * groups
@@ -266,6 +298,7 @@ def build_engram_sinkhorn_step(cols: int):
                         for j in T.unroll(nv):
                             y = (scale * x[u, j]) * cs[j]
                             acc[j] = acc[j] + T.ieee_mul(y, y)
+            T.sync_threads()  # red may share the staging slots' memory: every thread is past its last read
             for c in T.unroll(chunks):
                 for v in T.vectorized(4):
                     red[grp, (c * lanes + lane) * 4 + v] = acc[c * 4 + v]
