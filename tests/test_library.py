@@ -79,6 +79,28 @@ def test_mhc_launchers_get_arguments_and_new_outputs_by_name(stub_backend):
     assert parts.shape == (4, 3, 24) and sq.shape == (4, 3)
 
 
+def test_device_kernel_binds_positional_and_keyword_calls_alike(stub_backend):
+    """The device path binds an all-positional call by position (the custom op's backend calls it so) and any
+    other call by the signature: the launcher gets the same arguments by name; a wrong call is a TypeError
+    naming the op."""
+    x = torch.randn(3, 4 * 256).bfloat16()
+    fn = torch.randn(24, 4 * 256)
+    run = ops.registered_ops()["mhc_gemm_with_sqrsum_forward"].backend_kernel("cuda")
+    run(x, fn, 4)
+    run(x, fn=fn, n_splits=4)
+    run(n_splits=4, fn=fn, x=x)
+    (_, first), *rest = stub_backend
+    assert len(rest) == 2
+    for _, args in rest:
+        assert args.keys() == first.keys()
+        assert args["x"] is x and args["fn"] is fn and args["n_splits"] == 4
+    with pytest.raises(TypeError, match=r"cann_ops_tilelang::mhc_gemm_with_sqrsum_forward: "):
+        run(x, fn)
+    with pytest.raises(TypeError, match=r"cann_ops_tilelang::mhc_gemm_with_sqrsum_forward: "):
+        run(x, fn, 4, 5)
+    assert len(stub_backend) == 3
+
+
 def test_misaligned_vector_arguments_never_reach_the_backend(stub_backend):
     """An argument the kernels access in vectors (the op's ``vector_args``) whose data does not start on a
     multiple of the access width (a contiguous view at an odd storage offset) gets a ValueError naming the

@@ -155,6 +155,9 @@ class _Op:
         hints = typing.get_type_hints(prepare)
         self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
         self.names = tuple(self.signature.parameters)
+        # every parameter positional-or-keyword: a call with all of them positional binds by zip (the device
+        # kernels are called so by the custom op's backend, defaults filled), without inspect's binding
+        self.plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
         self.launch: Callable[..., None] | None = None
         self.sharding: _sharding.Rule | None = None
 
@@ -234,21 +237,26 @@ class _Op:
         decl = self.decl
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            bound = self.bind(args, kwargs)
-            outputs = self.prepare(*bound.args, **bound.kwargs)
-            self.check_aliasing(bound.arguments)
-            self.check_alignment(bound.arguments)
+            if self.plain and not kwargs and len(args) == len(self.names):
+                arguments = dict(zip(self.names, args))
+                outputs = self.prepare(*args)
+            else:
+                bound = self.bind(args, kwargs)
+                arguments = bound.arguments
+                outputs = self.prepare(*bound.args, **bound.kwargs)
+            self.check_aliasing(arguments)
+            self.check_alignment(arguments)
             if config.debug_enabled():
-                config.logger.debug("%s::%s on %s: %s", NAMESPACE, decl.name, backend, _describe(bound.arguments))
-            if decl.tokens is not None and bound.arguments[decl.tokens].shape[0] == 0:
+                config.logger.debug("%s::%s on %s: %s", NAMESPACE, decl.name, backend, _describe(arguments))
+            if decl.tokens is not None and arguments[decl.tokens].shape[0] == 0:
                 # No tokens: nothing to launch; sums over no tokens are defined zeros.
                 new = () if outputs is None else (outputs if isinstance(outputs, tuple) else (outputs,))
-                for buffer in (*new, *(bound.arguments[a] for a in decl.zero_when_empty)):
+                for buffer in (*new, *(arguments[a] for a in decl.zero_when_empty)):
                     buffer.zero_()
                 return outputs
             if self.launch is None:
                 raise NotImplementedError(f"{NAMESPACE}::{decl.name} has no launch binding")
-            self.launch(_backend_module(backend, decl.family, decl.module), outputs, **bound.arguments)
+            self.launch(_backend_module(backend, decl.family, decl.module), outputs, **arguments)
             return outputs
 
         run.__name__ = f"{decl.name}_{backend}"
