@@ -11,11 +11,11 @@ memory-bound at the optimizer's table sizes:
 * step: :data:`PLAN.ctas` CTAs (four per H200 SM), each owning a contiguous row range and writing one row of
   column partials (no atomics). A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
   power of two dividing ``D / 4`` up to a warp), its sum of squares completed by an xor butterfly; the
-  ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, two rows per thread in flight,
-  and their column sums are added in group order through shared memory at the end. A thread stages
-  :func:`rows_in_flight` rows (up to 4 vectors) by ``cp.async`` in two private shared-memory slots: the next
-  rows are in flight while it reduces the current ones, and one lane per row copies the row's scale, which
-  reaches the row's other lanes by a shuffle.
+  ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, and their column sums are added
+  in group order through shared memory at the end. A thread stages :func:`rows_in_flight` rows (up to 4
+  vectors) per iteration by ``cp.async`` in :data:`PLAN.step_slots` private shared-memory slots, the next
+  iterations' rows in flight while it reduces the current ones; one lane per row copies the row's scale,
+  which reaches the row's other lanes by a shuffle.
 * step reduce: a CTA per :data:`PLAN.reduce_cols` columns; its threads stage chunks of
   :data:`PLAN.reduce_chunk` partial rows of those columns in shared memory (the loads of the whole CTA in
   flight at once), then a thread per column adds them in ascending order, one rounding per addition, and
@@ -63,13 +63,14 @@ __all__ = [
 class Plan:
     """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM (the most that 64 registers
     allow) keep 1024 threads with four 16-byte row copies each in flight while they reduce four more (34 KiB
-    of staging per CTA up to D = 512; 66 KiB at D = 1024, three CTAs per SM). The momentum update takes 4 elements per thread, the fastest
-    count measured at fp32 and bf16 (docs/perf/h200/engram.md, 2026-12-02 (night) — Sinkhorn momentum update:
-    elements per thread)."""
+    of staging per CTA up to D = 512 with two slots; 66 KiB at D = 1024, three CTAs per SM). The momentum
+    update takes 4 elements per thread, the fastest count measured at fp32 and bf16 (docs/perf/h200/engram.md,
+    2026-12-02 (night) — Sinkhorn momentum update: elements per thread)."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
+    step_slots: int = 2  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
     elems: int = 4  # momentum elements per thread
     reduce_cols: int = 8  # step-reduce columns per CTA (32 CTAs at D = 256): 32-byte row pieces
     reduce_chunk: int = 512  # partial rows staged at once (16 KiB): one chunk for the 528 partials and a tail
@@ -223,7 +224,7 @@ def build_engram_sinkhorn_step(cols: int):
     lanes, chunks, groups = row_layout(cols)
     _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
-    nv, fl, ctas = 4 * chunks, rows_in_flight(cols), PLAN.ctas
+    nv, fl, ctas, slots = 4 * chunks, rows_in_flight(cols), PLAN.ctas, PLAN.step_slots
 
     @T.macro
     def issue(matrix, row_scale, xs, rss, slot, first, hi, lane, tid):
@@ -262,8 +263,8 @@ def build_engram_sinkhorn_step(cols: int):
             s = T.alloc_local((fl,), f32)
             tot = T.alloc_local((4,), f32)
             red = T.alloc_shared((groups, cols), f32)
-            xs = T.alloc_shared((2 * fl * chunks, PLAN.threads * 4), f32)  # two slots of the thread's rows
-            rss = T.alloc_shared((2, PLAN.threads), f32)
+            xs = T.alloc_shared((slots * fl * chunks, PLAN.threads * 4), f32)  # slots of the thread's rows
+            rss = T.alloc_shared((slots, PLAN.threads), f32)
             for c in T.unroll(chunks):
                 for v in T.vectorized(4):
                     cs[c * 4 + v] = col_scale[(c * lanes + lane) * 4 + v]
@@ -272,20 +273,22 @@ def build_engram_sinkhorn_step(cols: int):
             per = T.ceildiv(rows, ctas)
             lo = T.min(b * per, rows)
             hi = T.min(lo + per, rows)
-            issue(matrix, row_scale, xs, rss, 0, lo + grp, hi, lane, tid)
+            for sl in T.unroll(slots - 1):
+                issue(matrix, row_scale, xs, rss, sl, lo + sl * groups * fl + grp, hi, lane, tid)
             for it in T.serial(T.ceildiv(per, groups * fl)):
                 first = lo + it * groups * fl + grp
-                # the next iteration's rows in flight while this one's are reduced (thread-private slots: a
-                # wait_group, no barrier; the scales pass between lanes by shuffles)
-                issue(matrix, row_scale, xs, rss, (it + 1) % 2, first + groups * fl, hi, lane, tid)
-                T.ptx_wait_group(1)
-                mine = rss[it % 2, tid]
+                # the rows of the next slots - 1 iterations in flight while this one's are reduced
+                # (thread-private slots: a wait_group, no barrier; the scales pass between lanes by shuffles)
+                issue(matrix, row_scale, xs, rss, (it + slots - 1) % slots, first + (slots - 1) * groups * fl, hi,
+                      lane, tid)
+                T.ptx_wait_group(slots - 1)
+                mine = rss[it % slots, tid]
                 for u in T.unroll(fl):
                     rs[u] = T.shfl_sync(mine, u, lanes)
                 for u in T.unroll(fl):
                     for c in T.unroll(chunks):
                         for v in T.vectorized(4):
-                            x[u, c * 4 + v] = xs[((it % 2) * fl + u) * chunks + c, tid * 4 + v]
+                            x[u, c * 4 + v] = xs[((it % slots) * fl + u) * chunks + c, tid * 4 + v]
                 row_sumsq(x, rs, cs, s)
                 for u in T.unroll(fl):
                     row = first + u * groups
