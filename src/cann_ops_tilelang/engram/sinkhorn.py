@@ -98,8 +98,8 @@ def _(kernels, out, grad, momentum_buffer, beta1, nesterov):
                                                 nesterov=nesterov, out=out)
 
 
-@declare("engram_sinkhorn_step", mutates_args=("row_scale",), vector_args={"matrix": 16, "col_scale": 16},
-         tokens="matrix")
+@declare("engram_sinkhorn_step", mutates_args=("row_scale",),
+         vector_args={"matrix": 16, "row_scale": 4, "col_scale": 16}, tokens="matrix")
 def engram_sinkhorn_step(matrix: Tensor, row_scale: Tensor, col_scale: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """One row-L2 normalization step of ``X = diag(row_scale) @ matrix @ diag(col_scale)``.
 
