@@ -229,8 +229,8 @@ def build_engram_sinkhorn_step(cols: int):
     @T.macro
     def issue(matrix, row_scale, xs, rss, slot, first, hi, lane, tid):
         # cp.async of this thread's vectors of rows first + u * groups (those below hi) into its own 16-byte
-        # columns of slot `slot`, and lane u < fl of a row group the scale of row u into its own word (a scale
-        # copied by every lane made 75 % of the shared-memory wavefronts excessive); one commit group per call
+        # columns of slot `slot`, and lane u < fl of a row group the scale of row u into its own word (one copy
+        # per row, not one per lane); one commit group per call
         for u in T.unroll(fl):
             if first + u * groups < hi:
                 for c in T.unroll(chunks):
