@@ -13,7 +13,7 @@ memory-bound at the optimizer's table sizes:
   power of two dividing ``D / 4`` up to a warp), its sum of squares completed by an xor butterfly; the
   ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, and their column sums are added
   in group order through shared memory at the end. A thread stages :func:`rows_in_flight` rows (up to 4
-  vectors) per iteration by ``cp.async`` in :data:`PLAN.step_slots` private shared-memory slots, the next
+  vectors) per iteration by ``cp.async`` in :func:`step_slots` private shared-memory slots, the next
   iterations' rows in flight while it reduces the current ones; one lane per row copies the row's scale,
   which reaches the row's other lanes by a shuffle.
 * step reduce: a CTA per :data:`PLAN.reduce_cols` columns; its threads stage chunks of
@@ -56,21 +56,24 @@ __all__ = [
     "lowering_cases",
     "row_layout",
     "rows_in_flight",
+    "step_slots",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM (the most that 64 registers
-    allow) keep 1024 threads with four 16-byte row copies each in flight while they reduce four more (34 KiB
-    of staging per CTA up to D = 512 with two slots; 66 KiB at D = 1024, three CTAs per SM). The momentum
-    update takes 4 elements per thread, the fastest count measured at fp32 and bf16 (docs/perf/h200/engram.md,
-    2026-12-02 (night) — Sinkhorn momentum update: elements per thread)."""
+    allow) keep 1024 threads with two iterations of four 16-byte row copies each in flight while they reduce
+    a third (three 16 KiB slots per CTA up to D = 512; two 32 KiB slots at D = 1024, three CTAs per SM). The
+    momentum update takes 4 elements per thread, the fastest count measured at fp32 and bf16
+    (docs/perf/h200/engram.md, 2026-12-02 (night) — Sinkhorn momentum update: elements per thread)."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
-    step_slots: int = 2  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
+    # NOTE 3 measured 9 % faster than 2 at R = 10^6, D = 128, level at D = 64 and R = 10^7 (docs/perf)
+    step_slots: int = 3  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
+    step_staging: int = 48 << 10  # bytes of step staging per CTA at most (fewer slots, not fewer than 2, above)
     elems: int = 4  # momentum elements per thread
     reduce_cols: int = 8  # step-reduce columns per CTA (32 CTAs at D = 256): 32-byte row pieces
     reduce_chunk: int = 512  # partial rows staged at once (16 KiB): one chunk for the 528 partials and a tail
@@ -96,6 +99,13 @@ def rows_in_flight(cols: int) -> int:
     and 128 (one vector per lane and row), 2 at D = 256, 1 from three vectors per lane (at most 32 row
     registers per thread)."""
     return max(1, min(4, PLAN.row_vectors // row_layout(cols)[1]))
+
+
+def step_slots(cols: int) -> int:
+    """Staging slots of the step at ``D = cols``: :data:`PLAN.step_slots` while they fit
+    :data:`PLAN.step_staging` (up to D = 512), else as many as fit and at least 2."""
+    slot = rows_in_flight(cols) * row_layout(cols)[1] * PLAN.threads * 16
+    return max(2, min(PLAN.step_slots, PLAN.step_staging // slot))
 
 
 # ---- momentum update ---------------------------------------------------------------------------------------
@@ -224,7 +234,7 @@ def build_engram_sinkhorn_step(cols: int):
     lanes, chunks, groups = row_layout(cols)
     _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
-    nv, fl, ctas, slots = 4 * chunks, rows_in_flight(cols), PLAN.ctas, PLAN.step_slots
+    nv, fl, ctas, slots = 4 * chunks, rows_in_flight(cols), PLAN.ctas, step_slots(cols)
 
     @T.macro
     def issue(matrix, row_scale, xs, rss, slot, first, hi, lane, tid):
