@@ -22,6 +22,50 @@ __all__ = ["Engram", "ngram_token_ids"]
 _OP = "modeling.Engram"
 
 
+class _CausalDepthwiseConv(torch.autograd.Function):
+    """``y[n, t, c] = sum_k w[c, k] · x[n, t - (K-1-k)·d, c]`` for ``x (N, L, C)``, ``w (C, 1, K)``, zeros before
+    the sequence start: the demo's causal depthwise ``Conv1d`` in the token-major layout of the layer (no
+    channels-first copies), products summed in fp32 and rounded once to ``x``'s dtype.
+
+    NOTE: the taps are shifted slices, which inductor fuses with the norm and the SiLU around them; ATen's
+    depthwise convolution and its two transposes were 44 % of the compiled layer step (docs/perf/h200/engram.md).
+    Only ``x`` (bf16) and ``w`` are saved; the fp32 sums are formed in place."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, dilation: int) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dilation = dilation
+        w, length = weight.squeeze(1).float(), x.shape[1]
+        taps = w.shape[1]
+        padded = F.pad(x, (0, 0, (taps - 1) * dilation, 0))
+        y = padded[:, :length] * w[:, 0]
+        for k in range(1, taps):
+            y.addcmul_(padded[:, k * dilation:k * dilation + length], w[:, k])
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        dilation = ctx.dilation
+        w, length = weight.squeeze(1).float(), x.shape[1]
+        taps = w.shape[1]
+        last = (taps - 1) * dilation
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # x[t] feeds y[t + (K-1-k)·d] through tap k: the same sums over grad padded after the sequence end
+            padded = F.pad(grad, (0, 0, 0, last))
+            gx = padded[:, last:last + length] * w[:, 0]
+            for k in range(1, taps):
+                shift = last - k * dilation
+                gx.addcmul_(padded[:, shift:shift + length], w[:, k])
+            grad_x = gx.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            padded, grad32 = F.pad(x, (0, 0, last, 0)), grad.float()
+            grad_w = torch.stack([(grad32 * padded[:, k * dilation:k * dilation + length]).sum((0, 1))
+                                  for k in range(taps)], -1).unsqueeze(1).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
 def ngram_token_ids(token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tensor:
     """The n-gram windows of every token: ``(*, L)`` token ids -> ``(*, L, N)`` with column ``k`` the token
     ``k`` positions back in the same sequence (the last dim of ``token_ids``) and ``pad_id`` before its start
@@ -141,9 +185,9 @@ class Engram(nn.Module):
         """``SiLU(causal depthwise conv(RMSNorm_h(value)))`` over the sequence axis of ``value (*, L, m, H)``."""
         lead, length = value.shape[:-3], value.shape[-3]
         normed = F.rms_norm(value, (self.hidden_size,), eps=self.conv_eps) * self.conv_norm_weight
-        channels_first = normed.reshape(-1, length, self.hc_mult * self.hidden_size).transpose(1, 2)
-        mixed = F.silu(self.conv(channels_first)[..., :length])
-        return mixed.transpose(1, 2).reshape(*lead, length, self.hc_mult, self.hidden_size)
+        tokens = normed.reshape(-1, length, self.hc_mult * self.hidden_size)
+        mixed = F.silu(_CausalDepthwiseConv.apply(tokens, self.conv.weight, self.conv.dilation[0]))
+        return mixed.reshape(*lead, length, self.hc_mult, self.hidden_size)
 
     def forward(self, hidden_states: Tensor, hash_ids: Tensor) -> Tensor:
         """The layer with its residual.
