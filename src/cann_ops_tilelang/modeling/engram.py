@@ -51,6 +51,12 @@ class _CausalDepthwiseConv(torch.autograd.Function):
         taps = w.shape[1]
         last = (taps - 1) * dilation
         grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:  # first: its fp32 copy of grad is freed before grad_x's sums exist
+            padded, grad32, sums = F.pad(x, (0, 0, last, 0)), grad.float(), []
+            for k in range(taps):
+                sums.append((grad32 * padded[:, k * dilation:k * dilation + length]).sum((0, 1)))
+            padded = grad32 = None
+            grad_w = torch.stack(sums, -1).unsqueeze(1).to(weight.dtype)
         if ctx.needs_input_grad[0]:
             # x[t] feeds y[t + (K-1-k)·d] through tap k: the same sums over grad padded after the sequence end
             padded = F.pad(grad, (0, 0, 0, last))
@@ -59,10 +65,6 @@ class _CausalDepthwiseConv(torch.autograd.Function):
                 shift = last - k * dilation
                 gx.addcmul_(padded[:, shift:shift + length], w[:, k])
             grad_x = gx.to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            padded, grad32 = F.pad(x, (0, 0, last, 0)), grad.float()
-            grad_w = torch.stack([(grad32 * padded[:, k * dilation:k * dilation + length]).sum((0, 1))
-                                  for k in range(taps)], -1).unsqueeze(1).to(weight.dtype)
         return grad_x, grad_w, None
 
 
