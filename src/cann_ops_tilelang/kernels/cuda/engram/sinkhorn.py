@@ -64,14 +64,14 @@ __all__ = [
 class Plan:
     """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM (the most that 64 registers
     allow) keep 1024 threads with two iterations of four 16-byte row copies each in flight while they reduce
-    a third (three 16 KiB slots per CTA up to D = 512; two 32 KiB slots at D = 1024, three CTAs per SM). The
+    a third (three 16 KiB slots per CTA where D <= 512 is a power of two or 192 / 384; two slots otherwise). The
     momentum update takes 4 elements per thread, the fastest count measured at fp32 and bf16
     (docs/perf/h200/engram.md, 2026-12-02 (night) — Sinkhorn momentum update: elements per thread)."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
-    # NOTE 3 measured 9 % faster than 2 at R = 10^6, D = 128, level at D = 64 and R = 10^7 (docs/perf)
+    # NOTE 3 slots over 2: 9 % faster at R = 10^6, D = 128 (docs/perf/h200/engram.md)
     step_slots: int = 3  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
     step_staging: int = 48 << 10  # bytes of step staging per CTA at most (fewer slots, not fewer than 2, above)
     elems: int = 4  # momentum elements per thread
@@ -102,8 +102,8 @@ def rows_in_flight(cols: int) -> int:
 
 
 def step_slots(cols: int) -> int:
-    """Staging slots of the step at ``D = cols``: :data:`PLAN.step_slots` while they fit
-    :data:`PLAN.step_staging` (up to D = 512), else as many as fit and at least 2."""
+    """Staging slots of the step at ``D = cols``: :data:`PLAN.step_slots` where they fit :data:`PLAN.step_staging`
+    (16 KiB slots: D in {64, 128, 192, 256, 384, 512}), else as many as fit and at least 2."""
     slot = rows_in_flight(cols) * row_layout(cols)[1] * PLAN.threads * 16
     return max(2, min(PLAN.step_slots, PLAN.step_staging // slot))
 
