@@ -151,3 +151,54 @@ def test_vector_args_name_arguments_of_the_op():
         prepare.__module__ = "cann_ops_tilelang.engram.fused_weight"
         _library.declare("_test_vector_args", vector_args={"y": 16})(prepare)
     assert "_test_vector_args" not in ops.registered_ops()
+
+
+def test_device_kernel_fills_the_defaults_the_dispatcher_leaves_out(stub_backend):
+    """The dispatcher leaves out trailing arguments equal to their defaults: the device path fills them in, so the
+    launcher gets the same arguments as for a call that names them all."""
+    x = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 5, 512, dtype=torch.bfloat16)
+    w = torch.ones(4, 512)
+    run = ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")
+    run(x, kv, w, 1e-6, 1e-6)
+    run(x, kv, w, 1e-6, 1e-6, True, None, True)
+    run(hidden_states=x, kv=kv, weight_fused=w, eps=1e-6, clamp_value=1e-6)
+    (_, short), (_, full), (_, named) = stub_backend
+    for args in (full, named):
+        assert list(args) == list(short)
+        for name in ("hidden_states", "kv", "weight_fused", "image_token_mask", "eps", "clamp_value", "residual"):
+            assert args[name] is short[name] or args[name] == short[name]
+        assert [t.shape for t in (args["dot"], args["rstd_k"])] == [t.shape for t in (short["dot"], short["rstd_k"])]
+
+
+def test_written_buffers_are_marked_modified_for_autograd():
+    """An op that writes a buffer bumps the buffer's version counter, with gradients on or off and under
+    inference mode, so autograd refuses a backward that needs the overwritten values."""
+    op = torch.ops.cann_ops_tilelang.mhc_sinkhorn_forward.default
+    logits = torch.randn(3, 4, 4)
+    out = torch.empty(3, 4, 4)
+    start = out._version
+    op(logits, out, 20, 1e-6)
+    with torch.no_grad():
+        op(logits, out, 20, 1e-6)
+    with torch.inference_mode():
+        op(logits, out, 20, 1e-6)
+    assert out._version == start + 3
+    a = torch.randn(3, 4, 4, requires_grad=True)
+    product = (a * out).sum()  # saves out for the backward
+    op(logits, out, 20, 1e-6)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()
+
+
+def test_backward_through_a_primitive_raises():
+    """The primitives have no autograd formula (the modeling layer chains their backward ops): a call with an
+    input that requires grad runs, and a backward through its output raises instead of a silent zero."""
+    tokens, hidden = 3, 256
+    x = torch.randn(tokens, hidden).bfloat16().requires_grad_()
+    residual = torch.randn(tokens, 4, hidden).bfloat16()
+    out = torch.ops.cann_ops_tilelang.mhc_post_forward.default(x, residual, torch.rand(tokens, 4),
+                                                               torch.rand(tokens, 4, 4))
+    assert out.requires_grad and out.shape == (tokens, 4, hidden)
+    with pytest.raises(RuntimeError, match="mhc_post_forward.* no autograd formula"):
+        out.float().sum().backward()

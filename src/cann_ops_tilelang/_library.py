@@ -13,7 +13,14 @@ outputs with ``new_empty``. :func:`declare` turns it into the custom op ``cann_o
   module ``cann_ops_tilelang.kernels.<backend>.<family>.<op module>``, imported on first use (TileLang is
   imported only there);
 * any other device (CPU, ...) runs the same checks, then gets a ``RuntimeError`` naming the op, the device
-  and the devices that have kernels.
+  and the devices that have kernels;
+* autograd: the ops have no backward formula (the modeling layer chains the backward ops). A call where no
+  input requires grad bumps the versions of the buffers it writes and goes straight to the kernel; otherwise
+  torch's node for an op without a formula is recorded, and a backward through it raises.
+
+The op is defined with the low-level ``torch.library`` API (schema from ``infer_schema``, one kernel per
+dispatch key), not with ``torch.library.custom_op``, whose Python autograd and in-place layers took about as
+much host time per call as our own checks (docs/perf/h200/mhc.md, 2026-12-04).
 
 Each op module also declares the op's DTensor sharding rule with ``public.sharding(...)`` (see
 :mod:`._sharding`); the rules are registered with DTensor on the first public call after
@@ -139,6 +146,13 @@ def _tensors(arguments: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+class _NoFormula:
+    """No backward formula: what torch's generated autograd node raises for at backward."""
+
+    _backward_fn = None
+    _setup_context_fn = None
+
+
 class _Op:
     """Binds a declared op's prepare function to the checks that run before any launch, and to its launch."""
 
@@ -156,19 +170,28 @@ class _Op:
         hints = typing.get_type_hints(prepare)
         self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
         self.names = tuple(self.signature.parameters)
-        # every parameter positional-or-keyword: a call with all of them positional binds by zip (the device
-        # kernels are called so by the custom op's backend, defaults filled), without inspect's binding
-        self.plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
+        parameters = tuple(self.signature.parameters.values())
+        if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
+            raise ValueError(f"{NAMESPACE}::{decl.name}: declare every argument positional-or-keyword (no *, /, "
+                             f"*args or **kwargs): the schema and the kernels take them in order")
+        self.defaults = tuple(p.default for p in parameters)
+        self.required = sum(p.default is p.empty for p in parameters)
+        self.mutated = tuple(self.names.index(name) for name in decl.mutates_args)
         self.launch: Callable[..., None] | None = None
         self.sharding: _sharding.Rule | None = None
 
-    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(every argument in order, {name: argument})``, defaults filled. An all-positional call (how the
+        dispatcher calls the kernels, trailing arguments equal to their defaults left out) binds by zip."""
+        if not kwargs and self.required <= len(args) <= len(self.names):
+            full = tuple(args) + self.defaults[len(args):]
+            return full, dict(zip(self.names, full))
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{NAMESPACE}::{self.decl.name}: {exc}") from None
         bound.apply_defaults()
-        return bound
+        return tuple(bound.arguments.values()), bound.arguments
 
     def check_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """The public function's checks before the dispatcher: the kinds of the given arguments against the
@@ -195,8 +218,7 @@ class _Op:
         if not self.decl.mutates_args:
             return
         tensors = _tensors(arguments)
-        written = _tensors({name: arguments[name] for name in self.decl.mutates_args})
-        for name, buffer in written:
+        for name, buffer in _tensors({name: arguments[name] for name in self.decl.mutates_args}):
             for other, value in tensors:
                 if other != name and overlap(buffer, value):
                     raise OpError(self.decl.name).value(
@@ -208,43 +230,82 @@ class _Op:
         of the access width (the device kernels and the no-kernel path get real tensors; meta and fake ones
         take the fake)."""
         for name, width in self.decl.vector_args.items():
-            for arg, value in _tensors({name: arguments.get(name)}):
-                if misalignment(value, width):
-                    raise OpError(self.decl.name).value(
-                        arg,
-                        f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte "
-                        f"vectors), got an address {misalignment(value, width)} bytes past one (a view at storage "
-                        f"offset {value.storage_offset()}); pass a copy (.clone())",
-                    )
+            value = arguments[name]
+            if isinstance(value, torch.Tensor):
+                if value.data_ptr() % width and value.numel():  # the common case, without building a list
+                    self.misaligned(name, value, width)
+            elif value is not None:
+                for arg, element in _tensors({name: value}):
+                    if misalignment(element, width):
+                        self.misaligned(arg, element, width)
+
+    def misaligned(self, arg: str, value: torch.Tensor, width: int) -> None:
+        raise OpError(self.decl.name).value(
+            arg,
+            f"expected data starting on a {width}-byte boundary (the kernels access it in {width}-byte vectors), "
+            f"got an address {misalignment(value, width)} bytes past one (a view at storage offset "
+            f"{value.storage_offset()}); pass a copy (.clone())",
+        )
 
     def fake(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self.bind(args, kwargs)
-        outputs = self.prepare(*bound.args, **bound.kwargs)
-        self.check_aliasing(bound.arguments)
+        full, arguments = self.bind(args, kwargs)
+        outputs = self.prepare(*full)
+        self.check_aliasing(arguments)
         return outputs
 
     def unsupported(self, *args: Any, **kwargs: Any) -> Any:
         # Bad arguments are reported as such whatever the device; then the device itself.
-        bound = self.bind(args, kwargs)
-        self.prepare(*bound.args, **bound.kwargs)
-        self.check_aliasing(bound.arguments)
-        self.check_alignment(bound.arguments)
+        full, arguments = self.bind(args, kwargs)
+        self.prepare(*full)
+        self.check_aliasing(arguments)
+        self.check_alignment(arguments)
         raise RuntimeError(
             f"{NAMESPACE}::{self.decl.name}: no kernel for tensors on device "
             f"'{_device_name(_first_device(args, kwargs))}'; supported devices: {_SUPPORTED}"
         )
 
+    def bump_versions(self, args: Sequence[Any]) -> None:
+        """Marks the written buffers modified for autograd (the dispatcher leaves out trailing defaults: a
+        buffer not passed is None)."""
+        for index in self.mutated:
+            if index < len(args) and args[index] is not None:
+                torch.autograd.graph.increment_version(args[index])
+
+    def autograd_kernel(self, overload: torch._ops.OpOverload) -> Callable[..., Any]:
+        """The op's Autograd kernel. No input needs a gradient (the common case: the modeling layer's autograd
+        functions call the ops with gradients off): the written buffers' versions are bumped and the call goes
+        straight below autograd. Otherwise torch's generated node for an op without a formula runs: the
+        forward works, a backward through it raises."""
+        without_formula = torch._library.autograd.make_autograd_impl(overload, _NoFormula)
+        below = torch._C._after_ADInplaceOrView_keyset
+
+        def autograd(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs):
+                return without_formula(keyset, *args, **kwargs)
+            self.bump_versions(args)
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                return overload.redispatch(keyset & below, *args, **kwargs)
+
+        return autograd
+
+    def version_kernel(self, overload: torch._ops.OpOverload) -> Callable[..., Any]:
+        """The ADInplaceOrView kernel of an op that writes buffers (reached under inference mode and through
+        the node without a formula): bumps the written buffers' versions."""
+        below = torch._C._after_ADInplaceOrView_keyset
+
+        def versions(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            self.bump_versions(args)
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                return overload.redispatch(keyset & below, *args, **kwargs)
+
+        return versions
+
     def kernel(self, backend: str) -> Callable[..., Any]:
         decl = self.decl
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            if self.plain and not kwargs and len(args) == len(self.names):
-                arguments = dict(zip(self.names, args))
-                outputs = self.prepare(*args)
-            else:
-                bound = self.bind(args, kwargs)
-                arguments = bound.arguments
-                outputs = self.prepare(*bound.args, **bound.kwargs)
+            full, arguments = self.bind(args, kwargs)
+            outputs = self.prepare(*full)
             self.check_aliasing(arguments)
             self.check_alignment(arguments)
             if config.debug_enabled():
@@ -314,18 +375,21 @@ def declare(
         def default(*args: Any, **kwargs: Any) -> Any:
             return op.unsupported(*args, **kwargs)
 
-        functools.update_wrapper(default, prepare)
-        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", default, mutates_args=decl.mutates_args)
         @functools.wraps(prepare)
         def fake(*args: Any, **kwargs: Any) -> Any:
             return op.fake(*args, **kwargs)
 
-        custom.register_fake(fake)
-        for key, backend in _BACKENDS.items():
-            # NOTE on the dispatch key itself: custom_op's register_kernel wraps the kernel in a Python check
-            # that outputs alias no input (new by construction here), 24 % of a compiled sublayer's host time
-            _LIBRARY.impl(name, op.kernel(backend), key)
+        # NOTE low-level definition, not torch.library.custom_op: its Python layers cost host time per call
+        _LIBRARY.define(name + torch.library.infer_schema(prepare, mutates_args=decl.mutates_args),
+                        tags=(torch.Tag.pt2_compliant_tag,))
         overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+        _LIBRARY.impl(name, default, "CompositeExplicitAutograd")
+        for key, backend in _BACKENDS.items():
+            _LIBRARY.impl(name, op.kernel(backend), key)
+        _LIBRARY.impl(name, op.autograd_kernel(overload), "Autograd", with_keyset=True)
+        if decl.mutates_args:
+            _LIBRARY.impl(name, op.version_kernel(overload), "ADInplaceOrView", with_keyset=True)
 
         @functools.wraps(prepare)
         def public(*args: Any, **kwargs: Any) -> Any:
@@ -343,7 +407,7 @@ def declare(
             op.sharding = _sharding.Rule(decl, op.names, strategies, unsupported)
             _sharding.PENDING = True
 
-        public.op = custom
+        public.op = overload
         public.op_state = op
         public.sharding = set_sharding
         public.declaration = decl

@@ -18,9 +18,13 @@ from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent.parent
 
+import torch  # noqa: E402
+
 import cann_ops_tilelang as ops  # noqa: E402
 
 _registered = False
+_enabled = True
+_LIBRARY = None  # the references' registrations on the CPU key (kept alive with the process)
 
 
 def _family_refs(family: str):
@@ -50,11 +54,12 @@ def reference(public):
 
 def register() -> None:
     """Registers every reference once per process."""
-    global _registered
+    global _registered, _LIBRARY
     if _registered:
         return
-    for public in ops.registered_ops().values():
-        public.op.register_kernel("cpu", _kernel(public, reference(public)))
+    _LIBRARY = torch.library.Library("cann_ops_tilelang", "IMPL", "CPU")
+    for name, public in ops.registered_ops().items():
+        _LIBRARY.impl(name, _kernel(public, reference(public)))
     _registered = True
 
 
@@ -65,6 +70,8 @@ def _kernel(public, ref):
     wants_outputs = "outputs" in inspect.signature(ref).parameters
 
     def kernel(*args, **kwargs):
+        if not _enabled:  # the package's own behaviour on the CPU
+            return public.op_state.unsupported(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         outputs = public.prepare(*bound.args, **bound.kwargs)
@@ -80,10 +87,12 @@ def _kernel(public, ref):
 @contextlib.contextmanager
 def without_cpu_references():
     """Disables the CPU reference kernels inside the block (the package's own CPU behaviour)."""
-    with contextlib.ExitStack() as stack:
-        for public in ops.registered_ops().values():
-            stack.enter_context(public.op.set_kernel_enabled("cpu", False))
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
         yield
+    finally:
+        _enabled = saved
 
 
 def pytest_configure(config):  # noqa: ARG001 - pytest hook signature
