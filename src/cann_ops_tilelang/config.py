@@ -86,8 +86,9 @@ def env_int(name: str, default: int | None = None) -> int | None:
 
 
 @functools.cache
+@functools.cache
 def debug_enabled() -> bool:
-    """Whether ``OPS_TILELANG_DEBUG`` is on (read once, on first use)."""
+    """Whether ``OPS_TILELANG_DEBUG`` is on (read once, on first use: the device path asks on every call)."""
     return env_flag("OPS_TILELANG_DEBUG")
 
 
