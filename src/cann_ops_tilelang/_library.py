@@ -14,13 +14,8 @@ outputs with ``new_empty``. :func:`declare` turns it into the custom op ``cann_o
   imported only there);
 * any other device (CPU, ...) runs the same checks, then gets a ``RuntimeError`` naming the op, the device
   and the devices that have kernels;
-* autograd: the ops have no backward formula (the modeling layer chains the backward ops). A call where no
-  input requires grad bumps the versions of the buffers it writes and goes straight to the kernel; otherwise
-  torch's node for an op without a formula is recorded, and a backward through it raises.
-
-The op is defined with the low-level ``torch.library`` API (schema from ``infer_schema``, one kernel per
-dispatch key), not with ``torch.library.custom_op``, whose Python autograd and in-place layers took about as
-much host time per call as our own checks (docs/perf/h200/mhc.md, 2026-12-04).
+* no backward formula (the modeling layer chains the backward ops): a backward through an op raises. The op
+  is defined with the low-level ``torch.library`` API, not ``custom_op`` (host time, docs/perf 2026-12-04).
 
 Each op module also declares the op's DTensor sharding rule with ``public.sharding(...)`` (see
 :mod:`._sharding`); the rules are registered with DTensor on the first public call after
