@@ -184,6 +184,9 @@ def test_written_buffers_are_marked_modified_for_autograd():
     with torch.inference_mode():
         op(logits, out, 20, 1e-6)
     assert out._version == start + 3
+    with_grad = logits.clone().requires_grad_()  # torch's node without a formula, then ADInplaceOrView: once
+    op(with_grad, out, 20, 1e-6)
+    assert out._version == start + 4
     a = torch.randn(3, 4, 4, requires_grad=True)
     product = (a * out).sum()  # saves out for the backward
     op(logits, out, 20, 1e-6)
@@ -202,3 +205,25 @@ def test_backward_through_a_primitive_raises():
     assert out.requires_grad and out.shape == (tokens, 4, hidden)
     with pytest.raises(RuntimeError, match="mhc_post_forward.* no autograd formula"):
         out.float().sum().backward()
+
+
+def test_written_lists_are_marked_modified_for_autograd():
+    """Every tensor of a written list argument gets its version bumped once per call (grad on, off, inference
+    mode, and with an input that requires grad)."""
+    tokens, hidden, layers = 3, 256, 2
+    recompute = torch.ops.cann_ops_tilelang.mhc_multilayer_recompute.default
+    residual = torch.randn(tokens, 4, hidden).bfloat16()
+    mixes = [[torch.softmax(torch.randn(tokens, 4), -1) for _ in range(layers)],
+             [torch.randn(tokens, hidden).bfloat16() for _ in range(layers)],
+             [torch.sigmoid(torch.randn(tokens, 4)) * 2 for _ in range(layers)],
+             [torch.softmax(torch.randn(tokens, 4, 4), -1) for _ in range(layers)]]
+    written = [[torch.empty(tokens, hidden, dtype=torch.bfloat16) for _ in range(layers)],
+               [torch.empty(tokens, 4, hidden, dtype=torch.bfloat16) for _ in range(layers)]]
+    start = [t._version for buffers in written for t in buffers]
+    recompute(residual, *mixes, *written)
+    with torch.no_grad():
+        recompute(residual, *mixes, *written)
+    with torch.inference_mode():
+        recompute(residual, *mixes, *written)
+    recompute(residual.clone().requires_grad_(), *mixes, *written)
+    assert [t._version for buffers in written for t in buffers] == [v + 4 for v in start]

@@ -86,9 +86,8 @@ def env_int(name: str, default: int | None = None) -> int | None:
 
 
 @functools.cache
-@functools.cache
 def debug_enabled() -> bool:
-    """Whether ``OPS_TILELANG_DEBUG`` is on (read once, on first use: the device path asks on every call)."""
+    """Whether ``OPS_TILELANG_DEBUG`` is on (read once, on first use)."""
     return env_flag("OPS_TILELANG_DEBUG")
 
 
