@@ -272,20 +272,19 @@ class _Op:
         straight below autograd. Otherwise torch's generated node for an op without a formula runs: the
         forward works, a backward through it raises."""
         without_formula = torch._library.autograd.make_autograd_impl(overload, _NoFormula)
-        below = torch._C._after_ADInplaceOrView_keyset
+        versions = self.version_kernel(overload)
 
         def autograd(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs):
                 return without_formula(keyset, *args, **kwargs)
-            self.bump_versions(args)
-            with torch._C._AutoDispatchBelowADInplaceOrView():
-                return overload.redispatch(keyset & below, *args, **kwargs)
+            return versions(keyset, *args, **kwargs)
 
         return autograd
 
     def version_kernel(self, overload: torch._ops.OpOverload) -> Callable[..., Any]:
-        """The ADInplaceOrView kernel of an op that writes buffers (reached under inference mode and through
-        the node without a formula): bumps the written buffers' versions."""
+        """Bumps the written buffers' versions and calls the op below ADInplaceOrView: the Autograd kernel's
+        path without gradients, and the ADInplaceOrView kernel of an op that writes buffers (reached under
+        inference mode and through the node without a formula)."""
         below = torch._C._after_ADInplaceOrView_keyset
 
         def versions(keyset: Any, *args: Any, **kwargs: Any) -> Any:
