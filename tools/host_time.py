@@ -29,7 +29,9 @@ from cann_ops_tilelang import _library  # noqa: E402
 def _stub_cuda_paths_on_cpu(record: list | None) -> None:
     """Registers every op's CUDA device path for the CPU, its TileLang kernels no-ops; ``record`` collects the
     calls ``(name, args, kwargs)`` when given."""
-    os.environ.setdefault("OPS_TILELANG_NUM_SMS", "132")  # the H200's, for the launchers that size grids
+    from cann_ops_tilelang.chips import H200
+
+    os.environ.setdefault("OPS_TILELANG_NUM_SMS", str(H200.sms))  # for the launchers that size grids
     import cann_ops_tilelang.kernels.cuda as cuda_kernels
 
     def no_op(*args, **kwargs):
