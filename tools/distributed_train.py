@@ -204,6 +204,12 @@ def worker(rank: int, args, store: str, outdir: str) -> None:
     torch.save(results, Path(outdir) / f"rank{rank}.pt")  # a file: tensors through a queue die with the worker
     dist.barrier()
     dist.destroy_process_group()
+    # NOTE gloo's worker thread may still hold the finished barrier, and through it tensors owned by Python;
+    # freeing them while the interpreter finalizes aborts the process now and then (pytorch/pytorch#179291),
+    # so the worker exits without finalizing once its results are saved and the group destroyed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _relative(g, ref) -> float:
