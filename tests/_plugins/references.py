@@ -65,18 +65,16 @@ def register() -> None:
 
 def _kernel(public, ref):
     """A CPU kernel: the op's prepare step (validation, allocation), then the reference; arguments are bound
-    to the op's signature with defaults applied so references get them in order."""
-    signature = inspect.signature(public.prepare)
+    as the device kernels bind them (``_Op.bind``: every argument in order, defaults filled)."""
     wants_outputs = "outputs" in inspect.signature(ref).parameters
 
     def kernel(*args, **kwargs):
         if not _enabled:  # the package's own behaviour on the CPU
             return public.op_state.unsupported(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        outputs = public.prepare(*bound.args, **bound.kwargs)
+        full, _arguments = public.op_state.bind(args, kwargs)
+        outputs = public.prepare(*full)
         extra = {"outputs": outputs} if wants_outputs else {}
-        results = ref(*bound.args, **extra)
+        results = ref(*full, **extra)
         if outputs is not None:
             _copy_all(outputs, results)
         return outputs
