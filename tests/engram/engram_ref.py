@@ -321,8 +321,8 @@ def engram_hash_ref(ngram_token_ids, multipliers, vocab_sizes, offsets, image_to
 def make_hash_inputs(tokens: int, ngram: int = 3, layers: int = 2, tables: int = 8, *, device="cpu",
                      masked: bool = False, generator=None, extreme: bool = False):
     """Random ``engram_hash`` inputs: ids in ``[0, 2**31)`` (``extreme``: the whole int32 range with the
-    edges), multipliers in ``[1, 2**62)`` (``extreme``: the whole int64 range), table sizes in ``[2**30,
-    2**31)`` (``extreme``: near ``2**31 - 1``, and ``1``, ``2``), offsets the int32 exclusive prefix sum
+    edges), multipliers in ``[1, 2**62)`` (``extreme``: the whole int64 range), table sizes log-uniform in
+    ``[1, 2**31)`` (``extreme``: near ``2**31 - 1``, and ``1``, ``2``), offsets the int32 exclusive prefix sum
     (wrapping); mask ``t % 4 < 2``."""
     i32 = torch.iinfo(torch.int32)
     i64 = torch.iinfo(torch.int64)
@@ -337,7 +337,9 @@ def make_hash_inputs(tokens: int, ngram: int = 3, layers: int = 2, tables: int =
     else:
         ids = torch.randint(0, 2**31, (tokens, ngram), generator=generator, dtype=torch.int64)
         mult = torch.randint(1, 2**62, (layers, ngram), generator=generator, dtype=torch.int64)
-        sizes = torch.randint(2**30, 2**31, (layers, ngram - 1, tables), generator=generator)
+        # log-uniform in [1, 2**31): every magnitude of table size (the layer's primes are ~10**5 - 10**7)
+        bits = torch.rand((layers, ngram - 1, tables), generator=generator, dtype=torch.float64) * 31
+        sizes = torch.exp2(bits).floor().clamp(1, 2**31 - 1).to(torch.int64)
     ids, sizes = ids.to(torch.int32), sizes.to(torch.int32)
     flat = sizes.view(layers, -1).to(torch.int64)
     prefix = torch.cumsum(flat, dim=1) - flat  # exclusive; kept to int32 by wrapping

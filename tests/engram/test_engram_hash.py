@@ -273,9 +273,10 @@ def test_launch_keys_ignore_the_token_count():
     assert keys[0] == keys[1] == ((4, 3, 2, True), (4, 3, 2, False), (4, 3, 2, True, 64))
 
 
-def test_cuda_kernel_stores_vectors_and_takes_one_remainder_per_column():
+def test_cuda_kernel_stores_vectors_and_takes_no_int64_remainder():
     """The CUDA kernel writes ``V`` columns per thread as one vector (int4 for E = 8, int2 for E = 2, scalars
-    for odd E), reads every input element by element, and computes one int64 ``%`` per column."""
+    for odd E), reads every input element by element, and reduces modulo each column's table size through
+    one fp64 reciprocal per column, never an int64 ``%``."""
     pytest.importorskip("tilelang")
     from _plugins.cuda_vectors import vector_accesses
 
@@ -287,22 +288,24 @@ def test_cuda_kernel_stores_vectors_and_takes_one_remainder_per_column():
         body = source[source.index("__launch_bounds__"):]
         widths = {"int4": 16, "int2": 8}
         assert vector_accesses(source) == ({"output": widths[vector]} if vector else {}), tables
-        assert len(re.findall(r"% \(\(int64_t\)size\)", body)) == 1  # in the unrolled per-column loop
+        assert "% ((int64_t)" not in body and "/ ((int64_t)" not in body
+        assert len(re.findall(r"/ \(\(double\)size\)", body)) == 1  # in the unrolled per-column loop
     assert [cuda_hash.column_vector(e) for e in (1, 2, 3, 4, 6, 8, 12)] == [1, 2, 1, 4, 2, 4, 4]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build PTX here")
 @pytest.mark.parametrize("masked", [False, True])
-def test_cuda_ptx_keeps_one_vector_store_and_v_remainders(tmp_path, masked):
+def test_cuda_ptx_keeps_one_vector_store_and_no_int64_division(tmp_path, masked):
     """In the PTX nvcc makes for sm_90a the thread's ``V`` results leave in one store (``st.global.v4`` for
-    E = 8, ``.v2`` for E = 2), and each thread computes ``V`` int64 remainders."""
+    E = 8, ``.v2`` for E = 2), and each thread takes ``V`` fp64 reciprocals and no int64 division or
+    remainder (nvcc expands those into a long subroutine)."""
     pytest.importorskip("tilelang")
     from tilelang.contrib.nvcc import default_compile_options
 
     from cann_ops_tilelang.kernels.cuda import _build as cuda_build
     from cann_ops_tilelang.kernels.cuda.engram import hash as cuda_hash
 
-    for tables, store, rems in ((8, "st.global.v4.u32", 4), (2, "st.global.v2.u32", 2)):
+    for tables, store, reciprocals in ((8, "st.global.v4.u32", 4), (2, "st.global.v2.u32", 2)):
         source = tmp_path / f"hash_{tables}_{int(masked)}.cu"
         source.write_text(cuda_build.lower_source(cuda_hash.build_engram_hash(3, 2, tables, masked)))
         ptx = source.with_suffix(".ptx")
@@ -310,7 +313,8 @@ def test_cuda_ptx_keeps_one_vector_store_and_v_remainders(tmp_path, masked):
                         str(source)], check=True, capture_output=True)
         text = ptx.read_text()
         assert re.findall(r"\bst\.global\.\S+", text) == [store], (tables, re.findall(r"\bst\.global\.\S+", text))
-        assert len(re.findall(r"\brem\.s64\b", text)) == rems, tables
+        assert not re.findall(r"\b(?:rem|div)\.[su]64\b", text), tables
+        assert len(re.findall(r"\brcp\.rn\.f64\b", text)) == reciprocals, tables
 
 
 # The generated sources run on the host, compiled by g++ with a sequential model of the launch. CUDA: every

@@ -42,7 +42,7 @@ def engram_hash(
             current token), as the Engram layer builds its n-grams; any int32 values.
         multipliers: ``(L, N)`` int64, per layer one multiplier per n-gram position.
         vocab_sizes: ``(L, N-1, E)`` int32, the table sizes (primes in the Engram layer); must be
-            positive (data, not checked: a zero size has no defined result).
+            positive (data, not checked: a size below 1 has no defined result).
         offsets: ``(L, (N-1)*E)`` int32, each table's first row (e.g. the exclusive prefix sum of the sizes).
         image_token_mask: None or ``(T,)`` bool.
 

@@ -2,12 +2,13 @@
 
 One thread per ``V`` adjacent output columns of one token and layer (``V`` = 4, 2 or 1, the largest that
 divides ``E``, so the ``V`` columns share one n-gram order ``n``): it forms ``h_n`` from the token's first
-``n`` ids (int64 products, XOR), reduces it modulo each of its ``V`` table sizes (C's truncated ``%`` on int64,
-then shifted to the floor modulo), adds the offsets, and stores the ``V`` int32 results as one vector. A warp's
-stores cover consecutive columns of consecutive tokens: the output, the only sizeable traffic, is written
-coalesced in ``4 V``-byte vectors. The ids, multipliers, table sizes and offsets are read element by element
-(tiny; the same row serves ``(N-1) E / V`` threads from L1). Blocks of 256 threads cover the flat
-(token, column group) range of one layer (``grid.y`` = layer); the token count is dynamic.
+``n`` ids (int64 products, XOR), reduces it modulo each of its ``V`` table sizes (the floor modulo, from two
+quotients of an fp64 reciprocal and a select: no int64 division), adds the offsets, and stores the ``V``
+int32 results as one vector. A warp's stores cover consecutive columns of consecutive tokens: the output, the
+only sizeable traffic, is written coalesced in ``4 V``-byte vectors. The ids, multipliers, table sizes and
+offsets are read element by element (tiny; the same row serves ``(N-1) E / V`` threads from L1). Blocks of
+256 threads cover the flat (token, column group) range of one layer (``grid.y`` = layer); the token count is
+dynamic.
 """
 
 import functools
@@ -22,7 +23,6 @@ __all__ = [
     "column_vector",
     "engram_hash",
     "engram_hash_key",
-    "floor_fix",
     "get_engram_hash_kernel",
     "lowering_cases",
 ]
@@ -33,14 +33,6 @@ _THREADS = 256  # threads per block: a flat, memory-bound grid; any multiple of 
 def column_vector(tables: int) -> int:
     """``V``: the columns one thread writes, the largest of 4, 2, 1 dividing ``E`` (its columns share ``j``)."""
     return next(v for v in (4, 2, 1) if tables % v == 0)
-
-
-def floor_fix(r, d):
-    """The floor modulo (sign of ``d``: Python's and torch's ``%``) from ``r``, C's truncated remainder of some
-    ``h`` by ``d`` (int64 PrimExprs)."""
-    from tilelang import language as T
-
-    return T.if_then_else(T.And(r != 0, (r < 0) != (d < 0)), r + d, r)
 
 
 def engram_hash_key(ngram_token_ids: torch.Tensor, vocab_sizes: torch.Tensor,
@@ -82,6 +74,9 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool):
             tid = T.get_thread_binding()
             res = T.alloc_local((V,), i32)
             h = T.alloc_var(i64)
+            r1 = T.alloc_var(i64)
+            r2 = T.alloc_var(i64)
+            inv = T.alloc_var(T.float64)
             i = bx * _THREADS + tid
             if i < num_tokens * G:
                 t = i // G
@@ -94,9 +89,16 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool):
                 for v in T.unroll(V):
                     col = g * V + v
                     size = T.cast(vocab[lay, j, col % E], i64)
-                    r = T.truncmod(h, size)  # one int64 remainder (bound once, fixed up below)
+                    # h mod size without an int64 division (nvcc expands int64 % into a long subroutine, most of
+                    # the kernel's time): two quotients from the fp64 reciprocal. fp64 keeps 53 of h's 64 bits,
+                    # so |r1| <= 3075 size (exact in fp64: size < 2**31); the second quotient is then off by at
+                    # most one, which the selects fix. Products wrap in int64, r1 and r2 are still exact.
+                    inv = T.float64(1.0) / T.cast(size, T.float64)
+                    r1 = h - T.cast(T.cast(h, T.float64) * inv, i64) * size
+                    r2 = r1 - T.cast(T.cast(r1, T.float64) * inv, i64) * size
+                    r = T.if_then_else(r2 < 0, r2 + size, T.if_then_else(r2 >= size, r2 - size, r2))
                     # int64 sum, then the low 32 bits: the int32 wrap-around of torch's addition
-                    res[v] = T.cast(floor_fix(r, size) + T.cast(offs[lay, col], i64), i32)
+                    res[v] = T.cast(r + T.cast(offs[lay, col], i64), i32)
                 # the store is a select (without a mask on a condition that holds here): nvcc split the plain
                 # copy of the local array into four 4-byte stores, a computed vector stays one 16-byte store
                 if has_mask:
