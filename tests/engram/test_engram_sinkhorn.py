@@ -496,6 +496,35 @@ def test_cuda_compiles_other_widths_and_mixed_dtypes():
         assert vector in mom_src and "< numel" in mom_src
 
 
+@pytest.mark.parametrize("cols", [64, 128, 192, 256, 512])
+def test_cuda_step_scattered_row_sums_are_the_butterfly_sums(cols, seed):
+    """The step's scattered reduction (each lane left with one row's sum of squares), simulated lane by lane in
+    fp32: every row's sum is bitwise the one an xor butterfly per row leaves in all its lanes, and the lanes
+    ``scatter_row(u)`` (u < rows) hold each row once."""
+    pytest.importorskip("tilelang")
+    from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as cu
+
+    lanes, rows = cu.row_layout(cols)[0], cu.rows_in_flight(cols)
+    part = (torch.randn(lanes, rows, generator=gen(seed)) * 10.0 ** torch.randint(-6, 7, (lanes, rows),
+                                                                                   generator=gen(seed + 1)))
+    xor = lambda v, mask: v[[lane ^ mask for lane in range(lanes)]]  # noqa: E731  (shfl_xor over the lanes)
+    fly = part.clone()
+    for o in range(lanes.bit_length() - 1):
+        fly = fly + xor(fly, 1 << o)
+    s = part.clone()
+    upper = torch.arange(lanes)
+    for b in range(rows.bit_length() - 1):
+        half, up = rows >> (b + 1), ((upper >> b) & 1).bool()
+        keep = torch.where(up[:, None], s[:, half:2 * half], s[:, :half])
+        send = torch.where(up[:, None], s[:, :half], s[:, half:2 * half])
+        s = torch.cat([keep + xor(send, 1 << b), s[:, 2 * half:]], dim=1)
+    for o in range(rows.bit_length() - 1, lanes.bit_length() - 1):
+        s[:, 0] = s[:, 0] + xor(s[:, 0], 1 << o)
+    for lane in range(lanes):
+        assert torch.equal(s[lane, 0], fly[lane, cu.scatter_row(lane, rows)])
+    assert [cu.scatter_row(cu.scatter_row(u, rows), rows) for u in range(rows)] == list(range(rows))
+
+
 def test_builders_refuse_widths_outside_the_range():
     pytest.importorskip("tilelang")
     from cann_ops_tilelang.kernels.ascend.engram import sinkhorn as asc

@@ -167,8 +167,9 @@ def test_cuda_gemm_forward_schedule_choice(hidden):
 def test_cuda_gemm_backward_token_partitions(hidden):
     """The CUDA GEMM backward's token partitions (a launch argument, never a compile key): none empty, each at
     least 4 tiles of 64 tokens unless there is a single one, at least 3 of them where the column CTAs fit in
-    one wave of 3 per SM, at most 32, one for T <= 64 (no reduction pass); 5 at T = 8192, 4 at T = 1024 and 2
-    at T = 512 for H = 7168, 1 at T = 512 for H = 4096."""
+    one wave (of 4 single-stage CTAs per SM), at most 32, one for T <= 64 (no reduction pass); 5 at T = 8192 for
+    H = 7168, 9 for H = 4096, 1 at T <= 1024 for both; the single-stage kernel only where 3 CTAs per SM do not
+    take the single partition's column CTAs in one wave."""
     from cann_ops_tilelang.chips import H200
     from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
 
@@ -179,14 +180,22 @@ def test_cuda_gemm_backward_token_partitions(hidden):
         per = -(-tiles // p)
         assert 1 <= p <= 32 and (p - 1) * per < max(tiles, 1), (hidden, tokens, p)  # the last partition has a tile
         assert p == 1 or per >= 4, (hidden, tokens, p)
-        one_wave = k // 64 <= gemm.PLAN.resident_per_sm * H200.sms
+        one_wave = k // 64 <= gemm.PLAN.single_stage_per_sm * H200.sms
         assert p == 1 or p >= gemm.PLAN.min_partials or not one_wave, (hidden, tokens, p)
         assert tiles > 1 or p == 1
+        # one stage only for a single partition whose column CTAs need 4 per SM to fit one wave
+        stages = gemm.mhc_gemm_with_sqrsum_backward_stages(tokens, k)
+        three = k // 64 <= gemm.PLAN.resident_per_sm * H200.sms
+        assert stages == (1 if p == 1 and not three else gemm.PLAN.stages), (hidden, tokens, stages)
     assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 7168) == 5
-    assert gemm.mhc_gemm_with_sqrsum_backward_partials(1024, 4 * 7168) == 4
-    assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * 7168) == 2
-    assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * 4096) == 1
-    assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(3, 64), torch.empty(24, 64)) == (64, 24)
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 4096) == 9
+    for hidden_size in (4096, 7168):
+        assert gemm.mhc_gemm_with_sqrsum_backward_partials(1024, 4 * hidden_size) == 1
+        assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * hidden_size) == 1
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(512, 4 * 7168) == 1
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(512, 4 * 4096) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(8192, 4 * 7168) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(3, 64), torch.empty(24, 64)) == (64, 24, 2)
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
@@ -211,11 +220,13 @@ def test_cuda_gemm_backward_keeps_three_ctas_per_sm(hidden):
     from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
 
     arch = cuda_arch("sm_90a")
-    built = cuda_build.compile_cubin(gemm.build_mhc_gemm_with_sqrsum_backward(4 * hidden, 24), arch="sm_90a")
-    assert built.threads == 128
-    assert gemm.PLAN.resident_per_sm == 3  # the plan's partition rule counts on these
-    resident = gemm.PLAN.resident_per_sm
-    assert resident * (built.smem_bytes + arch.smem_reserved_per_cta) <= arch.smem_per_sm, built.smem_bytes
+    # the plan's partition rule counts on these: 3 CTAs per SM with PLAN.stages, 4 with one stage
+    for stages, resident in ((gemm.PLAN.stages, 3), (1, 4)):
+        built = cuda_build.compile_cubin(gemm.build_mhc_gemm_with_sqrsum_backward(4 * hidden, 24, stages),
+                                         arch="sm_90a")
+        assert built.threads == 128
+        assert resident == (gemm.PLAN.resident_per_sm if stages > 1 else gemm.PLAN.single_stage_per_sm)
+        assert resident * (built.smem_bytes + arch.smem_reserved_per_cta) <= arch.smem_per_sm, built.smem_bytes
 
 
 def test_cuda_streaming_row_layouts_cover_the_row():

@@ -10,12 +10,13 @@ memory-bound at the optimizer's table sizes:
   contract.
 * step: :data:`PLAN.ctas` CTAs (four per H200 SM), each owning a contiguous row range and writing one row of
   column partials (no atomics). A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
-  power of two dividing ``D / 4`` up to a warp), its sum of squares completed by an xor butterfly; the
-  ``256 / G`` row groups of a CTA take every ``256 / G``-th row of its range, and their column sums are added
-  in group order through shared memory at the end. A thread stages :func:`rows_in_flight` rows (up to 4
-  vectors) per iteration by ``cp.async`` in :func:`step_slots` private shared-memory slots, the next
-  iterations' rows in flight while it reduces the current ones; one lane per row copies the row's scale,
-  which reaches the row's other lanes by a shuffle.
+  power of two dividing ``D / 4`` up to a warp); the ``256 / G`` row groups of a CTA take every ``256 / G``-th
+  row of its range, and their column sums are added in group order through shared memory at the end. A
+  thread stages :func:`rows_in_flight` rows (up to 4 vectors) per iteration by ``cp.async`` in
+  :func:`step_slots` private shared-memory slots, the next iterations' rows in flight while it reduces the
+  current ones; one lane per row copies the row's scale, which reaches the row's other lanes by a shuffle.
+  The rows' sums of squares are completed by xor shuffles that leave each lane one row's sum
+  (:func:`_scatter_macro`), so that one square root and division per lane serve all its rows.
 * step reduce: a CTA per :data:`PLAN.reduce_cols` columns; its threads stage chunks of
   :data:`PLAN.reduce_chunk` partial rows of those columns in shared memory (the loads of the whole CTA in
   flight at once), then a thread per column adds them in ascending order, one rounding per addition, and
@@ -209,16 +210,55 @@ def _row_macros(T, cols: int):
                 rs[u] = T.float32(0)
 
     @T.macro
-    def row_sumsq(x, rs, cs, s):
+    def lane_sumsq(x, rs, cs, s):
         for u in T.unroll(fl):
             s[u] = T.float32(0)
             for j in T.unroll(nv):
                 t = (rs[u] * x[u, j]) * cs[j]
                 s[u] = s[u] + T.ieee_mul(t, t)
+
+    @T.macro
+    def row_sumsq(x, rs, cs, s):
+        lane_sumsq(x, rs, cs, s)
+        for u in T.unroll(fl):
             for o in T.unroll(lanes.bit_length() - 1):
                 s[u] = s[u] + T.shfl_xor(s[u], 1 << o)
 
-    return load_rows, row_sumsq, f32
+    return load_rows, lane_sumsq, row_sumsq, f32
+
+
+def scatter_row(lane, rows: int):
+    """The row whose sum of squares lane ``lane`` holds after :func:`_scatter_macro` over ``rows`` rows (a power
+    of two): bit ``b`` of the lane selects the upper half of the rows left at level ``b``."""
+    return sum(((lane >> b) & 1) * (rows >> (b + 1)) for b in range(rows.bit_length() - 1))
+
+
+def _scatter_macro(T, cols: int):
+    """Row sums of squares over the G lanes of a row, scattered: where a butterfly per row would leave each of
+    the ``fl`` sums in every lane, level ``b < log2(fl)`` halves the sums a lane carries (it sends the half
+    selected by the other value of its lane bit ``b``) and the remaining levels add one value, so that lane
+    ``l`` ends with the sum of row :func:`scatter_row`; each addition pairs the lanes a butterfly pairs, in
+    the same tree, so the sums are bitwise the butterfly's. One square root and division per lane then
+    serve the ``fl`` rows (was one per row in every lane)."""
+    lanes, _chunks, _groups = row_layout(cols)
+    fl = rows_in_flight(cols)
+
+    # Python lists: the builder unrolls them with constant halves and xor masks (a range() would be a TIR loop)
+    halving = [(1 << b, fl >> (b + 1)) for b in range(fl.bit_length() - 1)]
+    folding = [1 << b for b in range(fl.bit_length() - 1, lanes.bit_length() - 1)]
+
+    @T.macro
+    def scatter_sumsq(s, lane):
+        for mask, half in halving:
+            upper = (lane & mask) != 0
+            for j in list(range(half)):
+                keep = T.if_then_else(upper, s[j + half], s[j])
+                send = T.if_then_else(upper, s[j], s[j + half])
+                s[j] = keep + T.shfl_xor(send, mask)
+        for mask in folding:
+            s[0] = s[0] + T.shfl_xor(s[0], mask)
+
+    return scatter_sumsq
 
 
 def engram_sinkhorn_step_key(matrix) -> tuple:
@@ -232,7 +272,8 @@ def build_engram_sinkhorn_step(cols: int):
     from tilelang import language as T
 
     lanes, chunks, groups = row_layout(cols)
-    _, row_sumsq, f32 = _row_macros(T, cols)
+    _, lane_sumsq, _, f32 = _row_macros(T, cols)
+    scatter_sumsq = _scatter_macro(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl, ctas, slots = 4 * chunks, rows_in_flight(cols), PLAN.ctas, step_slots(cols)
 
@@ -271,6 +312,7 @@ def build_engram_sinkhorn_step(cols: int):
             x = T.alloc_local((fl, nv), f32)
             rs = T.alloc_local((fl,), f32)
             s = T.alloc_local((fl,), f32)
+            sc = T.alloc_local((fl,), f32)
             tot = T.alloc_local((4,), f32)
             red = T.alloc_shared((groups, cols), f32)
             xs = T.alloc_shared((slots * fl * chunks, PLAN.threads * 4), f32)  # slots of the thread's rows
@@ -299,17 +341,21 @@ def build_engram_sinkhorn_step(cols: int):
                     for c in T.unroll(chunks):
                         for v in T.vectorized(4):
                             x[u, c * 4 + v] = xs[((it % slots) * fl + u) * chunks + c, tid * 4 + v]
-                row_sumsq(x, rs, cs, s)
+                lane_sumsq(x, rs, cs, s)
+                scatter_sumsq(s, lane)
+                own = scatter_row(lane, fl)
+                nrm = T.ieee_fsqrt(s[0])
+                scale = T.ieee_fdiv(T.shfl_sync(mine, own, lanes), nrm + eps)
+                if lane < fl:
+                    if first + own * groups < hi:
+                        row_norm[first + own * groups] = nrm
+                        row_scale[first + own * groups] = scale
+                for u in list(range(fl)):
+                    sc[u] = T.shfl_sync(scale, scatter_row(u, fl), lanes)
                 for u in T.unroll(fl):
-                    row = first + u * groups
-                    if row < hi:
-                        nrm = T.ieee_fsqrt(s[u])
-                        scale = T.ieee_fdiv(rs[u], nrm + eps)
-                        if lane == 0:
-                            row_norm[row] = nrm
-                            row_scale[row] = scale
+                    if first + u * groups < hi:
                         for j in T.unroll(nv):
-                            y = (scale * x[u, j]) * cs[j]
+                            y = (sc[u] * x[u, j]) * cs[j]
                             acc[j] = acc[j] + T.ieee_mul(y, y)
             T.sync_threads()  # red may share the staging slots' memory: every thread is past its last read
             for c in T.unroll(chunks):
@@ -427,7 +473,7 @@ def build_engram_sinkhorn_finalize(cols: int):
     from tilelang import language as T
 
     lanes, chunks, groups = row_layout(cols)
-    load_rows, row_sumsq, f32 = _row_macros(T, cols)
+    load_rows, _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl = 4 * chunks, rows_in_flight(cols)
     per_cta = groups * fl
@@ -476,7 +522,7 @@ def build_engram_sinkhorn_finalize_apply(cols: int, param_dtype: str):
     from tilelang import language as T
 
     lanes, chunks, groups = row_layout(cols)
-    load_rows, row_sumsq, f32 = _row_macros(T, cols)
+    load_rows, _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl = 4 * chunks, rows_in_flight(cols)
     per_cta = groups * fl

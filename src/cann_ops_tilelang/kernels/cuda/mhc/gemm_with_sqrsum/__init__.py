@@ -60,8 +60,8 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     Forward schedules as on the H200's SMs: ``_s16`` (the CUDA default split count; resident up to H = 5632,
     streaming at 7168), ``_s1`` (streaming), ``_s7`` (uneven splits: resident at H = 1280, else streaming),
     ``_s80`` (many splits, streaming; one block per split at H = 1280) and the streaming schedule's ``fn``
-    preparation ``_fn_split``; the backward's main kernel (its token partition count is a launch argument)
-    and its partial reduction ``_reduce``.
+    preparation ``_fn_split``; the backward's main kernel (its token partition count is a launch argument),
+    its single-stage variant ``_1stage`` and its partial reduction ``_reduce``.
     """
     k, m3 = hc_mult * hidden_size, hc_mult * (hc_mult + 2)
     forward = "mhc_gemm_with_sqrsum_forward"
@@ -69,5 +69,6 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     for splits in (16, 1, 7, 80):
         cases[f"{forward}_s{splits}"] = build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(k, m3, splits, H200.sms))
     cases["mhc_gemm_with_sqrsum_backward"] = build_mhc_gemm_with_sqrsum_backward(k, m3)
+    cases["mhc_gemm_with_sqrsum_backward_1stage"] = build_mhc_gemm_with_sqrsum_backward(k, m3, 1)
     cases["mhc_gemm_with_sqrsum_backward_reduce"] = build_mhc_gemm_with_sqrsum_backward_reduce(k, m3)
     return cases

@@ -44,6 +44,7 @@ __all__ = [
     "mhc_gemm_with_sqrsum_backward",
     "mhc_gemm_with_sqrsum_backward_key",
     "mhc_gemm_with_sqrsum_backward_partials",
+    "mhc_gemm_with_sqrsum_backward_stages",
 ]
 
 _PAD = 32  # each of g_hi / g_lo padded to 32 columns of G (M3 <= 32): the 64-row A^T of the fn_grad product
@@ -57,7 +58,8 @@ class BackwardPlan:
     at least ``min_tiles_per_partial`` token tiles per partition (each partition writes an ``M3 x K`` fp32
     partial, ``2 * 4 * M3`` bytes per column written and read, against ``6 * 64`` per tile of x / x_grad), no
     split into fewer than ``min_partials`` where the ``K / BK`` column CTAs fit in one wave of
-    ``resident_per_sm`` per SM; ``reduce_threads`` of the partial reduction."""
+    ``resident_per_sm`` per SM, or of ``single_stage_per_sm`` single-stage CTAs (46 KiB of shared memory);
+    ``reduce_threads`` of the partial reduction."""
 
     block_t: int
     block_k: int
@@ -68,6 +70,7 @@ class BackwardPlan:
     min_tiles_per_partial: int
     min_partials: int
     resident_per_sm: int
+    single_stage_per_sm: int
     reduce_threads: int
 
 
@@ -76,33 +79,42 @@ class BackwardPlan:
 # the last wave's tail short;
 # partitions of >= 4 tiles keep the partials' traffic (written and read) within 1/8 of x / x_grad's, 2 % at
 # T = 8192; a split in 2 (T = 512) costs its partials and reduction and still leaves a tail wave: none where
-# the column CTAs fit in one wave (H = 4096), as before where they do not (H = 7168)
-# (docs/perf/h200/mhc.md, 2026-12-02 and both 2026-12-03 entries).
+# the column CTAs fit in one wave (H = 4096), nor at T = 1024; where 3 per SM do not fit them (H = 7168) one
+# stage lets 4 share an SM and take them in one wave (docs/perf/h200/mhc.md, 2026-12-02, 2026-12-03, 2026-12-05).
 PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, ctas_per_sm=16, max_partials=32,
-                    min_tiles_per_partial=4, min_partials=3, resident_per_sm=3, reduce_threads=128)
+                    min_tiles_per_partial=4, min_partials=5, resident_per_sm=3, single_stage_per_sm=4,
+                    reduce_threads=128)
 
 
 def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     """Number ``P`` of token partitions of the backward for ``T = num_tokens`` at ``K = cols`` (1: no second
     pass): ``K / BK`` column CTAs times ``P`` near ``PLAN.ctas_per_sm`` per H200 SM, every partition at least
     ``PLAN.min_tiles_per_partial`` token tiles and none empty; 1 where that leaves fewer than
-    ``PLAN.min_partials`` and the column CTAs fit in one resident wave (``P = 5`` at T = 8192, K = 28672; 4 at
-    T = 1024; 2 at T = 512, K = 28672; 1 at T = 512, K = 16384)."""
+    ``PLAN.min_partials`` and the column CTAs fit in one resident wave of single-stage CTAs (``P = 5`` at
+    T = 8192, K = 28672; 9 at K = 16384; 1 at T <= 1024 for both)."""
     tiles = -(-num_tokens // PLAN.block_t)
     col_ctas = cols // PLAN.block_k
     want = -(-PLAN.ctas_per_sm * H200.sms // col_ctas)
     p = max(1, min(want, PLAN.max_partials, tiles // PLAN.min_tiles_per_partial))
-    if p < PLAN.min_partials and col_ctas <= PLAN.resident_per_sm * H200.sms:
+    if p < PLAN.min_partials and col_ctas <= PLAN.single_stage_per_sm * H200.sms:
         p = 1
     per = -(-tiles // p) if tiles else 1
     return max(1, -(-tiles // per))
 
 
+def mhc_gemm_with_sqrsum_backward_stages(num_tokens: int, cols: int) -> int:
+    """Pipeline stages of the main kernel: ``PLAN.stages``, or 1 where a single partition's column CTAs fit in
+    one wave only at ``PLAN.single_stage_per_sm`` per SM (T < 1280 at 6336 < H <= 8448)."""
+    one_wave = cols // PLAN.block_k <= PLAN.resident_per_sm * H200.sms
+    return PLAN.stages if one_wave or mhc_gemm_with_sqrsum_backward_partials(num_tokens, cols) > 1 else 1
+
+
 def mhc_gemm_with_sqrsum_backward_key(x: torch.Tensor, fn: torch.Tensor) -> tuple:
-    """Compile-time key ``(K, M3)`` (never the token count nor the partition count)."""
+    """Compile-time key ``(K, M3, stages)``: the stages are :func:`mhc_gemm_with_sqrsum_backward_stages`' two
+    choices, never the token count itself nor the partition count."""
     rows, cols = (int(s) for s in fn.shape)
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
-    return (cols, rows)
+    return (cols, rows, mhc_gemm_with_sqrsum_backward_stages(int(x.shape[0]), cols))
 
 
 def _bf16_pair(v):
@@ -114,12 +126,13 @@ def _bf16_pair(v):
     return hi, T.cast(v - T.cast(hi, T.float32), T.bfloat16)
 
 
-def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
+def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN.stages):
     """Builds the backward main kernel (see the module docstring).
 
     Args:
         cols: ``K`` (multiple of 64).
         rows: ``M3`` (multiple of 8, <= 32).
+        stages: pipeline stages (``PLAN.stages``; 1 where the launcher wants 4 CTAs per SM).
 
     Returns:
         ``T.prim_func(out_mul_grad (T, M3) f32, sqrsum_grad (T,) f32, x (T, K) bf16, fn (M3, K) f32,
@@ -131,7 +144,7 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int):
 
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
     K, M3 = cols, rows
-    BT, BK, TH, NS = PLAN.block_t, PLAN.block_k, PLAN.threads, PLAN.stages
+    BT, BK, TH, NS = PLAN.block_t, PLAN.block_k, PLAN.threads, stages
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
     num_partials = T.dynamic("num_partials")
@@ -299,7 +312,7 @@ def get_mhc_gemm_with_sqrsum_backward_kernel(*key):
 
 @functools.lru_cache(maxsize=None)
 def get_mhc_gemm_with_sqrsum_backward_reduce_kernel(*key):
-    """Compiled partial reduction for ``key`` (see :func:`mhc_gemm_with_sqrsum_backward_key`)."""
+    """Compiled partial reduction for ``(K, M3)``."""
     return jit_compile("mhc_gemm_with_sqrsum_backward_reduce", key, build_mhc_gemm_with_sqrsum_backward_reduce(*key))
 
 
@@ -324,7 +337,7 @@ def mhc_gemm_with_sqrsum_backward(
             partials with torch on the current stream.
     """
     key = mhc_gemm_with_sqrsum_backward_key(x, fn)
-    cols, rows = key
+    cols, rows, _ = key
     n = x.shape[0]
     num_partials = mhc_gemm_with_sqrsum_backward_partials(n, cols)
     args = (out_mul_grad.reshape(n, rows), sqrsum_grad.reshape(n), x.view(n, cols), fn, x_grad.view(n, cols))
@@ -333,4 +346,4 @@ def mhc_gemm_with_sqrsum_backward(
         return
     part = torch.empty((num_partials, rows, cols), dtype=torch.float32, device=fn.device)
     get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, part)
-    get_mhc_gemm_with_sqrsum_backward_reduce_kernel(*key)(part.view(num_partials, rows * cols), fn_grad.view(-1))
+    get_mhc_gemm_with_sqrsum_backward_reduce_kernel(cols, rows)(part.view(num_partials, rows * cols), fn_grad.view(-1))
