@@ -184,7 +184,7 @@ def test_cuda_gemm_backward_token_partitions(hidden):
         assert p == 1 or p >= gemm.PLAN.min_partials or not one_wave, (hidden, tokens, p)
         assert tiles > 1 or p == 1
         # one stage only for a single partition whose column CTAs need 4 per SM to fit one wave
-        stages = gemm.mhc_gemm_with_sqrsum_backward_stages(tokens, k)
+        stages = gemm.mhc_gemm_with_sqrsum_backward_stages(p, k)
         three = k // 64 <= gemm.PLAN.resident_per_sm * H200.sms
         assert stages == (1 if p == 1 and not three else gemm.PLAN.stages), (hidden, tokens, stages)
     assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 7168) == 5
@@ -192,10 +192,10 @@ def test_cuda_gemm_backward_token_partitions(hidden):
     for hidden_size in (4096, 7168):
         assert gemm.mhc_gemm_with_sqrsum_backward_partials(1024, 4 * hidden_size) == 1
         assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * hidden_size) == 1
-    assert gemm.mhc_gemm_with_sqrsum_backward_stages(512, 4 * 7168) == 1
-    assert gemm.mhc_gemm_with_sqrsum_backward_stages(512, 4 * 4096) == 2
-    assert gemm.mhc_gemm_with_sqrsum_backward_stages(8192, 4 * 7168) == 2
-    assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(3, 64), torch.empty(24, 64)) == (64, 24, 2)
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 7168) == 1  # T <= 1024
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 4096) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(5, 4 * 7168) == 2  # T = 8192
+    assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(24, 64), 1) == (64, 24, 2)
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")

@@ -102,19 +102,20 @@ def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     return max(1, -(-tiles // per))
 
 
-def mhc_gemm_with_sqrsum_backward_stages(num_tokens: int, cols: int) -> int:
-    """Pipeline stages of the main kernel: ``PLAN.stages``, or 1 where a single partition's column CTAs fit in
-    one wave only at ``PLAN.single_stage_per_sm`` per SM (T < 1280 at 6336 < H <= 8448)."""
+def mhc_gemm_with_sqrsum_backward_stages(num_partials: int, cols: int) -> int:
+    """Pipeline stages of the main kernel for ``P = num_partials`` (:func:`mhc_gemm_with_sqrsum_backward_partials`):
+    ``PLAN.stages``, or 1 where a single partition's column CTAs fit in one wave only at
+    ``PLAN.single_stage_per_sm`` per SM (T < 1280 at 6336 < H <= 8448)."""
     one_wave = cols // PLAN.block_k <= PLAN.resident_per_sm * H200.sms
-    return PLAN.stages if one_wave or mhc_gemm_with_sqrsum_backward_partials(num_tokens, cols) > 1 else 1
+    return PLAN.stages if one_wave or num_partials > 1 else 1
 
 
-def mhc_gemm_with_sqrsum_backward_key(x: torch.Tensor, fn: torch.Tensor) -> tuple:
-    """Compile-time key ``(K, M3, stages)``: the stages are :func:`mhc_gemm_with_sqrsum_backward_stages`' two
-    choices, never the token count itself nor the partition count."""
+def mhc_gemm_with_sqrsum_backward_key(fn: torch.Tensor, num_partials: int) -> tuple:
+    """Compile-time key ``(K, M3, stages)`` for ``num_partials`` partitions: the stages are
+    :func:`mhc_gemm_with_sqrsum_backward_stages`' two choices, never the token count nor the partition count."""
     rows, cols = (int(s) for s in fn.shape)
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
-    return (cols, rows, mhc_gemm_with_sqrsum_backward_stages(int(x.shape[0]), cols))
+    return (cols, rows, mhc_gemm_with_sqrsum_backward_stages(num_partials, cols))
 
 
 def _bf16_pair(v):
@@ -336,10 +337,10 @@ def mhc_gemm_with_sqrsum_backward(
             (:func:`mhc_gemm_with_sqrsum_backward_partials`) the launcher allocates the ``(P, M3, K)`` f32
             partials with torch on the current stream.
     """
-    key = mhc_gemm_with_sqrsum_backward_key(x, fn)
-    cols, rows, _ = key
     n = x.shape[0]
-    num_partials = mhc_gemm_with_sqrsum_backward_partials(n, cols)
+    num_partials = mhc_gemm_with_sqrsum_backward_partials(n, int(fn.shape[1]))
+    key = mhc_gemm_with_sqrsum_backward_key(fn, num_partials)
+    cols, rows, _ = key
     args = (out_mul_grad.reshape(n, rows), sqrsum_grad.reshape(n), x.view(n, cols), fn, x_grad.view(n, cols))
     if num_partials == 1:
         get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, fn_grad.view(1, rows, cols))
