@@ -171,6 +171,31 @@ def test_gate_weights_main_grad(seed):
     assert torch.equal(module.gate.weight_embed.main_grad, 2 * once_e)
 
 
+def test_frozen_gate_weights_get_nothing_in_their_main_grad(seed):
+    module = make_module(seed)
+    x, ids, go = layer_inputs(module, (2,), 8, seed + 4)
+    for weight in (module.gate.weight_hidden, module.gate.weight_embed):
+        weight.requires_grad_(False)
+        weight.main_grad = torch.zeros(weight.shape)
+    _, grads = ours(module, module, x, ids, go)
+    for weight in (module.gate.weight_hidden, module.gate.weight_embed):
+        assert weight.grad is None and not weight.main_grad.any()
+    assert grads[0] is not None and module.kv_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("lead,length", [((2,), 0), ((0,), 5), ((0, 3), 0)])
+def test_layer_and_hash_of_no_tokens(lead, length, seed):
+    module = make_module(seed)
+    x, ids, go = layer_inputs(module, lead, length, seed)
+    out, grads = ours(module, module, x, ids, go)
+    assert out.shape == x.shape and grads[0].shape == x.shape
+    # no token: every parameter's gradient is zero
+    assert all(g is None or not g.any() for g in grads[1:])
+    tokens = torch.zeros(*lead, length, dtype=torch.int32)
+    rows = module.hash_ids(tokens, torch.tensor([3, 5, 7]), pad_id=0)
+    assert rows.shape == (*lead, length, len(SIZES)) and rows.dtype == torch.int32
+
+
 def test_parameters_and_initialization(seed):
     module = make_module(seed)
     m, hidden = 4, HIDDEN
@@ -210,15 +235,22 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, SIZES, n_embed_per_ngram=64, n_head_per_ngram=5), ValueError, "'n_head_per_ngram'"),
         (lambda: Engram(HIDDEN, SIZES, max_ngram_size=1, **SMALL), ValueError, "'max_ngram_size'"),
         (lambda: ngram_token_ids(ids.float(), 3, 0), TypeError, "'token_ids'"),
+        (lambda: ngram_token_ids(ids, "3", 0), TypeError, "'max_ngram_size': expected an int"),
+        (lambda: ngram_token_ids(ids, 3, 2**40), ValueError, "'pad_id': expected an int32 id"),
+        (lambda: module.hash_ids(ids[..., 0], [3, 5, 7], 0), TypeError, "'multipliers': expected a torch.Tensor"),
+        # the constructor refuses what the gate, the norms or the tables would refuse (or turn into NaN) later
+        (lambda: Engram(256, SIZES, **SMALL), ValueError, "'hidden_size': expected a hidden size a multiple of 256"),
+        (lambda: Engram(512.0, SIZES, **SMALL), TypeError, "'hidden_size': expected an int"),
+        (lambda: Engram(HIDDEN, SIZES, hc_mult=3, **SMALL), ValueError, "'hc_mult': expected hc_mult 4"),
+        (lambda: Engram(HIDDEN, SIZES, dtype=torch.float32, **SMALL), TypeError, "'dtype': expected torch.bfloat16"),
+        (lambda: Engram(HIDDEN, SIZES, clamp_value=-1.0, **SMALL), ValueError, "'clamp_value': expected a number >"),
+        (lambda: Engram(HIDDEN, SIZES, gate_eps=-1.0, **SMALL), ValueError, "'gate_eps': expected a number >="),
+        (lambda: Engram(HIDDEN, SIZES, conv_eps=float("nan"), **SMALL), ValueError, "'conv_eps': expected a number"),
+        (lambda: Engram(HIDDEN, ["a"] * 8, **SMALL), TypeError, "'table_sizes': expected ints"),
     ]
     for call, kind, match in cases:
         with pytest.raises(kind, match=f"{prefix} {match}"):
             call()
-    # a hidden size outside the gate's range is refused by the gate op
-    small = Engram(256, SIZES, **SMALL)
-    x256, ids256, _ = layer_inputs(small, (1,), 3, seed)
-    with pytest.raises(ValueError, match="engram_gate_fwd: argument 'hidden_states'"):
-        small(x256, ids256)
 
 
 # --- n-gram windows and the hash helper ----------------------------------------------------------------

@@ -138,6 +138,34 @@ def test_optimizer_refuses_bad_hyper_parameters(kwargs, exc):
         EngramSinkhorn([torch.nn.Parameter(torch.randn(4, 64))], **kwargs)
 
 
+@pytest.mark.parametrize("group,exc", [
+    (dict(sinkhorn_iters=-2), ValueError), (dict(sinkhorn_iters=2.5), ValueError), (dict(lr=-5.0), ValueError),
+    (dict(lr=True), ValueError), (dict(lr=1e300), ValueError), (dict(alpha=-1.0), ValueError),
+    (dict(eps=0.0), ValueError), (dict(weight_decay=float("inf")), ValueError), (dict(nesterov="yes"), TypeError),
+    (dict(beta1=0.5, momentum=0.4), ValueError),
+])
+def test_optimizer_checks_every_param_group_and_registers_none_it_refuses(group, exc):
+    table = torch.nn.Parameter(torch.randn(4, 64))
+    with pytest.raises(exc, match="EngramSinkhorn"):
+        EngramSinkhorn([{"params": [table], **group}])
+    opt = EngramSinkhorn([table])
+    with pytest.raises(exc, match="EngramSinkhorn"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 64))], **group})
+    with pytest.raises(ValueError, match="EngramSinkhorn: expected a table width"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 100))]})
+    assert len(opt.param_groups) == 1
+
+
+def test_optimizer_group_momentum_alias_and_gradient_kind():
+    tables = [torch.nn.Parameter(torch.randn(4, 64)) for _ in range(2)]
+    opt = EngramSinkhorn([{"params": [tables[0]], "momentum": 0.25}, {"params": [tables[1]]}], beta1=0.5)
+    assert [g["beta1"] for g in opt.param_groups] == [0.25, 0.5] and "momentum" not in opt.param_groups[0]
+    tables[0].grad_dtype = None  # torch refuses a gradient of another dtype unless told
+    tables[0].grad = torch.ones(4, 64, dtype=torch.int32)
+    with pytest.raises(TypeError, match="EngramSinkhorn: expected a floating-point gradient, got torch.int32"):
+        opt.step()
+
+
 @pytest.mark.parametrize("shape,dtype,exc", [
     ((256,), F32, ValueError), ((4, 96), F32, ValueError), ((4, 64), torch.float16, TypeError),
 ])

@@ -74,6 +74,18 @@ def test_nothing_written_on_bad_input(name):
             assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+def test_multilayer_recompute_refuses_more_layers_than_its_kernels_take():
+    t, h = 2, HIDDEN
+    layers = 65  # limits.MHC_RECOMPUTE_LAYERS: one kernel parameter per list element
+    lists = [[torch.zeros(t, M) for _ in range(layers)], [torch.zeros(t, h, dtype=torch.bfloat16)] * layers,
+             [torch.zeros(t, M)] * layers, [torch.zeros(t, M, M)] * layers,
+             [torch.zeros(t, h, dtype=torch.bfloat16) for _ in range(layers)],
+             [torch.zeros(t, M, h, dtype=torch.bfloat16) for _ in range(layers)]]
+    with pytest.raises(ValueError, match=r"mhc_multilayer_recompute: argument 'pre_mix_list': expected layers L in "
+                                         r"\[1, 64\], got 65"):
+        ops.mhc_multilayer_recompute(torch.zeros(t, M, h, dtype=torch.bfloat16), *lists)
+
+
 @pytest.mark.parametrize("hidden", [100, 192, 8256])
 def test_unsupported_hidden_size(hidden):
     x = torch.zeros(2, M, hidden, dtype=torch.bfloat16)

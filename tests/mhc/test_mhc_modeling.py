@@ -203,6 +203,40 @@ def test_main_grad_accumulates_in_eager_mode(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_frozen_parameters_get_nothing_in_their_main_grad(device, seed):
+    block = modeling.MHCSublayer(H, Sublayer(H, seed, device), device=device)
+    head = modeling.MHCHead(H, device=device)
+    frozen = [block.scale, block.base, head.fn, head.base]
+    for param in frozen:
+        param.requires_grad_(False)
+        param.main_grad = torch.zeros_like(param)
+    residual = residual_of(8, H, seed, device).requires_grad_(True)
+    head(block(residual)).float().square().sum().backward()
+    for param in frozen:
+        assert param.grad is None and torch.equal(param.main_grad, torch.zeros_like(param))
+    assert block.fn.grad is not None and head.scale.grad is not None and residual.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lead", [(0,), (2, 0, 3)])
+def test_zero_tokens_forward_and_backward(device, lead, seed):
+    block = modeling.MHCSublayer(H, Sublayer(H, seed, device), norm_weight=True, device=device)
+    head = modeling.MHCHead(H, device=device)
+    x = torch.zeros(*lead, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+    out = head(block(modeling.expand_from_embedding(x)))
+    assert out.shape == (*lead, H) and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad.shape == x.shape
+    # no token: every parameter gradient is zero
+    for param in [*block.parameters(), *head.parameters()]:
+        assert param.grad is not None and not param.grad.any(), param.shape
+    with torch.no_grad():
+        li, (post, comb) = modeling.mhc_pre(torch.zeros(*lead, M, H, dtype=torch.bfloat16, device=device), block.fn,
+                                            block.scale, block.base)
+    assert li.shape == (*lead, H) and post.shape == (*lead, M, 1) and comb.shape == (*lead, M, M)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_recompute_regenerates_the_forward_bitwise(device, seed):
     """A chunk of L sublayers run forward under no_grad (pre_big_fuse, post), then mhc_multilayer_recompute
     from the first residual and the saved small tensors: every layer input and residual bitwise equal."""
@@ -290,3 +324,40 @@ def test_modeling_api_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"mhc_sinkhorn_forward: argument 'repeat'|mhc_pre_big_fuse: argument "
                                          r"'sinkhorn_repeat'"):
         modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], sinkhorn_repeat=0)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda r: r.float(), TypeError, r"modeling.mhc_pre: argument 'residual': expected bf16, got torch.float32"),
+    (lambda r: r[:, :3], ValueError, r"modeling.mhc_pre: argument 'residual': expected hc_mult 4"),
+    (lambda r: r[..., :100], ValueError, r"modeling.mhc_pre: argument 'residual': expected a hidden size"),
+])
+def test_mhc_pre_checks_the_residual_itself(bad, exc, match):
+    p = params(H, 0, "cpu")
+    with pytest.raises(exc, match=match):
+        modeling.mhc_pre(bad(residual_of(3, H, 0, "cpu")), p["fn"], p["scale"], p["base"])
+
+
+def test_modules_check_their_arguments_and_inputs():
+    residual = residual_of(3, H, 0, "cpu")
+    for kwargs, arg in [(dict(hc_mult=1), "hc_mult"), (dict(hc_mult=3), "hc_mult"), (dict(n_splits=0), "n_splits"),
+                        (dict(eps=-1.0), "eps"), (dict(sinkhorn_repeat=0), "sinkhorn_repeat"),
+                        (dict(post_mult_value=0.0), "post_mult_value"), (dict(n_splits=2.0), "n_splits")]:
+        exc = TypeError if arg == "n_splits" and isinstance(kwargs[arg], float) else ValueError
+        with pytest.raises(exc, match=rf"modeling.MHCSublayer: argument '{arg}'"):
+            modeling.MHCSublayer(H, torch.nn.Identity(), **kwargs)
+        head_kwargs = {k: v for k, v in kwargs.items() if k in ("hc_mult", "n_splits", "eps")}
+        if head_kwargs:
+            with pytest.raises(exc, match=rf"modeling.MHCHead: argument '{arg}'"):
+                modeling.MHCHead(H, **head_kwargs)
+    with pytest.raises(ValueError, match=r"modeling.MHCSublayer: argument 'residual': expected the module's hidden "
+                                         r"size 256"):
+        modeling.MHCSublayer(H, torch.nn.Identity())(residual_of(3, 2 * H, 0, "cpu"))
+    with pytest.raises(ValueError, match=r"modeling.MHCHead: argument 'residual': expected the module's hidden size"):
+        modeling.MHCHead(H)(residual_of(3, 2 * H, 0, "cpu"))
+    head = modeling.MHCHead(H)
+    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'scale_head': expected an fp32 tensor"):
+        modeling.mhc_head(residual, head.fn, head.scale[:0], head.base)
+    head.base.main_grad = torch.zeros(4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'base_head.main_grad': expected a contiguous "
+                                         r"fp32 buffer .* got torch.bfloat16 \(4,\) on cpu"):
+        head(residual)

@@ -7,6 +7,7 @@ Bitwise equal to the chain of :func:`mhc_pre_apply_mix_forward` and :func:`mhc_p
 
 from torch import Tensor
 
+from .. import limits
 from .._checks import OpError, check_tensor
 from .._library import declare
 from ._common import BF16, F32, HC_MULT, check_residual, same_device
@@ -38,7 +39,7 @@ def mhc_multilayer_recompute(initial_residual: Tensor, pre_mix_list: list[Tensor
 
     Args:
         initial_residual: ``(T, m, H)`` bf16, the chunk's first residual.
-        pre_mix_list: ``L`` tensors ``(T, m)`` fp32, ``L >= 1``.
+        pre_mix_list: ``L`` tensors ``(T, m)`` fp32, ``L`` in ``[1, 64]`` (``limits.MHC_RECOMPUTE_LAYERS``).
         layer_output_list: ``Lp`` tensors ``(T, H)`` bf16 (the sublayers' outputs).
         post_mix_list: ``Lp`` tensors ``(T, m)`` fp32.
         comb_mix_list: ``Lp`` tensors ``(T, m, m)`` fp32.
@@ -50,6 +51,7 @@ def mhc_multilayer_recompute(initial_residual: Tensor, pre_mix_list: list[Tensor
     layers, kept = len(pre_mix_list), len(layer_output_list)
     if layers < 1:
         raise err.value("pre_mix_list", "expected at least one layer, got an empty list")
+    limits.MHC_RECOMPUTE_LAYERS.check(err, "pre_mix_list", layers)  # one kernel parameter per list element
     if kept not in (layers - 1, layers):
         raise err.value("layer_output_list", f"expected L - 1 or L = {layers} tensors (L: pre_mix_list), got {kept}")
     _check_list(err, "pre_mix_list", pre_mix_list, layers, F32, (tokens, HC_MULT))

@@ -7,6 +7,7 @@ without its residual (``engram_gate(..., residual=False)``), so ``g·v`` comes f
 recovered by a bf16 subtraction. Embedding, projections, norms and convolution are PyTorch.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Optional
 
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import OpError
+from .. import limits
+from .._checks import OpError, check_float, check_int
 from .engram_gate import EngramGate, engram_gate
 
 __all__ = ["Engram", "ngram_token_ids"]
@@ -78,8 +80,10 @@ def ngram_token_ids(token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tens
                                     f"{getattr(token_ids, 'dtype', type(token_ids).__name__)}")
     if token_ids.dim() < 1:
         raise err.value("token_ids", "expected shape (*, L), got a 0-d tensor")
-    if isinstance(max_ngram_size, bool) or not isinstance(max_ngram_size, int) or max_ngram_size < 2:
+    if check_int(err, "max_ngram_size", max_ngram_size) < 2:
         raise err.value("max_ngram_size", f"expected an int >= 2, got {max_ngram_size!r}")
+    if check_int(err, "pad_id", pad_id) not in limits.IntRange("an int32 id", -2**31, 2**31 - 1):
+        raise err.value("pad_id", f"expected an int32 id, got {pad_id}")
     length = token_ids.shape[-1]
     padded = F.pad(token_ids, (max_ngram_size - 1, 0), value=pad_id)
     start = max_ngram_size - 1
@@ -123,12 +127,22 @@ class Engram(nn.Module):
         for arg, value, low in (("hidden_size", hidden_size, 1), ("hc_mult", hc_mult, 1),
                                 ("max_ngram_size", max_ngram_size, 2), ("n_embed_per_ngram", n_embed_per_ngram, 1),
                                 ("n_head_per_ngram", n_head_per_ngram, 1), ("conv_kernel_size", conv_kernel_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if check_int(err, arg, value) < low:
                 raise err.value(arg, f"expected an int >= {low}, got {value!r}")
+        # the gate's ranges, refused here rather than at the first forward
+        limits.ENGRAM_HIDDEN.check(err, "hidden_size", hidden_size)
+        limits.ENGRAM_HC_MULT.check(err, "hc_mult", hc_mult)
+        if dtype != torch.bfloat16:
+            raise err.type("dtype", f"expected torch.bfloat16 (the gate's dtype), got {dtype}")
+        check_float(err, "clamp_value", clamp_value, minimum=0.0, inclusive=False)
+        check_float(err, "gate_eps", gate_eps, minimum=0.0)
+        check_float(err, "conv_eps", conv_eps, minimum=0.0)
         if n_embed_per_ngram % n_head_per_ngram:
             raise err.value("n_head_per_ngram", f"expected a divisor of n_embed_per_ngram {n_embed_per_ngram}, "
                                                 f"got {n_head_per_ngram}")
-        sizes = [int(s) for s in table_sizes]
+        if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in table_sizes):
+            raise err.type("table_sizes", f"expected ints, got {[type(s).__name__ for s in table_sizes][:8]}")
+        sizes = [s.__index__() for s in table_sizes]
         cols = (max_ngram_size - 1) * n_head_per_ngram
         if len(sizes) != cols or min(sizes) < 1:
             raise err.value("table_sizes", f"expected {cols} positive sizes ((max_ngram_size - 1) * "
@@ -187,7 +201,8 @@ class Engram(nn.Module):
         """``SiLU(causal depthwise conv(RMSNorm_h(value)))`` over the sequence axis of ``value (*, L, m, H)``."""
         lead, length = value.shape[:-3], value.shape[-3]
         normed = F.rms_norm(value, (self.hidden_size,), eps=self.conv_eps) * self.conv_norm_weight
-        tokens = normed.reshape(-1, length, self.hc_mult * self.hidden_size)
+        # the sequences counted, not -1 (ambiguous where L = 0)
+        tokens = normed.reshape(math.prod(lead), length, self.hc_mult * self.hidden_size)
         mixed = F.silu(_CausalDepthwiseConv.apply(tokens, self.conv.weight, self.conv.dilation[0]))
         return mixed.reshape(*lead, length, self.hc_mult, self.hidden_size)
 
@@ -225,7 +240,9 @@ class Engram(nn.Module):
         if hash_op is None:
             from ..engram.hash import engram_hash as hash_op
         err = OpError(_OP)
-        if not isinstance(multipliers, Tensor) or tuple(multipliers.shape) != (self.max_ngram_size,):
+        if not isinstance(multipliers, Tensor):
+            raise err.type("multipliers", f"expected a torch.Tensor, got {type(multipliers).__name__}")
+        if tuple(multipliers.shape) != (self.max_ngram_size,):
             raise err.value("multipliers", f"expected a ({self.max_ngram_size},) int64 tensor, got "
                                            f"{tuple(getattr(multipliers, 'shape', ()))}")
         windows = ngram_token_ids(token_ids, self.max_ngram_size, pad_id)
@@ -235,7 +252,7 @@ class Engram(nn.Module):
                        multipliers.reshape(1, -1).contiguous(),
                        sizes.view(1, self.max_ngram_size - 1, self.n_head_per_ngram),
                        self.offsets.to(token_ids.device).view(1, -1).contiguous())
-        return rows[0].view(*lead, -1)
+        return rows[0].view(*lead, len(self.table_sizes))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, hc_mult={self.hc_mult}, max_ngram_size={self.max_ngram_size}, "

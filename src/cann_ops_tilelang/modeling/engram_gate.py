@@ -20,8 +20,9 @@ _OP = "modeling.engram_gate"
 
 
 def _main_grad(weight: Tensor) -> Optional[Tensor]:
-    # main_grad is a Python attribute: only honoured in eager mode (a compiled graph sees tensors only).
-    if torch.compiler.is_compiling():
+    # main_grad is a Python attribute: only honoured in eager mode (a compiled graph sees tensors only), and only
+    # where the weight requires a gradient (a frozen one gets none, there either).
+    if torch.compiler.is_compiling() or not weight.requires_grad:
         return None
     buffer = getattr(weight, "main_grad", None)
     if buffer is None:

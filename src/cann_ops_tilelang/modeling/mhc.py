@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import limits
-from .._checks import OpError
+from .._checks import OpError, check_float, check_int
 from ..mhc import (
     expand_to_mhc_backward,
     expand_to_mhc_forward,
@@ -53,6 +53,7 @@ from ..mhc import (
     mhc_sinkhorn_backward,
     mhc_sinkhorn_forward,
 )
+from ..mhc._common import check_hc, check_hidden
 
 __all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
            "mhc_pre"]
@@ -63,17 +64,21 @@ M3 = limits.MHC_MIX
 _HEAD_PARTIALS = 64
 
 
-def _main_grad(param: Optional[Tensor], op: str) -> Optional[Tensor]:
-    """The fp32 ``main_grad`` of a parameter, honoured in eager mode only (a compiled graph sees tensors)."""
-    if param is None or torch.compiler.is_compiling():
+def _main_grad(param: Optional[Tensor], op: str, arg: str) -> Optional[Tensor]:
+    """The fp32 ``main_grad`` of parameter ``arg``, honoured in eager mode only (a compiled graph sees tensors)
+    and only where the parameter requires a gradient (a frozen one gets none, there either)."""
+    if param is None or not param.requires_grad or torch.compiler.is_compiling():
         return None
     buffer = getattr(param, "main_grad", None)
     if buffer is None:
         return None
     if not isinstance(buffer, Tensor) or buffer.dtype != torch.float32 or buffer.shape != param.shape \
             or buffer.device != param.device or not buffer.is_contiguous():
-        raise OpError(op).value("main_grad", f"expected a contiguous fp32 buffer of the parameter's shape "
-                                             f"{tuple(param.shape)} on {param.device}, got {buffer!r:.80}")
+        got = (f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+               + ("" if buffer.is_contiguous() else ", not contiguous")) if isinstance(buffer, Tensor) \
+            else type(buffer).__name__
+        raise OpError(op).value(f"{arg}.main_grad", f"expected a contiguous fp32 buffer of the parameter's shape "
+                                                    f"{tuple(param.shape)} on {param.device}, got {got}")
     return buffer
 
 
@@ -85,22 +90,34 @@ def _grad_out(grad: Optional[Tensor], main: Optional[Tensor]) -> Optional[Tensor
     return None
 
 
-def _flat_residual(op: str, residual: Tensor) -> tuple[Tensor, tuple[int, ...], int, int]:
+def _flat_residual(op: str, residual: Tensor, hidden_size: Optional[int] = None) -> tuple[Tensor, tuple[int, ...],
+                                                                                          int, int]:
+    """``residual (*, m, H)`` bf16 viewed ``(T, m, H)`` contiguous, with ``(*)``, ``m`` and ``H``; a module
+    passes its ``hidden_size`` for ``H`` to match."""
     err = OpError(op)
     if not isinstance(residual, Tensor):
         raise err.type("residual", f"expected a torch.Tensor, got {type(residual).__name__}")
     if residual.dim() < 2:
         raise err.value("residual", f"expected (*, m, H), got shape {tuple(residual.shape)}")
+    if residual.dtype != torch.bfloat16:
+        raise err.type("residual", f"expected bf16, got {residual.dtype}")
     lead = tuple(residual.shape[:-2])
     m, hidden = residual.shape[-2:]
+    if not torch.compiler.is_compiling():  # traced: the ops check the sizes (Dynamo cannot trace the ranges)
+        check_hc(err, "residual", m)
+        check_hidden(err, "residual", hidden)
+    if hidden_size is not None and hidden != hidden_size:
+        raise err.value("residual", f"expected the module's hidden size {hidden_size} in the last dim, got "
+                                    f"shape {tuple(residual.shape)}")
     return residual.reshape(-1, m, hidden).contiguous(), lead, m, hidden
 
 
 def _check_params(op: str, hidden: int, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Optional[Tensor],
-                  rows: int, scales: int, bases: int) -> None:
+                  rows: int, scales: int, bases: int, names: tuple[str, str, str] = ("fn", "scale", "base")) -> None:
+    """The parameters' kinds, dtypes and shapes; ``names``: the caller's names of ``fn``, ``scale``, ``base``."""
     err = OpError(op)
     k = M * hidden
-    for arg, value, shape in (("fn", fn, (rows, k)), ("scale", scale, (scales,)), ("base", base, (bases,)),
+    for arg, value, shape in ((names[0], fn, (rows, k)), (names[1], scale, (scales,)), (names[2], base, (bases,)),
                               ("norm_weight", norm_weight, (k,))):
         if value is None and arg == "norm_weight":
             continue
@@ -157,8 +174,10 @@ def _mixes_forward(residual, fn_m, norm_eps, n_splits):
     parts, sq_parts = mhc_gemm_with_sqrsum_forward(residual.view(tokens, m * hidden), fn_m, n_splits)
     out_mul, sqrsum = parts.new_empty(tokens, 1, fn_m.shape[0]), parts.new_empty(tokens, 1)
     mixes = parts.new_empty(tokens, fn_m.shape[0])
-    mhc_reduce_partials_and_rmsnorm_forward(parts.view(n_splits, tokens, 1, -1), sq_parts.view(n_splits, tokens, 1),
-                                            out_mul, sqrsum, mixes, m * hidden, norm_eps, n_splits)
+    # explicit sizes (a -1 is ambiguous at zero tokens)
+    mhc_reduce_partials_and_rmsnorm_forward(parts.view(n_splits, tokens, 1, fn_m.shape[0]),
+                                            sq_parts.view(n_splits, tokens, 1), out_mul, sqrsum, mixes, m * hidden,
+                                            norm_eps, n_splits)
     return out_mul, sqrsum, mixes
 
 
@@ -167,8 +186,10 @@ def _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual
     tokens, m, hidden = residual.shape
     d_out_mul, d_sqrsum = torch.empty_like(out_mul), torch.empty_like(sqrsum)
     mhc_reduce_partials_and_rmsnorm_backward(d_mixes, out_mul, sqrsum, d_out_mul, d_sqrsum, m * hidden, norm_eps)
-    return mhc_gemm_with_sqrsum_backward(d_out_mul.view(tokens, -1), d_sqrsum.view(tokens), residual.view(tokens, -1),
-                                         fn_m, residual_grad.view(tokens, -1))
+    # explicit sizes (a -1 is ambiguous at zero tokens)
+    k = m * hidden
+    return mhc_gemm_with_sqrsum_backward(d_out_mul.view(tokens, fn_m.shape[0]), d_sqrsum.view(tokens),
+                                         residual.view(tokens, k), fn_m, residual_grad.view(tokens, k))
 
 
 def _merged_fn(fn, norm_weight):
@@ -264,7 +285,8 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
     _check_params(op, hidden, fn, scale, base, norm_weight, M3, 3, M3)
     tensors = (residual, fn, scale, base) + (() if norm_weight is None else (norm_weight,))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        mains = tuple(_main_grad(p, op) for p in (fn, scale, base, norm_weight))
+        mains = tuple(_main_grad(p, op, name) for p, name in ((fn, "fn"), (scale, "scale"), (base, "base"),
+                                                                (norm_weight, "norm_weight")))
         layer_input, post, comb, link = _Pre.apply(flat, fn, scale, base, norm_weight, norm_eps, post_mult_value,
                                                    pre_eps, sinkhorn_eps, sinkhorn_repeat, n_splits, mains)
     else:
@@ -388,8 +410,10 @@ def mhc_head(residual: Tensor, fn_head: Tensor, scale_head: Tensor, base_head: T
     """
     op = "modeling.mhc_head"
     flat, lead, m, hidden = _flat_residual(op, residual)
-    _check_params(op, hidden, fn_head, scale_head, base_head, norm_weight, m, 1, m)
-    mains = tuple(_main_grad(p, op) for p in (fn_head, scale_head, base_head, norm_weight))
+    names = ("fn_head", "scale_head", "base_head")
+    _check_params(op, hidden, fn_head, scale_head, base_head, norm_weight, m, 1, m, names)
+    mains = tuple(_main_grad(p, op, name) for p, name in zip((fn_head, scale_head, base_head, norm_weight),
+                                                             names + ("norm_weight",)))
     out = _Head.apply(flat, fn_head, scale_head, base_head, norm_weight, norm_eps, pre_eps, n_splits, mains)
     return out.view(*lead, hidden)
 
@@ -405,6 +429,15 @@ def _init_base(m: int) -> Tensor:
     base[:m] = math.log(1.0 / (m - 1))  # sigmoid(x) = 1/m
     base[2 * m:] = torch.eye(m).flatten() * 4.0
     return base
+
+
+def _check_module(err: OpError, hidden_size: int, hc_mult: int, eps: float, n_splits: int) -> None:
+    """The arguments the mHC modules share, checked at construction (as the ops would check them per call)."""
+    limits.MHC_HIDDEN.check(err, "hidden_size", check_int(err, "hidden_size", hidden_size))
+    if hc_mult not in limits.MHC_HC_MULT:
+        raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult!r}")
+    check_float(err, "eps", eps, minimum=0.0)
+    limits.mhc_gemm_splits(hc_mult * hidden_size).check(err, "n_splits", check_int(err, "n_splits", n_splits))
 
 
 class MHCSublayer(nn.Module):
@@ -431,9 +464,11 @@ class MHCSublayer(nn.Module):
                  device=None):
         super().__init__()
         err = OpError("modeling.MHCSublayer")
-        limits.MHC_HIDDEN.check(err, "hidden_size", hidden_size)
-        if hc_mult not in limits.MHC_HC_MULT:
-            raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult}")
+        _check_module(err, hidden_size, hc_mult, eps, n_splits)
+        check_float(err, "post_mult_value", post_mult_value, minimum=0.0, inclusive=False)
+        # the widest range of the backends: a device's own is checked by the ops
+        limits.MHC_SINKHORN_REPEAT.of("cpu").check(err, "sinkhorn_repeat",
+                                                   check_int(err, "sinkhorn_repeat", sinkhorn_repeat))
         self.sublayer = sublayer
         self.hidden_size, self.hc_mult = hidden_size, hc_mult
         self.post_mult_value, self.sinkhorn_repeat, self.eps, self.n_splits = post_mult_value, sinkhorn_repeat, eps, \
@@ -445,6 +480,7 @@ class MHCSublayer(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
 
     def forward(self, residual: Tensor) -> Tensor:
+        _flat_residual("modeling.MHCSublayer", residual, self.hidden_size)
         layer_input, (post, comb), linked = mhc_pre(
             residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
             post_mult_value=self.post_mult_value, pre_eps=self.eps, sinkhorn_eps=self.eps,
@@ -466,7 +502,8 @@ class MHCHead(nn.Module):
     def __init__(self, hidden_size: int, hc_mult: int = M, *, norm_weight: bool = False, eps: float = 1e-6,
                  n_splits: int = 16, device=None):
         super().__init__()
-        limits.MHC_HIDDEN.check(OpError("modeling.MHCHead"), "hidden_size", hidden_size)
+        _check_module(OpError("modeling.MHCHead"), hidden_size, hc_mult, eps, n_splits)
+        self.hidden_size = hidden_size
         k = hc_mult * hidden_size
         self.eps, self.n_splits = eps, n_splits
         self.fn = nn.Parameter(torch.randn(hc_mult, k, device=device) * 1e-4)
@@ -475,6 +512,7 @@ class MHCHead(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
 
     def forward(self, residual: Tensor) -> Tensor:
+        _flat_residual("modeling.MHCHead", residual, self.hidden_size)
         return mhc_head(residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
                         pre_eps=self.eps, n_splits=self.n_splits)
 

@@ -43,6 +43,9 @@ from ..engram.sinkhorn import (
 
 __all__ = ["EngramSinkhorn", "sinkhorn_update"]
 
+_FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number: a smaller eps would be flushed
+_FP32_MAX = 3.4028234663852886e38
+
 
 def _sinkhorn_scales(matrix: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2 above on an ``(R, D)`` fp32 Sinkhorn input (R >= 1): the final ``(row_scale, col_scale)``."""
@@ -60,7 +63,10 @@ def _sinkhorn_scales(matrix: torch.Tensor, iters: int, eps: float) -> tuple[torc
 
 
 def sinkhorn_update(matrix: torch.Tensor, iters: int, eps: float, alpha: float) -> torch.Tensor:
-    """Steps 2-3 above on an ``(R, D)`` fp32 Sinkhorn input (R >= 1): the ``(R, D)`` fp32 update ``U``."""
+    """Steps 2-3 above on an ``(R, D)`` fp32 Sinkhorn input (R >= 1): the ``(R, D)`` fp32 update ``U``
+    (``iters >= 0``; the ops check the rest)."""
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"sinkhorn_update: iters must be an int >= 0, got {iters!r}")
     row_scale, col_scale = _sinkhorn_scales(matrix, iters, eps)
     return engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha)
 
@@ -88,31 +94,38 @@ class EngramSinkhorn(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, beta1: float = 0.9, nesterov: bool = True,
                  sinkhorn_iters: int = 5, eps: float = 1e-8, alpha: float | None = None,
                  weight_decay: float = 0.0, *, momentum: float | None = None):
-        if momentum is not None:
-            beta1 = momentum
-        if not (isinstance(lr, (int, float)) and lr >= 0.0 and math.isfinite(lr)):
+        defaults = dict(lr=lr, beta1=beta1 if momentum is None else momentum, nesterov=nesterov,
+                        sinkhorn_iters=sinkhorn_iters, eps=eps, alpha=alpha, weight_decay=weight_decay)
+        self._check_hyper(defaults)
+        super().__init__(params, defaults)  # each group through add_param_group (checked there)
+
+    @staticmethod
+    def _check_hyper(group: dict[str, Any]) -> None:
+        """The hyper-parameters of a group (the constructor's defaults or a group's own values)."""
+        def number(value: Any) -> bool:  # a real number that stays finite in fp32, where the ops use it
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < _FP32_MAX
+
+        lr, beta1, iters, eps = group["lr"], group["beta1"], group["sinkhorn_iters"], group["eps"]
+        alpha, weight_decay = group["alpha"], group["weight_decay"]
+        if not (number(lr) and lr >= 0.0):
             raise ValueError(f"EngramSinkhorn: lr must be a finite number >= 0, got {lr!r}")
-        if not (isinstance(beta1, (int, float)) and 0.0 <= beta1 <= 1.0):
+        if not (number(beta1) and 0.0 <= beta1 <= 1.0):
             raise ValueError(f"EngramSinkhorn: beta1 must be in [0, 1], got {beta1!r}")
-        if not isinstance(nesterov, bool):
-            raise TypeError(f"EngramSinkhorn: nesterov must be a bool, got {type(nesterov).__name__}")
-        if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 0:
-            raise ValueError(f"EngramSinkhorn: sinkhorn_iters must be an int >= 0, got {sinkhorn_iters!r}")
-        if not (isinstance(eps, (int, float)) and 1.1754943508222875e-38 <= eps < 1.0):
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"EngramSinkhorn: nesterov must be a bool, got {type(group['nesterov']).__name__}")
+        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+            raise ValueError(f"EngramSinkhorn: sinkhorn_iters must be an int >= 0, got {iters!r}")
+        if not (number(eps) and _FP32_TINY <= eps < 1.0):
             raise ValueError(f"EngramSinkhorn: eps must be in [1.2e-38, 1), got {eps!r}")
-        if alpha is not None and not (isinstance(alpha, (int, float)) and alpha > 0 and math.isfinite(alpha)):
+        if alpha is not None and not (number(alpha) and alpha > 0):
             raise ValueError(f"EngramSinkhorn: alpha must be None or a finite number > 0, got {alpha!r}")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-            raise ValueError(f"EngramSinkhorn: weight_decay must be >= 0, got {weight_decay!r}")
-        defaults = dict(lr=lr, beta1=beta1, nesterov=nesterov, sinkhorn_iters=sinkhorn_iters, eps=eps, alpha=alpha,
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._check_param(p)
+        if not (number(weight_decay) and weight_decay >= 0.0):
+            raise ValueError(f"EngramSinkhorn: weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
     @staticmethod
     def _check_param(p: torch.Tensor) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"EngramSinkhorn: expected tensors (tables), got {type(p).__name__}")
         if p.dim() != 2:
             raise ValueError(f"EngramSinkhorn: expected 2-D (rows, dim) tables, got shape {tuple(p.shape)}")
         if p.dtype not in (torch.bfloat16, torch.float32):
@@ -125,9 +138,22 @@ class EngramSinkhorn(torch.optim.Optimizer):
             raise ValueError("EngramSinkhorn: expected contiguous tables")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            self._check_param(p)
+        """Adds a group (``momentum`` accepted as an alias of ``beta1``) after checking its tables and its
+        hyper-parameters, so that a refused group is never registered."""
+        group = dict(param_group)
+        if "momentum" in group:
+            momentum = group.pop("momentum")
+            if "beta1" in group and group["beta1"] != momentum:
+                raise ValueError(f"EngramSinkhorn: a group gives both beta1 {group['beta1']!r} and its alias "
+                                 f"momentum {momentum!r}")
+            group["beta1"] = momentum
+        self._check_hyper({**self.defaults, **group})
+        params = group["params"]
+        if not isinstance(params, set):  # torch refuses sets (unordered) itself
+            group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+            for p in group["params"]:
+                self._check_param(p)
+        super().add_param_group(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -144,6 +170,8 @@ class EngramSinkhorn(torch.optim.Optimizer):
                 grad = p.grad
                 if grad.is_sparse:
                     raise RuntimeError("EngramSinkhorn: sparse gradients are not supported (use dense embeddings)")
+                if not grad.is_floating_point():
+                    raise TypeError(f"EngramSinkhorn: expected a floating-point gradient, got {grad.dtype}")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
