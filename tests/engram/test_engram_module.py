@@ -30,7 +30,7 @@ from engram_ref import (
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import config
-from cann_ops_tilelang.modeling import Engram, engram_gate, ngram_token_ids
+from cann_ops_tilelang.modeling import Engram, EngramGate, engram_gate, ngram_token_ids
 
 # A bf16 rounding contributes u^2 = 2^-18 (3.8e-6) to calc_diff; the layer's longest chain (projection, gate,
 # norm, convolution, SiLU, two adds, then the same backwards) has about eight. Measured on the CPU tier:
@@ -234,9 +234,6 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, SIZES[:5], **SMALL), ValueError, "'table_sizes'.*expected 8 positive sizes"),
         (lambda: Engram(HIDDEN, SIZES, n_embed_per_ngram=64, n_head_per_ngram=5), ValueError, "'n_head_per_ngram'"),
         (lambda: Engram(HIDDEN, SIZES, max_ngram_size=1, **SMALL), ValueError, "'max_ngram_size'"),
-        (lambda: ngram_token_ids(ids.float(), 3, 0), TypeError, "'token_ids'"),
-        (lambda: ngram_token_ids(ids, "3", 0), TypeError, "'max_ngram_size': expected an int"),
-        (lambda: ngram_token_ids(ids, 3, 2**40), ValueError, "'pad_id': expected an int32 id"),
         (lambda: module.hash_ids(ids[..., 0], [3, 5, 7], 0), TypeError, "'multipliers': expected a torch.Tensor"),
         # the constructor refuses what the gate, the norms or the tables would refuse (or turn into NaN) later
         (lambda: Engram(256, SIZES, **SMALL), ValueError, "'hidden_size': expected a hidden size a multiple of 256"),
@@ -249,6 +246,25 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, ["a"] * 8, **SMALL), TypeError, "'table_sizes': expected ints"),
     ]
     for call, kind, match in cases:
+        with pytest.raises(kind, match=f"{prefix} {match}"):
+            call()
+    prefix = "cann_ops_tilelang::modeling.ngram_token_ids: argument"
+    for call, kind, match in [
+        (lambda: ngram_token_ids(ids.float(), 3, 0), TypeError, "'token_ids'"),
+        (lambda: ngram_token_ids(ids, "3", 0), TypeError, "'max_ngram_size': expected an int"),
+        (lambda: ngram_token_ids(ids, 3, 2**40), ValueError, "'pad_id': expected an int32 id"),
+        (lambda: module.hash_ids(ids[..., 0], torch.tensor([3, 5, 7]), 0.5), TypeError, "'pad_id': expected an int"),
+    ]:
+        with pytest.raises(kind, match=f"{prefix} {match}"):
+            call()
+    prefix = "cann_ops_tilelang::modeling.EngramGate: argument"
+    for call, kind, match in [
+        (lambda: EngramGate(256), ValueError, "'hidden_size': expected a hidden size"),
+        (lambda: EngramGate(HIDDEN, hc_mult=2), ValueError, "'hc_mult'"),
+        (lambda: EngramGate(HIDDEN, eps=-1.0), ValueError, "'eps': expected a number >= 0"),
+        (lambda: EngramGate(HIDDEN, clamp_value=0.0), ValueError, "'clamp_value': expected a number > 0"),
+        (lambda: EngramGate(HIDDEN, dtype=torch.float16), TypeError, "'dtype': expected torch.bfloat16"),
+    ]:
         with pytest.raises(kind, match=f"{prefix} {match}"):
             call()
 

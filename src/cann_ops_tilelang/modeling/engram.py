@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import limits
 from .._checks import OpError, check_float, check_int
-from .engram_gate import EngramGate, engram_gate
+from .engram_gate import EngramGate, check_gate_config, engram_gate
 
 __all__ = ["Engram", "ngram_token_ids"]
 
@@ -74,7 +74,7 @@ def ngram_token_ids(token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tens
     """The n-gram windows of every token: ``(*, L)`` token ids -> ``(*, L, N)`` with column ``k`` the token
     ``k`` positions back in the same sequence (the last dim of ``token_ids``) and ``pad_id`` before its start
     (the demo's ``shift_k``). Same dtype as ``token_ids``; the columns ``engram_hash`` takes."""
-    err = OpError(_OP)
+    err = OpError("modeling.ngram_token_ids")
     if not isinstance(token_ids, Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
         raise err.type("token_ids", f"expected an int32 or int64 torch.Tensor, got "
                                     f"{getattr(token_ids, 'dtype', type(token_ids).__name__)}")
@@ -129,13 +129,7 @@ class Engram(nn.Module):
                                 ("n_head_per_ngram", n_head_per_ngram, 1), ("conv_kernel_size", conv_kernel_size, 1)):
             if check_int(err, arg, value) < low:
                 raise err.value(arg, f"expected an int >= {low}, got {value!r}")
-        # the gate's ranges, refused here rather than at the first forward
-        limits.ENGRAM_HIDDEN.check(err, "hidden_size", hidden_size)
-        limits.ENGRAM_HC_MULT.check(err, "hc_mult", hc_mult)
-        if dtype != torch.bfloat16:
-            raise err.type("dtype", f"expected torch.bfloat16 (the gate's dtype), got {dtype}")
-        check_float(err, "clamp_value", clamp_value, minimum=0.0, inclusive=False)
-        check_float(err, "gate_eps", gate_eps, minimum=0.0)
+        check_gate_config(err, hidden_size, hc_mult, clamp_value, gate_eps, dtype, eps_arg="gate_eps")
         check_float(err, "conv_eps", conv_eps, minimum=0.0)
         if n_embed_per_ngram % n_head_per_ngram:
             raise err.value("n_head_per_ngram", f"expected a divisor of n_embed_per_ngram {n_embed_per_ngram}, "

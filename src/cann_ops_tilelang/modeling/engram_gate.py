@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .._checks import OpError
+from .. import limits
+from .._checks import OpError, check_float, check_int
 from ..engram import engram_fused_weight, engram_gate_bwd, engram_gate_fwd, engram_grad_w_reduce
 
 __all__ = ["EngramGate", "engram_gate"]
@@ -133,6 +134,18 @@ def engram_gate(
     return out.view(*lead, m, hidden)
 
 
+def check_gate_config(err: OpError, hidden_size: int, hc_mult: int, clamp_value: float, eps: float, dtype,
+                      eps_arg: str = "eps") -> None:
+    """A gate module's configuration, refused at construction where the gate op would refuse it at its first
+    call (``eps_arg``: the caller's name of the RMSNorm epsilon)."""
+    limits.ENGRAM_HIDDEN.check(err, "hidden_size", check_int(err, "hidden_size", hidden_size))
+    limits.ENGRAM_HC_MULT.check(err, "hc_mult", check_int(err, "hc_mult", hc_mult))
+    if dtype != torch.bfloat16:
+        raise err.type("dtype", f"expected torch.bfloat16 (the gate's dtype), got {dtype}")
+    check_float(err, "clamp_value", clamp_value, minimum=0.0, inclusive=False)
+    check_float(err, eps_arg, eps, minimum=0.0)
+
+
 class EngramGate(nn.Module):
     """Holds the two ``(m, H)`` bf16 RMSNorm weights of an Engram gate (initialized to ones).
 
@@ -146,6 +159,7 @@ class EngramGate(nn.Module):
     def __init__(self, hidden_size: int, hc_mult: int = 4, clamp_value: float = 1e-6, eps: float = 1e-6,
                  device=None, dtype=torch.bfloat16):
         super().__init__()
+        check_gate_config(OpError("modeling.EngramGate"), hidden_size, hc_mult, clamp_value, eps, dtype)
         self.hidden_size = hidden_size
         self.hc_mult = hc_mult
         self.clamp_value = clamp_value
