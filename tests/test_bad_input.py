@@ -4,7 +4,7 @@ anything is written.
 For every declared op a valid call is corrupted in one way (hypothesis picks the op, the argument and the
 corruption): a list, a wrong dtype or a wrong shape with the same element count where a tensor belongs;
 ``True`` for an int or a float, a string for a bool; a scalar that does not survive fp32 (``1e300``, or
-``1e-50`` where the op needs a positive value); a written buffer that shares memory with another argument
+``1e-50`` where the op needs a positive value) or that the schema cannot hold (``2**63``, ``10**400``); a written buffer that shares memory with another argument
 (the same tensor, or an overlapping view of one storage); a written buffer that is a leaf requiring grad.
 The package's own CPU behaviour runs (the CPU reference kernels are disabled), so the argument checks are
 the only thing between the call and the "no kernel for cpu" RuntimeError. Every tensor of the call is
@@ -81,9 +81,9 @@ def corruptions(name: str) -> list[tuple[str, str]]:
             if value.dim() >= 1 and value.numel() > 1:
                 out.append((arg, "shape"))
         if kind is int:
-            out += [(arg, "bool"), (arg, "float")]
+            out += [(arg, "bool"), (arg, "float"), (arg, "int64_overflow")]
         if kind is float:
-            out += [(arg, "bool"), (arg, "huge")]
+            out += [(arg, "bool"), (arg, "huge"), (arg, "double_overflow")]
             if call[arg] > 0:
                 out.append((arg, "tiny"))
         if kind is bool:
@@ -145,6 +145,10 @@ def corrupt(name: str, call: dict, arg: str, how: str) -> dict:
         call[arg] = float(value) + 0.5
     elif how == "huge":
         call[arg] = 1e300
+    elif how == "int64_overflow":  # an int the dispatcher cannot convert to the schema's int64
+        call[arg] = 2**63
+    elif how == "double_overflow":  # an int where a float belongs, too large for a double
+        call[arg] = 10**400
     elif how == "tiny":
         call[arg] = 1e-50
     elif how == "string":
@@ -186,7 +190,8 @@ def _overlapping(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 def test_every_op_has_corruptions_of_every_kind():
     kinds = {how for _, _, how in CASES}
     assert kinds == {"list", "dtype", "shape", "bool", "float", "huge", "tiny", "string", "alias", "overlap",
-                     "requires_grad", "element_dtype", "element_shape", "tensor_for_list"}
+                     "requires_grad", "element_dtype", "element_shape", "tensor_for_list", "int64_overflow",
+                     "double_overflow"}
     assert {name for name, _, _ in CASES} == set(OPS)
     for name in OPS:  # every op writing a buffer is probed for aliasing
         if ops.registered_ops()[name].declaration.mutates_args:
@@ -206,7 +211,8 @@ def test_bad_calls_raise_before_anything_is_written(case, seed):
     message = str(info.value)
     assert f"cann_ops_tilelang::{name}: argument '" in message, message
     is_list = isinstance(valid_call(name)[arg], list)
-    if how in ("list", "dtype", "bool", "float", "huge", "tiny", "string", "requires_grad", "tensor_for_list"):
+    if how in ("list", "dtype", "bool", "float", "huge", "tiny", "string", "requires_grad", "tensor_for_list",
+               "int64_overflow", "double_overflow"):
         # the corrupted argument itself is named (a list's element by its index)
         named = f"{arg}[0]" if is_list and how == "requires_grad" else arg
         assert f"argument '{named}'" in message, (how, message)
@@ -218,6 +224,19 @@ def test_bad_calls_raise_before_anything_is_written(case, seed):
     after = dict(_all_tensors(call))
     for k, bits in before.items():
         assert torch.equal(_bits(after[k]), bits), f"{name}: argument {k} was written ({how} of {arg})"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_calls_that_do_not_bind_name_the_op(name):
+    """A missing, unknown or repeated argument is a TypeError naming the op (not the dispatcher's error)."""
+    call = valid_call(name)
+    public = ops.registered_ops()[name]
+    first, *rest = call
+    for args, kwargs, text in (((), {k: call[k] for k in rest}, f"missing a required argument: '{first}'"),
+                               ((), {**call, "bogus": 1}, "got an unexpected keyword argument 'bogus'"),
+                               ((call[first],), call, f"multiple values for argument '{first}'")):
+        with without_cpu_references(), pytest.raises(TypeError, match=f"cann_ops_tilelang::{name}: {text}"):
+            public(*args, **kwargs)
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -119,6 +119,24 @@ def _is_float(value: Any) -> bool:
     return isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(value, bool)
 
 
+def _fits_int64(value: Any) -> bool:
+    return isinstance(value, torch.SymInt) or -2**63 <= int(value) < 2**63
+
+
+def _fits_double(value: Any) -> bool:
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return True
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+# kind check -> the range check of a scalar the dispatcher converts to the schema's int64 / double
+_SCALARS = {_is_int: _fits_int64, _is_float: _fits_double}
+_SCALAR_TYPES = {_is_int: "int64", _is_float: "double"}
+
 _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     torch.Tensor: (lambda v: isinstance(v, torch.Tensor), "a torch.Tensor"),
     typing.Optional[torch.Tensor]: (lambda v: v is None or isinstance(v, torch.Tensor), "a torch.Tensor or None"),
@@ -192,13 +210,17 @@ class _Op:
         """The public function's checks before the dispatcher: the kinds of the given arguments against the
         annotations, and no written buffer that autograd tracks. Positional and keyword arguments are read
         in place (no signature binding: this runs on every eager call); defaults are valid by construction."""
-        err = None
+        if kwargs or not self.required <= len(args) <= len(self.names):
+            self.bind(args, kwargs)  # a missing, unknown or repeated argument: a TypeError naming the op
         given = list(zip(self.names, args)) + list(kwargs.items())
         for name, value in given:
             kind = self.kinds.get(name)
-            if kind is not None and not kind[0](value):
-                err = err or OpError(self.decl.name)
-                raise err.type(name, f"expected {kind[1]}, got {type(value).__name__}")
+            if kind is not None:
+                if not kind[0](value):
+                    raise OpError(self.decl.name).type(name, f"expected {kind[1]}, got {type(value).__name__}")
+                if kind[0] in _SCALARS and not _SCALARS[kind[0]](value):  # what the schema cannot convert
+                    raise OpError(self.decl.name).value(name, f"expected {kind[1]} that fits the schema's "
+                                                              f"{_SCALAR_TYPES[kind[0]]}, got {value!r:.40}")
         if self.decl.mutates_args and torch.is_grad_enabled():
             for name, value in _tensors({k: v for k, v in given if k in self.decl.mutates_args}):
                 if value.requires_grad:
