@@ -284,9 +284,10 @@ def test_engram_gate_checks_kv_and_mask_before_reshaping():
 def test_engram_gate_fwd_flags_are_bools():
     x = torch.randn(TOKENS, 4, ENGRAM_HIDDEN, dtype=torch.bfloat16)
     kv = torch.randn(TOKENS, 5, ENGRAM_HIDDEN, dtype=torch.bfloat16)
+    x0 = x.clone()
     with pytest.raises(TypeError, match="engram_gate_fwd: argument 'inplace': expected a bool, got str 'False'"):
         ops.engram_gate_fwd(x, kv, torch.ones(4, ENGRAM_HIDDEN), 1e-6, 1e-6, False, None, "False")
-    assert torch.equal(x, x.clone())
+    assert torch.equal(x, x0)
 
 
 def test_main_grad_must_be_contiguous():

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from _plugins.device import detect_platform, unbound_environ, visible_devices
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "distributed_train.py"
 
 
-def _run(args: list[str], out: Path, timeout: int) -> dict:
+def _run(args: list[str], out: Path, timeout: int, env: dict | None = None) -> dict:
     done = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads(out.read_text())
 
@@ -38,9 +39,17 @@ def test_data_parallel_gradients_match_one_process_on_cpu_gloo(tmp_path):
     assert all(r["logits_bitwise"] for r in report["modes"].values())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires 2 CUDA devices")
+def _run_gpus() -> int:
+    """CUDA devices of the whole run: an xdist worker sees only the one it is bound to, the script's two ranks
+    get the devices from before that binding."""
+    env = unbound_environ()
+    return len(visible_devices("cuda", env)) if detect_platform(env) == "cuda" else 0
+
+
+@pytest.mark.skipif(_run_gpus() < 2, reason="requires 2 CUDA devices")
 def test_data_parallel_on_two_gpus(tmp_path):
-    report = _run(["--nproc", "2", "--tokens", "4096", "--steps", "10"], tmp_path / "gpu.json", timeout=600)
+    report = _run(["--nproc", "2", "--tokens", "4096", "--steps", "10"], tmp_path / "gpu.json", timeout=600,
+                  env=unbound_environ())
     _check(report)
 
 

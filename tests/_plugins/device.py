@@ -129,6 +129,22 @@ class Binding:
     reason: str  # human-readable summary
 
 
+# visibility variable -> its value before this process bound its device (None: it was unset)
+_BEFORE_BIND: dict[str, str | None] = {}
+
+
+def unbound_environ() -> dict[str, str]:
+    """A copy of ``os.environ`` as it was before this worker's device binding: for a subprocess that uses
+    every device of the run (e.g. a 2-GPU data-parallel test inside a one-GPU xdist worker)."""
+    env = dict(os.environ)
+    for var, value in _BEFORE_BIND.items():
+        if value is None:
+            env.pop(var, None)
+        else:
+            env[var] = value
+    return env
+
+
 def bind_worker_device(environ: MutableMapping[str, str] | None = None) -> Binding:
     """Bind an xdist worker ``gwN`` to one device by setting its visibility variable.
 
@@ -150,6 +166,8 @@ def bind_worker_device(environ: MutableMapping[str, str] | None = None) -> Bindi
     value = devices[int(m.group(1)) % len(devices)]
     if environ is None and env.get(var) != value:
         _warn_if_initialized(kind)
+    if environ is None:
+        _BEFORE_BIND.setdefault(var, env.get(var))  # the first call's: what unbound_environ() restores
     env[var] = value
     return Binding(worker, kind, var, value, f"{worker} -> {var}={value} (of {len(devices)})")
 

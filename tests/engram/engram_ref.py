@@ -150,7 +150,8 @@ def engram_gate_bwd_ref(
 
 def engram_grad_w_reduce_ref(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed) -> None:
     """In place: ``gw = sum_p partial[p]`` (p ascending, fp32), then the two ``+=`` updates."""
-    gw = torch.zeros_like(grad_w_partial[0]) if grad_w_partial.shape[0] == 0 else grad_w_partial[0].clone()
+    gw = grad_w_partial.new_zeros(grad_w_partial.shape[1:]) if grad_w_partial.shape[0] == 0 else \
+        grad_w_partial[0].clone()
     for p in range(1, grad_w_partial.shape[0]):
         gw += grad_w_partial[p]
     grad_weight_hidden += gw * weight_embed.float()

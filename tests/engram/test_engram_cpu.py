@@ -121,6 +121,18 @@ def test_compile_fused_weight_fixed_shape(seed):
     assert torch.equal(got, (-a).float() * b.float() + 1)
 
 
+def test_grad_w_reduce_of_no_partials_leaves_the_buffers(seed):
+    """P = 0 (docs/ops/engram.md#grad_w_reduce): a gradient over no partial rows adds nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    wh, we = (torch.randn(4, 512, generator=gen).bfloat16() for _ in range(2))
+    gwh, gwe = torch.randn(4, 512, generator=gen), torch.randn(4, 512, generator=gen)
+    want_h, want_e = gwh.clone(), gwe.clone()
+    ops.engram_grad_w_reduce(torch.empty(0, 4, 512), wh, we, gwh, gwe)
+    assert torch.equal(gwh, want_h) and torch.equal(gwe, want_e)
+    engram_grad_w_reduce_ref(torch.empty(0, 4, 512), wh, we, want_h, want_e)
+    assert torch.equal(gwh, want_h) and torch.equal(gwe, want_e)
+
+
 def test_compile_inplace_and_bwd_graphs(seed):
     def step(x, kv, wf, mask):
         out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)

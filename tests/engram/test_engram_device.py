@@ -182,7 +182,7 @@ def test_gate_bwd_is_deterministic(device, seed):
 
 
 @pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("partials", [1, 7, 66, 67, 113, 132, 133, 400, 1001])
+@pytest.mark.parametrize("partials", [0, 1, 7, 66, 67, 113, 132, 133, 400, 1001])
 def test_grad_w_reduce(hidden, partials, device, seed):
     gen = torch.Generator().manual_seed(seed)
     part = torch.randn(partials, 4, hidden, generator=gen).to(device)

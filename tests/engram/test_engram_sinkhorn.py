@@ -653,4 +653,5 @@ def test_cuda_optimizer_compiles_with_inductor(device, seed):
     for g in grads:
         p.grad = g.clone()
         step()
-    torch.testing.assert_close(p.detach(), eager, rtol=1e-6, atol=1e-7)
+    # every float operation of the step is in an op (docs/ops/engram.md#sinkhorn): the compiled step is bitwise
+    assert torch.equal(bits(p), bits(eager))

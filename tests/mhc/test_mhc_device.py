@@ -53,8 +53,11 @@ def check(name, ours, oa, want, ra, tokens):
     elif name == "mhc_gemm_with_sqrsum_forward":
         for got, ref in zip(ours, want):  # out_mul_part, sqrsum_part: every split's partial, and their sum
             assert got.shape == ref.shape
-            assert calc_diff(got, ref) < 1e-8
             assert calc_diff(got.sum(0), ref.sum(0)) < 1e-8
+            if got.device.type == "cuda":
+                assert calc_diff(got, ref) < 1e-8
+            else:  # Ascend: one split (docs/ops/mhc.md#gemm_with_sqrsum): the sums in split 0, zeros after
+                assert not got[1:].any() and calc_diff(got[0], ref.sum(0)) < 1e-8
     elif name == "mhc_gemm_with_sqrsum_backward":
         bf16_close(oa[4], ra[4])
         torch.testing.assert_close(ours, want, rtol=1e-3, atol=3e-2)

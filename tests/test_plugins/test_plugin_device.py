@@ -43,6 +43,28 @@ def test_binding_is_idempotent():
     assert env["CUDA_VISIBLE_DEVICES"] == "2"
 
 
+@pytest.mark.parametrize("before", [None, "4,5,6"])
+def test_unbound_environ_restores_the_list_before_the_binding(monkeypatch, before):
+    """A subprocess that needs every device of the run (tests/test_distributed_train.py) gets the visibility
+    list from before this worker's binding, however often the binding ran."""
+    monkeypatch.setattr(device, "_BEFORE_BIND", {})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv(device.KIND_ENV, "cuda")
+    monkeypatch.setenv(device.COUNT_ENV, "2")
+    if before is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+    device.bind_worker_device()
+    device.bind_worker_device()
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ("1" if before is None else "5")
+    unbound = device.unbound_environ()
+    assert unbound.get("CUDA_VISIBLE_DEVICES") == before
+    assert len(device.visible_devices("cuda", unbound)) == 2
+
+
 @pytest.mark.parametrize("env", [
     {"OPS_TILELANG_TEST_DEVICE_KIND": "cuda", "OPS_TILELANG_TEST_DEVICE_COUNT": "4"},  # not a worker
     {"PYTEST_XDIST_WORKER": "gw1", "OPS_TILELANG_TEST_DEVICE_KIND": "none"},  # no accelerator
