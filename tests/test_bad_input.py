@@ -266,6 +266,35 @@ def test_post_wrappers_check_leading_dims_before_reshaping():
         ops.mhc_post_forward(x, residual, post, comb.tolist())
 
 
+def test_post_wrappers_refuse_what_a_flat_view_cannot_take():
+    """Sizes of 0 reach the op's own size checks (no reshape error), every argument must be a contiguous tensor
+    (flattening is a view, never a silent copy) and ``out`` is on the inputs' device."""
+    import numpy as np
+
+    x, residual, post, comb = make_args("mhc_post_forward", TOKENS, MHC_HIDDEN)
+    bf16 = torch.bfloat16
+    cases = [
+        (lambda: ops.mhc_post_forward(torch.empty(TOKENS, 0, dtype=bf16), torch.empty(TOKENS, 4, 0, dtype=bf16),
+                                      post, comb), ValueError, r"mhc_post_forward: argument 'residual': expected a "
+                                                               r"hidden size"),
+        (lambda: ops.mhc_post_forward(x, torch.empty(TOKENS, 0, MHC_HIDDEN, dtype=bf16), torch.empty(TOKENS, 0),
+                                      torch.empty(TOKENS, 0, 0)), ValueError, r"'residual': expected hc_mult 4"),
+        (lambda: ops.mhc_post_forward(x.view(1, TOKENS, -1).expand(2, -1, -1),
+                                      residual.view(1, *residual.shape).expand(2, -1, -1, -1), post.expand(2, -1, -1),
+                                      comb.expand(2, -1, -1, -1)), ValueError, r"'x': expected a contiguous tensor"),
+        (lambda: ops.mhc_post_forward(x, np.zeros(tuple(residual.shape)), post, comb), TypeError,
+         r"mhc_post_forward: argument 'residual': expected a torch.Tensor, got ndarray"),
+        (lambda: ops.mhc_post_backward(x, residual, post, comb, np.zeros(tuple(residual.shape))), TypeError,
+         r"mhc_post_backward: argument 'd_o': expected a torch.Tensor"),
+        (lambda: ops.mhc_post_forward(x, residual, post, comb, out=torch.empty(residual.shape, dtype=bf16,
+                                                                                device="meta")),
+         ValueError, r"mhc_post_forward_out: argument 'out': expected a tensor on cpu"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
 def test_engram_gate_checks_kv_and_mask_before_reshaping():
     from cann_ops_tilelang.modeling import engram_gate
 

@@ -6,6 +6,7 @@ Ops ``mhc_post_forward`` (a new output), ``mhc_post_forward_out`` (into a caller
 :func:`mhc_post_backward` accept any leading dims and check them before flattening.
 """
 
+import math
 from typing import Optional
 
 from torch import Tensor
@@ -49,6 +50,7 @@ def _mhc_post_forward_out(x: Tensor, residual: Tensor, post_layer_mix: Tensor, c
     """The post mix written into ``out (T, m, H)`` bf16, which shares no memory with the inputs."""
     err, tokens, hidden = _check_inputs("mhc_post_forward_out", x, residual, post_layer_mix, comb_res_mix)
     check_tensor(err, "out", out, dtype=BF16, shape=(tokens, HC_MULT, hidden))
+    same_device(err, x=x, out=out)
 
 
 @_mhc_post_forward_out.launch
@@ -77,11 +79,12 @@ def _(kernels, outs, x, residual, post_layer_mix, comb_res_mix, d_o):
 
 def _flat(op: str, x, residual, post_layer_mix, comb_res_mix, **buffers):
     """Checks the leading dims of every argument against ``residual (*, m, H)`` before any reshape (a wrong
-    shape with the right element count must not be reinterpreted), then flattens them to ``(T, ...)``."""
+    shape with the right element count must not be reinterpreted) and that every tensor is contiguous (so that
+    flattening is a view, never a silent copy), then flattens them to ``(T, ...)``."""
     err = OpError(op)
     named = dict(x=x, residual=residual, post_layer_mix=post_layer_mix, comb_res_mix=comb_res_mix, **buffers)
     for arg, value in named.items():
-        if not hasattr(value, "shape") or not hasattr(value, "reshape"):
+        if not isinstance(value, Tensor):
             raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
     if residual.dim() < 2:
         raise err.value("residual", f"expected (*, m, H), got shape {tuple(residual.shape)}")
@@ -94,12 +97,13 @@ def _flat(op: str, x, residual, post_layer_mix, comb_res_mix, **buffers):
             want = " or ".join(str(s) for s in shapes)
             raise err.value(arg, f"expected shape {want} (the leading dims of residual {tuple(residual.shape)}), "
                                  f"got {got}")
-    for arg in buffers:
-        if not named[arg].is_contiguous():
-            raise err.value(arg, f"expected a contiguous tensor, got strides {tuple(named[arg].stride())}")
-    flat = (x.reshape(-1, hidden), residual.reshape(-1, m, hidden), post_layer_mix.reshape(-1, m),
-            comb_res_mix.reshape(-1, m, m))
-    return flat, tuple(named[arg].view(-1, m, hidden) for arg in buffers)
+    for arg, value in named.items():
+        if not value.is_contiguous():
+            raise err.value(arg, f"expected a contiguous tensor, got strides {tuple(value.stride())}")
+    tokens = math.prod(lead)  # not -1: ambiguous where m or H is 0 (the flat op then names the size)
+    flat = (x.view(tokens, hidden), residual.view(tokens, m, hidden), post_layer_mix.view(tokens, m),
+            comb_res_mix.view(tokens, m, m))
+    return flat, tuple(named[arg].view(tokens, m, hidden) for arg in buffers)
 
 
 def mhc_post_forward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor,
