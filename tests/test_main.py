@@ -108,6 +108,11 @@ def test_help_names_the_options_and_the_ranges(capsys):
     assert f"mhc: {limits.MHC_HIDDEN.describe()}" in out
 
 
+def test_a_match_that_selects_no_kernel_is_a_usage_error(capsys):
+    assert main(["--family", "mhc", "--hidden-size", "256", "--match", "no_such_kernel"]) == 2
+    assert "--match 'no_such_kernel' selects no kernel of mhc" in capsys.readouterr().err
+
+
 def test_defaults_select_every_family_and_target():
     args = _parse([])
     assert (args.family, args.target) == (["engram", "mhc"], ["ascend", "cuda"])

@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         print(table)
         return 0
-    text = target.read_text()
+    try:
+        text = target.read_text()
+    except OSError as exc:
+        print(f"{target}: {exc}", file=sys.stderr)
+        return 1
     try:
         before, current, after = split_readme(text)
     except ValueError as exc:

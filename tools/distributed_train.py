@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from cann_ops_tilelang import limits  # noqa: E402
 from cann_ops_tilelang._demo import SmallModel, synthetic_batch  # noqa: E402
 
 MODES = ("ddp", "megatron", "fsdp2")
@@ -267,6 +268,15 @@ def parse(argv=None):
                         help="register the test references as CPU kernels (tests/_plugins/references.py)")
     parser.add_argument("--out", type=Path, default=None, help="JSON report")
     args = parser.parse_args(argv)
+    for flag, value, low in (("--nproc", args.nproc, 1), ("--tokens", args.tokens, 1), ("--layers", args.layers, 1),
+                             ("--vocab", args.vocab, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.hidden not in limits.MHC_HIDDEN or args.hidden not in limits.ENGRAM_HIDDEN:
+        parser.error(f"--hidden must be a hidden size of both the mHC modules ({limits.MHC_HIDDEN.describe()}) and "
+                     f"the Engram gate ({limits.ENGRAM_HIDDEN.describe()}), got {args.hidden}")
+    if args.device == "cpu" and not args.cpu_references:
+        parser.error("--device cpu needs --cpu-references (the ops have no CPU kernels of their own)")
     if args.backend is None:
         args.backend = "gloo" if args.device == "cpu" else "nccl"
     # One GPU per rank: NCCL refuses two ranks on one GPU, and gloo's collectives on CUDA tensors crashed

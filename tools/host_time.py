@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch  # noqa: E402
 
-from cann_ops_tilelang import _library  # noqa: E402
+from cann_ops_tilelang import _library, limits  # noqa: E402
 
 
 def _stub_cuda_paths_on_cpu(record: list | None) -> None:
@@ -95,6 +95,12 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.per_op and opts.device != "cpu":
         parser.error("--per-op records the step's calls on the CPU harness: use it with --device cpu")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if opts.tokens < 1 or opts.steps < 1:
+        parser.error(f"--tokens and --steps must be >= 1, got {opts.tokens} and {opts.steps}")
+    if opts.hidden not in limits.MHC_HIDDEN:
+        parser.error(f"--hidden must be an mHC hidden size ({limits.MHC_HIDDEN.describe()}), got {opts.hidden}")
 
     if opts.device == "cpu":
         _stub_cuda_paths_on_cpu(None)

@@ -76,9 +76,17 @@ def main() -> int:
     parser.add_argument("--backend", choices=("cuda", "ascend"), action="append")
     parser.add_argument("--family", choices=tuple(HIDDEN), action="append")
     args = parser.parse_args()
+    if len(args.paths) != (2 if args.compare else 1):
+        parser.error("expected OUT.json, or --compare BEFORE.json AFTER.json (one path to write, two to compare)")
     if args.compare:
-        before, after = (json.load(open(p)) for p in args.paths)
-        return compare(before, after)
+        manifests = []
+        for path in args.paths:
+            try:
+                with open(path) as f:
+                    manifests.append(json.load(f))
+            except (OSError, ValueError) as exc:
+                parser.error(f"cannot read the manifest {path}: {exc}")
+        return compare(*manifests)
     result = manifest(args.backend or ("cuda", "ascend"), args.family or tuple(HIDDEN))
     with open(args.paths[0], "w") as f:
         json.dump(result, f, indent=0, sort_keys=True)

@@ -33,7 +33,10 @@ def _train(args) -> None:
 
 
 def _plot(args) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        sys.exit("tools/loss_curve.py plot draws with matplotlib, which is not installed: pip install matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -35,9 +35,22 @@ def device_count() -> int:
     return count()
 
 
+def _absolute(extra: list[str]) -> list[str]:
+    """The extra arguments with every existing path (``path[::node id]``, relative to the current directory)
+    made absolute: the phases run pytest from the repository root."""
+    out = []
+    for arg in extra:
+        path, sep, node = arg.partition("::")
+        if not arg.startswith("-") and path and Path(path).exists():
+            arg = str(Path(path).resolve()) + sep + node
+        out.append(arg)
+    return out
+
+
 def phase_commands(workers: int, large_workers: int, devices: int, benchmarks: bool,
                    extra: list[str]) -> list[tuple[str, list[str]]]:
     base = [sys.executable, "-m", "pytest"]
+    extra = _absolute(extra)
     if not any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in extra):
         extra = [str(TESTS), *extra]
     # loadgroup: tests of one xdist_group (e.g. one hidden size) share a worker and so its compiled kernels
@@ -61,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--benchmarks", action="store_true", help="also run phase 3 (benchmarks)")
     parser.add_argument("--dry-run", action="store_true", help="print the phase commands without running them")
     args, extra = parser.parse_known_args(argv)
-    devices = device_count()
+    try:
+        devices = device_count()
+    except ValueError as exc:  # a malformed OPS_TILELANG_TEST_DEVICE_* variable
+        parser.error(str(exc))
     workers = args.workers if args.workers is not None else (devices * 4 if devices else (os.cpu_count() or 1))
     large = args.large_workers if args.large_workers is not None else max(devices, 1)
     failed = []

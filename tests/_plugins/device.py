@@ -89,6 +89,8 @@ def detect_platform(environ: Mapping[str, str] | None = None) -> str | None:
         return forced
     if forced in ("none", "cpu"):
         return None
+    if forced:
+        raise ValueError(f"{KIND_ENV} must be cuda, npu, none or cpu (or unset), got {env[KIND_ENV]!r}")
     if "ASCEND_RT_VISIBLE_DEVICES" in env:
         return "npu"
     if _count_npu_hw():
@@ -107,6 +109,8 @@ def visible_devices(kind: str | None, environ: Mapping[str, str] | None = None) 
         return []
     pre = _visible_list(env.get(VISIBLE_ENV[kind]))
     forced = env.get(COUNT_ENV, "").strip()
+    if forced and not forced.isdigit():
+        raise ValueError(f"{COUNT_ENV} must be a device count (an int >= 0), got {env[COUNT_ENV]!r}")
     if pre is not None:
         return pre[: int(forced)] if forced else pre
     if forced:

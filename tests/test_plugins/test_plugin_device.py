@@ -143,3 +143,12 @@ def test_requires_markers_imply_device_marker(inner):
     """)
     result = inner.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "device")
     result.stdout.fnmatch_lines(["test_req.py::test_marked", "test_req.py::test_fixture", "2/3 tests collected (1 deselected)*"])
+
+
+@pytest.mark.parametrize("env,match", [
+    ({device.KIND_ENV: "gpu"}, "OPS_TILELANG_TEST_DEVICE_KIND must be cuda, npu, none or cpu"),
+    ({device.KIND_ENV: "cuda", device.COUNT_ENV: "abc"}, "OPS_TILELANG_TEST_DEVICE_COUNT must be a device count"),
+])
+def test_bad_device_variables_are_named(env, match):
+    with pytest.raises(ValueError, match=match):
+        device.device_count(env)

@@ -77,3 +77,13 @@ def test_dry_run_runs_nothing(devices, monkeypatch, capsys):
     monkeypatch.setattr(run_tests.subprocess, "call", lambda *a, **k: pytest.fail("ran"))
     assert run_tests.main(["--dry-run", "--benchmarks"]) == 0
     assert "-m benchmark -n 4" in capsys.readouterr().out
+
+
+def test_relative_paths_are_resolved_where_the_command_runs(devices, monkeypatch):
+    """The phases run from the repository root: a path given relative to the current directory (with or
+    without a node id) is passed as an absolute path, not dropped nor replaced by the whole tests/ tree."""
+    devices("none", 0)
+    monkeypatch.chdir(TESTS_DIR)
+    cmds = _cmds(monkeypatch, ["--workers", "1", "test_limits.py::test_x", "-k", "y"])
+    assert cmds[0][-3:] == [f"{TESTS_DIR / 'test_limits.py'}::test_x", "-k", "y"]
+    assert str(TESTS_DIR) not in cmds[0][:-3]
