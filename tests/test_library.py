@@ -3,6 +3,7 @@ allocation) runs first, then the memory checks (written buffers share no memory 
 vector arguments aligned), then the op's launch binding hands the arguments and the new outputs to the
 launcher by name; zero tokens launch nothing; OPS_TILELANG_DEBUG logs each call."""
 
+import contextlib
 import logging
 import types
 
@@ -227,3 +228,54 @@ def test_written_lists_are_marked_modified_for_autograd():
         recompute(residual, *mixes, *written)
     recompute(residual.clone().requires_grad_(), *mixes, *written)
     assert [t._version for buffers in written for t in buffers] == [v + 4 for v in start]
+
+
+def test_a_launch_runs_on_the_arguments_device(stub_backend, monkeypatch):
+    """The kernels launch on the current device and its current stream: tensors on another device of the same
+    type make that device current for the launch, and only then (simulated: fake CUDA tensors, a fake
+    device module whose current device is 0)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    entered = []
+
+    class FakeCuda:
+        @staticmethod
+        def current_device():
+            return 0
+
+        @staticmethod
+        def device(index):
+            entered.append(index)
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: FakeCuda if kind == "cuda" else pytest.fail(kind))
+    with FakeTensorMode():
+        on_1 = {"x": torch.empty(2, device="cuda:1"), "n": 3}
+        on_0 = {"x": torch.empty(2, device="cuda:0")}
+        listed = {"xs": [torch.empty(2, device="cuda:1")]}
+        for arguments in (on_1, on_0, listed):
+            with _library._on_their_device(arguments):
+                pass
+    assert entered == [1, 1]
+    # CPU tensors (the stub backend's): nothing to switch, and the launch happens
+    run = ops.engram_fused_weight.backend_kernel("cuda")
+    run(torch.ones(4, 512, dtype=torch.bfloat16), torch.ones(4, 512, dtype=torch.bfloat16))
+    assert entered == [1, 1] and len(stub_backend) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires 2 CUDA devices visible to this process")
+def test_ops_on_the_second_gpu_while_the_first_is_current():
+    gen = torch.Generator().manual_seed(0)
+    wh, we = (torch.randn(4, 512, generator=gen).bfloat16() for _ in range(2))
+    x = torch.randn(64, 512, generator=gen).bfloat16()
+    residual = torch.randn(64, 4, 512, generator=gen).bfloat16()
+    post, comb = torch.rand(64, 4, generator=gen), torch.rand(64, 4, 4, generator=gen)
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        with torch.cuda.device(0):
+            fused = ops.engram_fused_weight(wh.to(device), we.to(device))
+            out = ops.mhc_post_forward(x.to(device), residual.to(device), post.to(device), comb.to(device))
+        torch.cuda.synchronize(device)
+        assert fused.device == out.device == torch.device(device)
+        results.append((fused.cpu(), out.cpu()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

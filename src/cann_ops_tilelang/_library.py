@@ -28,6 +28,7 @@ int, ...) and refuses to write a buffer that requires grad while autograd record
 otherwise convert or accept them silently.
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -87,6 +88,24 @@ def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device |
         if isinstance(value, torch.Tensor):
             return value.device
     return None
+
+
+def _on_their_device(arguments: Mapping[str, Any]) -> contextlib.AbstractContextManager:
+    """The kernels launch on the current device and its current stream: where the arguments (one device, checked
+    by every op) live on another device of the same type, that device is made current for the launch (the device
+    guard ATen's own kernels take), else nothing is done."""
+    for value in arguments.values():
+        if isinstance(value, (list, tuple)):
+            value = next((t for t in value if isinstance(t, torch.Tensor)), None)
+        if isinstance(value, torch.Tensor):
+            device = value.device
+            if device.index is None or device.type in ("cpu", "meta"):
+                break
+            module = torch.get_device_module(device.type)
+            if module.current_device() != device.index:
+                return module.device(device.index)
+            break
+    return contextlib.nullcontext()
 
 
 def _describe(arguments: Mapping[str, Any]) -> str:
@@ -334,7 +353,8 @@ class _Op:
                 return outputs
             if self.launch is None:
                 raise NotImplementedError(f"{NAMESPACE}::{decl.name} has no launch binding")
-            self.launch(_backend_module(backend, decl.family, decl.module), outputs, **arguments)
+            with _on_their_device(arguments):
+                self.launch(_backend_module(backend, decl.family, decl.module), outputs, **arguments)
             return outputs
 
         run.__name__ = f"{decl.name}_{backend}"
