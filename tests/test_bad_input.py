@@ -4,8 +4,9 @@ anything is written.
 For every declared op a valid call is corrupted in one way (hypothesis picks the op, the argument and the
 corruption): a list, a wrong dtype or a wrong shape with the same element count where a tensor belongs;
 ``True`` for an int or a float, a string for a bool; a scalar that does not survive fp32 (``1e300``, or
-``1e-50`` where the op needs a positive value) or that the schema cannot hold (``2**63``, ``10**400``); a written buffer that shares memory with another argument
-(the same tensor, or an overlapping view of one storage); a written buffer that is a leaf requiring grad.
+``1e-50`` where the op needs a positive value) or that the schema cannot hold (``2**63``, ``10**400``); a
+written buffer that shares memory with another argument (the same tensor, or an overlapping view of one
+storage); a written buffer that is a leaf requiring grad.
 The package's own CPU behaviour runs (the CPU reference kernels are disabled), so the argument checks are
 the only thing between the call and the "no kernel for cpu" RuntimeError. Every tensor of the call is
 compared bit for bit before and after.
