@@ -7,6 +7,8 @@ fake and meta tensors.
 """
 
 import math
+import numbers
+import operator
 import struct
 from collections.abc import Sequence
 
@@ -122,7 +124,7 @@ def check_float(err: OpError, arg: str, value: object, *, minimum: float, inclus
     conversion to fp32, where the kernels use it: finite there (``1e300`` is refused), and zero or at least
     fp32's smallest normal number in magnitude (``1e-50`` would become zero, or a subnormal that kernels may
     flush to zero: an ``eps`` or ``clamp_value`` silently lost)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat, torch.SymInt)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise err.type(arg, f"expected a float, got {type(value).__name__}")
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return value  # a traced value: checked when the graph runs with a real one
@@ -140,10 +142,11 @@ def check_float(err: OpError, arg: str, value: object, *, minimum: float, inclus
 
 
 def check_int(err: OpError, arg: str, value: object) -> int:
-    """An int (not a bool; a traced SymInt passes); ranges are checked with ``limits.IntRange.check``."""
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+    """An integer (not a bool; numpy integers become ints; a traced SymInt passes); ranges are checked with
+    ``limits.IntRange.check``."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise err.type(arg, f"expected an int, got {type(value).__name__}")
-    return value
+    return value if isinstance(value, (int, torch.SymInt)) else operator.index(value)
 
 
 def check_bool(err: OpError, arg: str, value: object) -> bool:

@@ -138,8 +138,11 @@ def _is_float(value: Any) -> bool:
     return isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(value, bool)
 
 
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
 def _fits_int64(value: Any) -> bool:
-    return isinstance(value, torch.SymInt) or -2**63 <= int(value) < 2**63
+    return isinstance(value, torch.SymInt) or _INT64_MIN <= int(value) <= _INT64_MAX
 
 
 def _fits_double(value: Any) -> bool:
@@ -152,8 +155,7 @@ def _fits_double(value: Any) -> bool:
     return True
 
 
-# kind check -> the range check of a scalar the dispatcher converts to the schema's int64 / double
-_SCALARS = {_is_int: _fits_int64, _is_float: _fits_double}
+# kind check -> the schema's type a scalar of that kind is converted to
 _SCALAR_TYPES = {_is_int: "int64", _is_float: "double"}
 
 _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
@@ -202,6 +204,7 @@ class _Op:
         hints = typing.get_type_hints(prepare)
         self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
         self.names = tuple(self.signature.parameters)
+        self.positions = {name: i for i, name in enumerate(self.names)}
         parameters = tuple(self.signature.parameters.values())
         if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
             raise ValueError(f"{NAMESPACE}::{decl.name}: declare every argument positional-or-keyword (no *, /, "
@@ -230,16 +233,23 @@ class _Op:
         annotations, and no written buffer that autograd tracks. Positional and keyword arguments are read
         in place (no signature binding: this runs on every eager call); defaults are valid by construction."""
         if kwargs or not self.required <= len(args) <= len(self.names):
-            self.bind(args, kwargs)  # a missing, unknown or repeated argument: a TypeError naming the op
+            positions = self.positions
+            if len(args) > len(self.names) or any(positions.get(k, -1) < len(args) for k in kwargs) \
+                    or any(n not in kwargs for n in self.names[len(args):self.required]):
+                self.bind(args, kwargs)  # a missing, unknown or repeated argument: a TypeError naming the op
         given = list(zip(self.names, args)) + list(kwargs.items())
         for name, value in given:
             kind = self.kinds.get(name)
             if kind is not None:
-                if not kind[0](value):
+                check = kind[0]
+                if not check(value):
                     raise OpError(self.decl.name).type(name, f"expected {kind[1]}, got {type(value).__name__}")
-                if kind[0] in _SCALARS and not _SCALARS[kind[0]](value):  # what the schema cannot convert
+                # what the schema cannot convert (a Python float always fits a double, an int is compared)
+                if check is _is_int and (type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX) \
+                        and not _fits_int64(value) or check is _is_float and type(value) is not float \
+                        and not _fits_double(value):
                     raise OpError(self.decl.name).value(name, f"expected {kind[1]} that fits the schema's "
-                                                              f"{_SCALAR_TYPES[kind[0]]}, got {value!r:.40}")
+                                                              f"{_SCALAR_TYPES[check]}, got {value!r:.40}")
         if self.decl.mutates_args and torch.is_grad_enabled():
             for name, value in _tensors({k: v for k, v in given if k in self.decl.mutates_args}):
                 if value.requires_grad:

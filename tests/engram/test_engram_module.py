@@ -244,6 +244,7 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, SIZES, gate_eps=-1.0, **SMALL), ValueError, "'gate_eps': expected a number >="),
         (lambda: Engram(HIDDEN, SIZES, conv_eps=float("nan"), **SMALL), ValueError, "'conv_eps': expected a number"),
         (lambda: Engram(HIDDEN, ["a"] * 8, **SMALL), TypeError, "'table_sizes': expected ints"),
+        (lambda: Engram(HIDDEN, 8, **SMALL), TypeError, "'table_sizes': expected a sequence of ints"),
     ]
     for call, kind, match in cases:
         with pytest.raises(kind, match=f"{prefix} {match}"):
@@ -270,6 +271,21 @@ def test_bad_inputs_name_the_module_and_argument(seed):
 
 
 # --- n-gram windows and the hash helper ----------------------------------------------------------------
+
+
+def test_table_sizes_from_a_generator_and_numpy_scalars(seed):
+    import numpy as np
+
+    module = Engram(np.int64(HIDDEN), (np.int64(s) for s in SIZES), **SMALL)
+    assert module.table_sizes == tuple(SIZES) and module.offsets.tolist()[-1] == sum(SIZES[:-1])
+
+
+def test_ngram_token_ids_compiled_with_a_traced_pad_id(seed):
+    """``pad_id`` may become a traced SymInt (dynamic=True): its range check is left to the eager call."""
+    tokens = torch.randint(0, 1000, (2, 7), generator=gen(seed), dtype=torch.int32)
+    compiled = torch.compile(ngram_token_ids, fullgraph=True, dynamic=True, backend="eager")
+    for pad in (0, 5):
+        assert torch.equal(compiled(tokens, 3, pad), ngram_token_ids(tokens, 3, pad))
 
 
 def test_ngram_token_ids_shift_like_the_demo(seed):

@@ -156,6 +156,19 @@ def test_optimizer_checks_every_param_group_and_registers_none_it_refuses(group,
     assert len(opt.param_groups) == 1
 
 
+def test_optimizer_takes_named_parameters_generators_and_keeps_the_callers_group():
+    table = torch.nn.Embedding(8, 64)
+    opt = EngramSinkhorn(table.named_parameters())  # (name, tensor) pairs, as torch's optimizers take them
+    assert opt.param_groups[0]["param_names"] == ["weight"]
+    opt = EngramSinkhorn(p for p in table.parameters())
+    group = {"params": [torch.nn.Parameter(torch.randn(4, 64))], "momentum": 0.3}
+    opt.add_param_group(group)
+    assert opt.param_groups[-1] is group and group["beta1"] == 0.3 and "momentum" not in group
+    assert len(opt.param_groups[0]["params"]) == 1
+    with pytest.raises(ValueError, match="EngramSinkhorn: expected a table width"):
+        EngramSinkhorn(torch.nn.Embedding(8, 100).named_parameters())
+
+
 def test_optimizer_group_momentum_alias_and_gradient_kind():
     tables = [torch.nn.Parameter(torch.randn(4, 64)) for _ in range(2)]
     opt = EngramSinkhorn([{"params": [tables[0]], "momentum": 0.25}, {"params": [tables[1]]}], beta1=0.5)

@@ -341,8 +341,9 @@ def test_modules_check_their_arguments_and_inputs():
     residual = residual_of(3, H, 0, "cpu")
     for kwargs, arg in [(dict(hc_mult=1), "hc_mult"), (dict(hc_mult=3), "hc_mult"), (dict(n_splits=0), "n_splits"),
                         (dict(eps=-1.0), "eps"), (dict(sinkhorn_repeat=0), "sinkhorn_repeat"),
-                        (dict(post_mult_value=0.0), "post_mult_value"), (dict(n_splits=2.0), "n_splits")]:
-        exc = TypeError if arg == "n_splits" and isinstance(kwargs[arg], float) else ValueError
+                        (dict(post_mult_value=0.0), "post_mult_value"), (dict(n_splits=2.0), "n_splits"),
+                        (dict(hc_mult=4.0), "hc_mult")]:
+        exc = TypeError if isinstance(kwargs[arg], float) and arg in ("n_splits", "hc_mult") else ValueError
         with pytest.raises(exc, match=rf"modeling.MHCSublayer: argument '{arg}'"):
             modeling.MHCSublayer(H, torch.nn.Identity(), **kwargs)
         head_kwargs = {k: v for k, v in kwargs.items() if k in ("hc_mult", "n_splits", "eps")}
@@ -354,6 +355,12 @@ def test_modules_check_their_arguments_and_inputs():
         modeling.MHCSublayer(H, torch.nn.Identity())(residual_of(3, 2 * H, 0, "cpu"))
     with pytest.raises(ValueError, match=r"modeling.MHCHead: argument 'residual': expected the module's hidden size"):
         modeling.MHCHead(H)(residual_of(3, 2 * H, 0, "cpu"))
+    # numpy scalars are numbers like any other (as the ops take them)
+    import numpy as np
+
+    block = modeling.MHCSublayer(np.int64(H), torch.nn.Identity(), n_splits=np.int64(16), eps=np.float32(1e-6))
+    assert block.hidden_size == H and block.fn.shape == (24, 4 * H)
+    assert block(residual_of(3, H, 0, "cpu")).shape == (3, 4, H)
     head = modeling.MHCHead(H)
     with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'scale_head': expected an fp32 tensor"):
         modeling.mhc_head(residual, head.fn, head.scale[:0], head.base)

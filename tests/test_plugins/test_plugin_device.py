@@ -51,8 +51,9 @@ def test_unbound_environ_restores_the_list_before_the_binding(monkeypatch, befor
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     monkeypatch.setenv(device.KIND_ENV, "cuda")
     monkeypatch.setenv(device.COUNT_ENV, "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # recorded first, so that the binding's value is undone
     if before is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
     device.bind_worker_device()

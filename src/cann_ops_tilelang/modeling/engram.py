@@ -82,7 +82,9 @@ def ngram_token_ids(token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tens
         raise err.value("token_ids", "expected shape (*, L), got a 0-d tensor")
     if check_int(err, "max_ngram_size", max_ngram_size) < 2:
         raise err.value("max_ngram_size", f"expected an int >= 2, got {max_ngram_size!r}")
-    if check_int(err, "pad_id", pad_id) not in limits.IntRange("an int32 id", -2**31, 2**31 - 1):
+    pad_id = check_int(err, "pad_id", pad_id)
+    # traced: a SymInt's range is the schema's to check (Dynamo cannot trace the range test)
+    if not torch.compiler.is_compiling() and pad_id not in limits.IntRange("an int32 id", -2**31, 2**31 - 1):
         raise err.value("pad_id", f"expected an int32 id, got {pad_id}")
     length = token_ids.shape[-1]
     padded = F.pad(token_ids, (max_ngram_size - 1, 0), value=pad_id)
@@ -134,6 +136,10 @@ class Engram(nn.Module):
         if n_embed_per_ngram % n_head_per_ngram:
             raise err.value("n_head_per_ngram", f"expected a divisor of n_embed_per_ngram {n_embed_per_ngram}, "
                                                 f"got {n_head_per_ngram}")
+        try:
+            table_sizes = list(table_sizes)  # once: a generator is consumed by the checks
+        except TypeError:
+            raise err.type("table_sizes", f"expected a sequence of ints, got {type(table_sizes).__name__}") from None
         if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in table_sizes):
             raise err.type("table_sizes", f"expected ints, got {[type(s).__name__ for s in table_sizes][:8]}")
         sizes = [s.__index__() for s in table_sizes]

@@ -90,10 +90,15 @@ def _grad_out(grad: Optional[Tensor], main: Optional[Tensor]) -> Optional[Tensor
     return None
 
 
-def _flat_residual(op: str, residual: Tensor, hidden_size: Optional[int] = None) -> tuple[Tensor, tuple[int, ...],
-                                                                                          int, int]:
-    """``residual (*, m, H)`` bf16 viewed ``(T, m, H)`` contiguous, with ``(*)``, ``m`` and ``H``; a module
-    passes its ``hidden_size`` for ``H`` to match."""
+def _check_hidden_size(op: str, residual: Tensor, hidden_size: int) -> None:
+    """A module's residual has its ``H`` (the rest is checked by the function the module calls)."""
+    if isinstance(residual, Tensor) and residual.dim() >= 2 and residual.shape[-1] != hidden_size:
+        raise OpError(op).value("residual", f"expected the module's hidden size {hidden_size} in the last dim, got "
+                                            f"shape {tuple(residual.shape)}")
+
+
+def _flat_residual(op: str, residual: Tensor) -> tuple[Tensor, tuple[int, ...], int, int]:
+    """``residual (*, m, H)`` bf16 viewed ``(T, m, H)`` contiguous, with ``(*)``, ``m`` and ``H``."""
     err = OpError(op)
     if not isinstance(residual, Tensor):
         raise err.type("residual", f"expected a torch.Tensor, got {type(residual).__name__}")
@@ -106,9 +111,6 @@ def _flat_residual(op: str, residual: Tensor, hidden_size: Optional[int] = None)
     if not torch.compiler.is_compiling():  # traced: the ops check the sizes (Dynamo cannot trace the ranges)
         check_hc(err, "residual", m)
         check_hidden(err, "residual", hidden)
-    if hidden_size is not None and hidden != hidden_size:
-        raise err.value("residual", f"expected the module's hidden size {hidden_size} in the last dim, got "
-                                    f"shape {tuple(residual.shape)}")
     return residual.reshape(-1, m, hidden).contiguous(), lead, m, hidden
 
 
@@ -434,7 +436,7 @@ def _init_base(m: int) -> Tensor:
 def _check_module(err: OpError, hidden_size: int, hc_mult: int, eps: float, n_splits: int) -> None:
     """The arguments the mHC modules share, checked at construction (as the ops would check them per call)."""
     limits.MHC_HIDDEN.check(err, "hidden_size", check_int(err, "hidden_size", hidden_size))
-    if hc_mult not in limits.MHC_HC_MULT:
+    if check_int(err, "hc_mult", hc_mult) not in limits.MHC_HC_MULT:
         raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult!r}")
     check_float(err, "eps", eps, minimum=0.0)
     limits.mhc_gemm_splits(hc_mult * hidden_size).check(err, "n_splits", check_int(err, "n_splits", n_splits))
@@ -480,7 +482,7 @@ class MHCSublayer(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
 
     def forward(self, residual: Tensor) -> Tensor:
-        _flat_residual("modeling.MHCSublayer", residual, self.hidden_size)
+        _check_hidden_size("modeling.MHCSublayer", residual, self.hidden_size)
         layer_input, (post, comb), linked = mhc_pre(
             residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
             post_mult_value=self.post_mult_value, pre_eps=self.eps, sinkhorn_eps=self.eps,
@@ -512,7 +514,7 @@ class MHCHead(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
 
     def forward(self, residual: Tensor) -> Tensor:
-        _flat_residual("modeling.MHCHead", residual, self.hidden_size)
+        _check_hidden_size("modeling.MHCHead", residual, self.hidden_size)
         return mhc_head(residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
                         pre_eps=self.eps, n_splits=self.n_splits)
 

@@ -140,20 +140,23 @@ class EngramSinkhorn(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group (``momentum`` accepted as an alias of ``beta1``) after checking its tables and its
         hyper-parameters, so that a refused group is never registered."""
-        group = dict(param_group)
-        if "momentum" in group:
-            momentum = group.pop("momentum")
-            if "beta1" in group and group["beta1"] != momentum:
-                raise ValueError(f"EngramSinkhorn: a group gives both beta1 {group['beta1']!r} and its alias "
+        hyper = {**self.defaults, **param_group}
+        if "momentum" in param_group:
+            momentum = hyper.pop("momentum")
+            if "beta1" in param_group and param_group["beta1"] != momentum:
+                raise ValueError(f"EngramSinkhorn: a group gives both beta1 {param_group['beta1']!r} and its alias "
                                  f"momentum {momentum!r}")
-            group["beta1"] = momentum
-        self._check_hyper({**self.defaults, **group})
-        params = group["params"]
+            hyper["beta1"] = momentum
+        self._check_hyper(hyper)
+        params = param_group["params"]
         if not isinstance(params, set):  # torch refuses sets (unordered) itself
-            group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-            for p in group["params"]:
-                self._check_param(p)
-        super().add_param_group(group)
+            params = [params] if isinstance(params, torch.Tensor) else list(params)  # a generator: read once
+            for p in params:
+                self._check_param(p[1] if isinstance(p, tuple) else p)  # (name, table) pairs are torch's too
+            param_group["params"] = params
+        if "momentum" in param_group:  # the caller's dict is the group, as torch keeps it
+            param_group["beta1"] = param_group.pop("momentum")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
