@@ -146,7 +146,7 @@ def _fits_int64(value: Any) -> bool:
 
 
 def _fits_double(value: Any) -> bool:
-    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+    if type(value) is float or isinstance(value, (torch.SymFloat, torch.SymInt)):
         return True
     try:
         float(value)
@@ -155,8 +155,9 @@ def _fits_double(value: Any) -> bool:
     return True
 
 
-# kind check -> the schema's type a scalar of that kind is converted to
-_SCALAR_TYPES = {_is_int: "int64", _is_float: "double"}
+# kind check -> (whether a scalar of that kind fits the schema's type, the type's name): what the dispatcher
+# cannot convert is refused by name before it tries
+_SCALARS = {_is_int: (_fits_int64, "int64"), _is_float: (_fits_double, "double")}
 
 _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     torch.Tensor: (lambda v: isinstance(v, torch.Tensor), "a torch.Tensor"),
@@ -244,12 +245,10 @@ class _Op:
                 check = kind[0]
                 if not check(value):
                     raise OpError(self.decl.name).type(name, f"expected {kind[1]}, got {type(value).__name__}")
-                # what the schema cannot convert (a Python float always fits a double, an int is compared)
-                if check is _is_int and (type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX) \
-                        and not _fits_int64(value) or check is _is_float and type(value) is not float \
-                        and not _fits_double(value):
+                scalar = _SCALARS.get(check)
+                if scalar is not None and not scalar[0](value):
                     raise OpError(self.decl.name).value(name, f"expected {kind[1]} that fits the schema's "
-                                                              f"{_SCALAR_TYPES[check]}, got {value!r:.40}")
+                                                              f"{scalar[1]}, got {value!r:.40}")
         if self.decl.mutates_args and torch.is_grad_enabled():
             for name, value in _tensors({k: v for k, v in given if k in self.decl.mutates_args}):
                 if value.requires_grad:

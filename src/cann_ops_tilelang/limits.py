@@ -150,6 +150,7 @@ ENGRAM_HASH_COLUMNS = PerBackend({"cuda": IntRange("columns (N - 1) * E", 1),
                                   "ascend": IntRange("columns (N - 1) * E", 1, 128)})
 ENGRAM_HASH_LAYERS = PerBackend({"cuda": IntRange("layers L", 1, 65535), "ascend": IntRange("layers L", 1, 32)})
 ENGRAM_HASH_ELEMENTS = IntRange("output elements L * T * (N - 1) * E", 0, 2**31 - 1)
+ENGRAM_HASH_TOKEN_ID = IntRange("an int32 token id", -2**31, 2**31 - 1)  # the op's ids (and pad id) are int32
 
 # Engram Sinkhorn optimizer ops: the momentum update takes any element count (whole vectors in the main
 # pass, the few trailing elements staged by the launchers); the scaled matrix has 64..1024 columns in steps

@@ -243,7 +243,7 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, SIZES, clamp_value=-1.0, **SMALL), ValueError, "'clamp_value': expected a number >"),
         (lambda: Engram(HIDDEN, SIZES, gate_eps=-1.0, **SMALL), ValueError, "'gate_eps': expected a number >="),
         (lambda: Engram(HIDDEN, SIZES, conv_eps=float("nan"), **SMALL), ValueError, "'conv_eps': expected a number"),
-        (lambda: Engram(HIDDEN, ["a"] * 8, **SMALL), TypeError, "'table_sizes': expected ints"),
+        (lambda: Engram(HIDDEN, ["a"] * 8, **SMALL), TypeError, "'table_sizes': expected an int, got str"),
         (lambda: Engram(HIDDEN, 8, **SMALL), TypeError, "'table_sizes': expected a sequence of ints"),
     ]
     for call, kind, match in cases:
@@ -253,7 +253,7 @@ def test_bad_inputs_name_the_module_and_argument(seed):
     for call, kind, match in [
         (lambda: ngram_token_ids(ids.float(), 3, 0), TypeError, "'token_ids'"),
         (lambda: ngram_token_ids(ids, "3", 0), TypeError, "'max_ngram_size': expected an int"),
-        (lambda: ngram_token_ids(ids, 3, 2**40), ValueError, "'pad_id': expected an int32 id"),
+        (lambda: ngram_token_ids(ids, 3, 2**40), ValueError, "'pad_id': expected an int32 token id"),
         (lambda: module.hash_ids(ids[..., 0], torch.tensor([3, 5, 7]), 0.5), TypeError, "'pad_id': expected an int"),
     ]:
         with pytest.raises(kind, match=f"{prefix} {match}"):

@@ -84,8 +84,8 @@ def ngram_token_ids(token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tens
         raise err.value("max_ngram_size", f"expected an int >= 2, got {max_ngram_size!r}")
     pad_id = check_int(err, "pad_id", pad_id)
     # traced: a SymInt's range is the schema's to check (Dynamo cannot trace the range test)
-    if not torch.compiler.is_compiling() and pad_id not in limits.IntRange("an int32 id", -2**31, 2**31 - 1):
-        raise err.value("pad_id", f"expected an int32 id, got {pad_id}")
+    if not torch.compiler.is_compiling():
+        limits.ENGRAM_HASH_TOKEN_ID.check(err, "pad_id", pad_id)
     length = token_ids.shape[-1]
     padded = F.pad(token_ids, (max_ngram_size - 1, 0), value=pad_id)
     start = max_ngram_size - 1
@@ -140,9 +140,7 @@ class Engram(nn.Module):
             table_sizes = list(table_sizes)  # once: a generator is consumed by the checks
         except TypeError:
             raise err.type("table_sizes", f"expected a sequence of ints, got {type(table_sizes).__name__}") from None
-        if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in table_sizes):
-            raise err.type("table_sizes", f"expected ints, got {[type(s).__name__ for s in table_sizes][:8]}")
-        sizes = [s.__index__() for s in table_sizes]
+        sizes = [check_int(err, "table_sizes", s) for s in table_sizes]
         cols = (max_ngram_size - 1) * n_head_per_ngram
         if len(sizes) != cols or min(sizes) < 1:
             raise err.value("table_sizes", f"expected {cols} positive sizes ((max_ngram_size - 1) * "

@@ -43,8 +43,7 @@ from ..engram.sinkhorn import (
 
 __all__ = ["EngramSinkhorn", "sinkhorn_update"]
 
-_FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number: a smaller eps would be flushed
-_FP32_MAX = 3.4028234663852886e38
+_FP32 = torch.finfo(torch.float32)  # tiny: the smallest normal number (a smaller eps would be flushed); max
 
 
 def _sinkhorn_scales(matrix: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +102,7 @@ class EngramSinkhorn(torch.optim.Optimizer):
     def _check_hyper(group: dict[str, Any]) -> None:
         """The hyper-parameters of a group (the constructor's defaults or a group's own values)."""
         def number(value: Any) -> bool:  # a real number that stays finite in fp32, where the ops use it
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < _FP32_MAX
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32.max
 
         lr, beta1, iters, eps = group["lr"], group["beta1"], group["sinkhorn_iters"], group["eps"]
         alpha, weight_decay = group["alpha"], group["weight_decay"]
@@ -115,7 +114,7 @@ class EngramSinkhorn(torch.optim.Optimizer):
             raise TypeError(f"EngramSinkhorn: nesterov must be a bool, got {type(group['nesterov']).__name__}")
         if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
             raise ValueError(f"EngramSinkhorn: sinkhorn_iters must be an int >= 0, got {iters!r}")
-        if not (number(eps) and _FP32_TINY <= eps < 1.0):
+        if not (number(eps) and _FP32.tiny <= eps < 1.0):
             raise ValueError(f"EngramSinkhorn: eps must be in [1.2e-38, 1), got {eps!r}")
         if alpha is not None and not (number(alpha) and alpha > 0):
             raise ValueError(f"EngramSinkhorn: alpha must be None or a finite number > 0, got {alpha!r}")
