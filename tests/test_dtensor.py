@@ -337,6 +337,23 @@ def test_registration_degrades_without_torch_distributed(monkeypatch):
     assert _sharding.register_all(states) == []
 
 
+def test_uneven_sharding_is_asked_for_only_where_torch_has_the_argument(monkeypatch):
+    """torch 2.10 and 2.11 have no ``allow_uneven_sharding``: the rules then pass nothing (passing it was a
+    TypeError on every DTensor call there)."""
+    from torch.distributed.tensor._ops import utils
+
+    def older(mesh, op_schema, single_mesh_dim_strategies, *, input_index=1):
+        raise AssertionError("not called")
+
+    try:
+        monkeypatch.setattr(utils, "expand_to_full_mesh_op_strategy", older)
+        _sharding._uneven_sharding.cache_clear()
+        assert _sharding._uneven_sharding() == {}
+    finally:
+        monkeypatch.undo()
+        _sharding._uneven_sharding.cache_clear()
+
+
 def test_import_does_not_load_dtensor_and_a_later_call_registers_every_rule():
     # torch itself imports torch.distributed.tensor on the first custom-op call (dynamo's import chain), so in
     # practice the rules go in on the second public call; registering them takes well under a millisecond

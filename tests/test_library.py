@@ -234,9 +234,14 @@ def test_a_launch_runs_on_the_arguments_device(stub_backend, monkeypatch):
     """The kernels launch on the current device and its current stream: tensors on another device of the same
     type make that device current for the launch, and only then (simulated: fake CUDA tensors, a fake
     device module whose current device is 0)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     entered = []
+    mode = FakeTensorMode()
+
+    def on(device):
+        # built from a meta tensor: a factory call would ask the real CUDA runtime for device 1 where one exists
+        return FakeTensor(mode, torch.empty(2, device="meta"), torch.device(device))
 
     class FakeCuda:
         @staticmethod
@@ -249,13 +254,9 @@ def test_a_launch_runs_on_the_arguments_device(stub_backend, monkeypatch):
             return contextlib.nullcontext()
 
     monkeypatch.setattr(torch, "get_device_module", lambda kind: FakeCuda if kind == "cuda" else pytest.fail(kind))
-    with FakeTensorMode():
-        on_1 = {"x": torch.empty(2, device="cuda:1"), "n": 3}
-        on_0 = {"x": torch.empty(2, device="cuda:0")}
-        listed = {"xs": [torch.empty(2, device="cuda:1")]}
-        for arguments in (on_1, on_0, listed):
-            with _library._on_their_device(arguments):
-                pass
+    for arguments in ({"x": on("cuda:1"), "n": 3}, {"x": on("cuda:0")}, {"xs": [on("cuda:1")]}):
+        with _library._on_their_device(arguments):
+            pass
     assert entered == [1, 1]
     # CPU tensors (the stub backend's): nothing to switch, and the launch happens
     run = ops.engram_fused_weight.backend_kernel("cuda")

@@ -93,6 +93,19 @@ def _describe(placements) -> str:
     return "(" + ", ".join(str(p) for p in placements) + ")"
 
 
+@functools.cache
+def _uneven_sharding() -> dict[str, bool]:
+    """``allow_uneven_sharding=True`` where torch has it: a tensor already sharded as asked stays valid with fewer
+    rows than ranks. torch 2.10 and 2.11 lack the argument; they drop such a strategy, so the call gathers
+    (Replicate) and still gives the same result."""
+    import inspect
+
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    known = inspect.signature(expand_to_full_mesh_op_strategy).parameters
+    return {"allow_uneven_sharding": True} if "allow_uneven_sharding" in known else {}
+
+
 def _strategy(rule: Rule, names: Sequence[str], op_schema):
     from torch.distributed.tensor._op_schema import OpStrategy
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
@@ -108,9 +121,8 @@ def _strategy(rule: Rule, names: Sequence[str], op_schema):
     for codes, returns in (*rule.strategies, ({}, ())):  # the declared strategies, then all-Replicate
         out = [_placement(c) for c in (returns or ("R",) * outputs)]
         single.append(out + [_placement(codes.get(name, "R")) for name, _ in inputs])
-    # allow_uneven_sharding: a tensor already sharded as asked is valid even with fewer rows than ranks
     found = expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(validate=False), op_schema, single,
-                                            input_index=outputs, allow_uneven_sharding=True)
+                                            input_index=outputs, **_uneven_sharding())
     written = [(j, name, s.strategies[0].output_spec.placements) for j, (name, s) in enumerate(inputs)
                if name in rule.mutates_args]
     if not written:
