@@ -229,46 +229,49 @@ def check_fallback_and_refusal(mesh, rank: int) -> dict:
 
 
 def check_modeling_step(mesh, rank: int) -> dict:
-    """One forward and backward of MHCSublayer then EngramGate on a sequence-sharded residual (Shard(0) of
-    the tokens, parameters Replicate) against the same step on plain tensors."""
+    """One forward and backward of expand_from_embedding, MHCSublayer (with a norm weight), EngramGate and
+    MHCHead on sequence-sharded embeddings (Shard(0) of the tokens, parameters Replicate) against the same step
+    on plain tensors."""
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from cann_ops_tilelang.modeling import EngramGate, MHCSublayer
+    from cann_ops_tilelang.modeling import EngramGate, MHCHead, MHCSublayer, expand_from_embedding
 
     hidden = ENGRAM_HIDDEN  # in both ranges (mHC: multiple of 64 from 256; Engram: multiple of 256 from 512)
     torch.manual_seed(0)
-    sub = MHCSublayer(hidden, torch.nn.Identity())
+    sub = MHCSublayer(hidden, torch.nn.Identity(), norm_weight=True)
     gate = EngramGate(hidden)
+    head = MHCHead(hidden, norm_weight=True)
+    modules = {"sub": sub, "gate": gate, "head": head}
     with torch.no_grad():
         gate.weight_hidden.copy_(torch.rand_like(gate.weight_hidden) + 0.5)
-    residual = torch.randn(TOKENS, 4, hidden).bfloat16()
+        for module in (sub, head):
+            module.norm_weight.copy_(torch.rand_like(module.norm_weight) + 0.5)
+    embedding = torch.randn(TOKENS, hidden).bfloat16()
     kv = torch.randn(TOKENS, 5 * hidden).bfloat16()
 
-    def step(residual, kv, params):
-        res = residual.detach().requires_grad_()
-        out = gate(sub(res), kv)
+    def step(embedding, kv):
+        x = embedding.detach().requires_grad_()
+        out = head(gate(sub(expand_from_embedding(x)), kv))
         (out.float().square().sum()).backward()
-        return out, res.grad, [p.grad for p in params]
+        return out, x.grad, {f"{k}.{n}": p.grad for k, m in modules.items() for n, p in m.named_parameters()}
 
-    params = [*sub.parameters(), *gate.parameters()]
-    ref_out, ref_grad, ref_pgrads = step(residual, kv, params)
-    for module in (sub, gate):
+    ref_out, ref_grad, ref_pgrads = step(embedding, kv)
+    for module in modules.values():
+        module.zero_grad(set_to_none=True)
         distribute_module(module, mesh)  # every parameter becomes a replicated DTensor parameter
-    params = [*sub.parameters(), *gate.parameters()]
-    d_residual, d_kv = distribute_tensor(residual, mesh, [Shard(0)]), distribute_tensor(kv, mesh, [Shard(0)])
+    d_embedding, d_kv = distribute_tensor(embedding, mesh, [Shard(0)]), distribute_tensor(kv, mesh, [Shard(0)])
     with CommDebugMode() as comm:
-        out, grad, pgrads = step(d_residual, d_kv, params)
+        out, grad, pgrads = step(d_embedding, d_kv)
     return {
-        # the modeling layer allocates its parameter-gradient buffers replicated, so the backward ops that
-        # write them take the Replicate fallback: recorded here (docs/distributed.md), not asserted
         "collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
         "out_placement": str(out.placements), "out_equal": bool(torch.equal(out.full_tensor(), ref_out)),
         "grad_equal": bool(torch.equal(grad.full_tensor(), ref_grad)),
-        "param_grads": [{"placement": str(g.placements),
-                         "max_abs_diff": (g.full_tensor().double() - r.double()).abs().max().item(),
-                         "close": bool(torch.allclose(g.full_tensor().float(), r.float(), rtol=1e-2, atol=1e-4))}
-                        for g, r in zip(pgrads, ref_pgrads)],
+        "param_grads": {name: {"placement": str(g.placements),
+                               "max_abs_diff": (g.full_tensor().double() - ref_pgrads[name].double()).abs().max().item(),
+                               "close": bool(torch.allclose(g.full_tensor().float(), ref_pgrads[name].float(),
+                                                            rtol=1e-2, atol=1e-4))}
+                        for name, g in pgrads.items()},
     }
 
 
@@ -438,7 +441,17 @@ def test_modeling_step_on_sequence_sharded_dtensors(report):
     step = report["modeling"]
     assert step["out_placement"] == "(Shard(dim=0),)"
     assert step["out_equal"] and step["grad_equal"]
-    assert all(g["close"] for g in step["param_grads"]), step["param_grads"]
+    grads = step["param_grads"]
+    assert sorted(grads) == ["gate.weight_embed", "gate.weight_hidden", "head.base", "head.fn", "head.norm_weight",
+                             "head.scale", "sub.base", "sub.fn", "sub.norm_weight", "sub.scale"]
+    assert all(g["close"] for g in grads.values()), grads
+    # no activation is gathered: the buffers the modeling layer allocates are token-sharded and the fp32
+    # parameter gradients Partial; the bf16 gate weights' gradients alone are all-reduced (in fp32, then cast)
+    assert step["collectives"] == {"c10d_functional.all_reduce": 2}, step["collectives"]
+    assert {n: g["placement"] for n, g in grads.items() if not n.startswith("gate.")} == \
+        {n: "(Partial(sum),)" for n in grads if not n.startswith("gate.")}
+    assert {n: (g["placement"], g["max_abs_diff"]) for n, g in grads.items() if n.startswith("gate.")} == \
+        {"gate.weight_hidden": ("(Replicate(),)", 0.0), "gate.weight_embed": ("(Replicate(),)", 0.0)}
 
 
 def test_the_distributed_run_is_quick(report):

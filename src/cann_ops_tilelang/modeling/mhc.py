@@ -54,6 +54,7 @@ from ..mhc import (
     mhc_sinkhorn_forward,
 )
 from ..mhc._common import check_hc, check_hidden
+from ._buffers import over_tokens, per_token
 
 __all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
            "mhc_pre"]
@@ -135,13 +136,13 @@ def _check_params(op: str, hidden: int, fn: Tensor, scale: Tensor, base: Tensor,
 class _Expand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        out = x.new_empty(x.shape[0], M, x.shape[1])
+        out = per_token(x, M, x.shape[1])
         expand_to_mhc_forward(x, out)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x_grad = grad.new_empty(grad.shape[0], grad.shape[2])
+        x_grad = per_token(grad, grad.shape[2])
         expand_to_mhc_backward(grad.contiguous(), x_grad)
         return x_grad
 
@@ -174,8 +175,9 @@ def _mixes_forward(residual, fn_m, norm_eps, n_splits):
     """GEMM partials, then reduce + RMSNorm: ``(out_mul, sqrsum, mixes)``; ``residual`` (T, m, H)."""
     tokens, m, hidden = residual.shape
     parts, sq_parts = mhc_gemm_with_sqrsum_forward(residual.view(tokens, m * hidden), fn_m, n_splits)
-    out_mul, sqrsum = parts.new_empty(tokens, 1, fn_m.shape[0]), parts.new_empty(tokens, 1)
-    mixes = parts.new_empty(tokens, fn_m.shape[0])
+    f32 = torch.float32
+    out_mul, sqrsum = per_token(residual, 1, fn_m.shape[0], dtype=f32), per_token(residual, 1, dtype=f32)
+    mixes = per_token(residual, fn_m.shape[0], dtype=f32)
     # explicit sizes (a -1 is ambiguous at zero tokens)
     mhc_reduce_partials_and_rmsnorm_forward(parts.view(n_splits, tokens, 1, fn_m.shape[0]),
                                             sq_parts.view(n_splits, tokens, 1), out_mul, sqrsum, mixes, m * hidden,
@@ -202,13 +204,14 @@ def _merged_fn(fn, norm_weight):
     return out
 
 
-def _fn_grads(fn, norm_weight, d_fn_m, mains):
-    """Gradients of ``fn`` and ``norm_weight`` from the merged weight's, into their main_grads where present."""
+def _fn_grads(fn, norm_weight, d_fn_m, mains, tokens):
+    """Gradients of ``fn`` and ``norm_weight`` from the merged weight's, into their main_grads where present
+    (``tokens``: the residual, for the placement of fresh gradient buffers)."""
     main_fn, main_nw = mains
     if norm_weight is None:
         return _grad_out(d_fn_m, main_fn), None
-    fn_grad = main_fn if main_fn is not None else torch.zeros_like(fn)
-    nw_grad = main_nw if main_nw is not None else torch.zeros_like(norm_weight)
+    fn_grad = main_fn if main_fn is not None else over_tokens(tokens, *fn.shape, zero=True)
+    nw_grad = main_nw if main_nw is not None else over_tokens(tokens, *norm_weight.shape, zero=True)
     mhc_fn_normw_merge_backward(fn, norm_weight, d_fn_m, fn_grad, nw_grad)
     return (None if main_fn is not None else fn_grad), (None if main_nw is not None else nw_grad)
 
@@ -220,11 +223,11 @@ class _Pre(torch.autograd.Function):
         tokens, m, hidden = residual.shape
         fn_m = _merged_fn(fn, norm_weight)
         out_mul, sqrsum, mixes = _mixes_forward(residual, fn_m, norm_eps, n_splits)
-        pre, post, comb_logits = (mixes.new_empty(tokens, n) for n in (m, m, m * m))
+        pre, post, comb_logits = (per_token(mixes, n) for n in (m, m, m * m))
         mhc_pre_split_mixes_forward(mixes, scale, base, pre, post, comb_logits, post_mult_value, pre_eps)
-        comb = mixes.new_empty(tokens, m, m)
+        comb = per_token(mixes, m, m)
         mhc_sinkhorn_forward(comb_logits.view(tokens, m, m), comb, sinkhorn_repeat, sinkhorn_eps)
-        layer_input = residual.new_empty(tokens, hidden)
+        layer_input = per_token(residual, hidden)
         mhc_pre_apply_mix_forward(residual, pre, layer_input)
         ctx.save_for_backward(residual, fn, fn_m, scale, base, norm_weight, out_mul, sqrsum, mixes, pre, post,
                               comb_logits)
@@ -242,19 +245,19 @@ class _Pre(torch.autograd.Function):
         zeros = torch.zeros_like
         # the one bf16 buffer of the residual gradient: post's contribution first (or zeros), then ours
         residual_grad = d_residual_link.contiguous().clone() if d_residual_link is not None else zeros(residual)
-        d_li = d_layer_input.contiguous() if d_layer_input is not None else residual.new_zeros(tokens, hidden)
+        d_li = d_layer_input.contiguous() if d_layer_input is not None else per_token(residual, hidden, zero=True)
         d_pre = mhc_pre_apply_mix_backward(d_li, residual, pre, residual_grad)
         d_comb_logits = torch.empty_like(comb_logits)
-        d_comb = d_comb.contiguous() if d_comb is not None else comb_logits.new_zeros(tokens, m, m)
+        d_comb = d_comb.contiguous() if d_comb is not None else per_token(comb_logits, m, m, zero=True)
         mhc_sinkhorn_backward(d_comb, comb_logits.view(tokens, m, m), d_comb_logits.view(tokens, m, m),
                               sinkhorn_repeat, sinkhorn_eps)
-        d_mixes, d_scale, d_base = torch.empty_like(mixes), torch.empty_like(scale), torch.empty_like(base)
+        d_mixes, d_scale, d_base = torch.empty_like(mixes), over_tokens(mixes, *scale.shape), over_tokens(mixes, *base.shape)
         d_post = d_post.contiguous() if d_post is not None else zeros(post)
         mhc_pre_split_mixes_backward(d_pre, d_post, d_comb_logits, mixes, post, scale, base, d_mixes, d_scale,
                                      d_base, post_mult_value)
         d_fn_m = _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad)
         main_fn, main_scale, main_base, main_nw = ctx.mains
-        fn_grad, nw_grad = _fn_grads(fn, norm_weight, d_fn_m, (main_fn, main_nw))
+        fn_grad, nw_grad = _fn_grads(fn, norm_weight, d_fn_m, (main_fn, main_nw), residual)
         return (residual_grad, fn_grad, _grad_out(d_scale, main_scale), _grad_out(d_base, main_base), nw_grad,
                 None, None, None, None, None, None, None)
 
@@ -295,8 +298,8 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
         tokens = flat.shape[0]
         fn_m = _merged_fn(fn, norm_weight)
         parts, sq_parts = mhc_gemm_with_sqrsum_forward(flat.view(tokens, m * hidden), fn_m, n_splits)
-        post, comb = parts.new_empty(tokens, m), parts.new_empty(tokens, m, m)
-        layer_input = flat.new_empty(tokens, hidden)
+        post, comb = per_token(flat, m, dtype=torch.float32), per_token(flat, m, m, dtype=torch.float32)
+        layer_input = per_token(flat, hidden)
         mhc_pre_big_fuse(parts, sq_parts, scale, base, flat, post, comb.view(tokens, m * m), layer_input, norm_eps,
                          pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat, n_splits)
         link = flat
@@ -355,9 +358,9 @@ class _Head(torch.autograd.Function):
         fn_m = _merged_fn(torch.cat([fn_head, fn_head.new_zeros(M3 - m, fn_head.shape[1])]), norm_weight)
         out_mul, sqrsum, mixes = _mixes_forward(residual, fn_m, norm_eps, n_splits)
         input_mix = mixes[:, :m].contiguous()
-        output_mix = input_mix.new_empty(tokens, m)
+        output_mix = per_token(input_mix, m)
         mhc_head_compute_mix_forward(input_mix, scale, base, output_mix, pre_eps)
-        out = residual.new_empty(tokens, hidden)
+        out = per_token(residual, hidden)
         mhc_pre_apply_mix_forward(residual, output_mix, out)
         ctx.save_for_backward(residual, fn_head, fn_m, scale, base, norm_weight, out_mul, sqrsum, input_mix,
                               output_mix)
@@ -374,16 +377,16 @@ class _Head(torch.autograd.Function):
         residual_grad = torch.zeros_like(residual)
         d_output_mix = mhc_pre_apply_mix_backward(d_out.contiguous(), residual, output_mix, residual_grad)
         d_input_mix = torch.empty_like(input_mix)
-        scale_part = scale.new_empty(_HEAD_PARTIALS, 1)
-        base_part = base.new_empty(_HEAD_PARTIALS, m)
+        scale_part, base_part = over_tokens(input_mix, _HEAD_PARTIALS, 1), over_tokens(input_mix, _HEAD_PARTIALS, m)
         mhc_head_compute_mix_backward(d_output_mix, input_mix, scale, base, d_input_mix, scale_part, base_part)
-        d_mixes = out_mul.new_zeros(tokens, M3)
+        d_mixes = per_token(input_mix, M3, zero=True)
         d_mixes[:, :m] = d_input_mix
         d_fn_m = _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad)
         main_fn, main_scale, main_base, main_nw = ctx.mains
         if norm_weight is not None:
             padded = torch.cat([fn_head, fn_head.new_zeros(M3 - m, fn_head.shape[1])])
-            fn_grad, nw_grad = torch.zeros_like(padded), main_nw if main_nw is not None else torch.zeros_like(norm_weight)
+            fn_grad = over_tokens(residual, *padded.shape, zero=True)
+            nw_grad = main_nw if main_nw is not None else over_tokens(residual, *norm_weight.shape, zero=True)
             mhc_fn_normw_merge_backward(padded, norm_weight, d_fn_m, fn_grad, nw_grad)
             nw_grad = None if main_nw is not None else nw_grad
         else:
