@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .. import limits
 from .._checks import OpError, check_float, check_int
 from ..engram import engram_fused_weight, engram_gate_bwd, engram_gate_fwd, engram_grad_w_reduce
-from ._buffers import as_dtype, over_tokens
+from ._buffers import grad_buffers, reduced
 
 __all__ = ["EngramGate", "engram_gate"]
 
@@ -83,14 +83,13 @@ class _EngramGateFunction(torch.autograd.Function):
             grad_out.contiguous(), x, kv, wf, dot, gate_score, rstd_x, rstd_k, ctx.clamp_value, mask, ctx.residual
         )
         main_hidden, main_embed = ctx.main_grads
-        grad_wh = main_hidden if main_hidden is not None else over_tokens(x, *wh.shape, zero=True)
-        grad_we = main_embed if main_embed is not None else over_tokens(x, *we.shape, zero=True)
+        grad_wh, grad_we = grad_buffers(x, (wh, we), ctx.main_grads)
         engram_grad_w_reduce(grad_w_partial, wh, we, grad_wh, grad_we)
         return (
             grad_x,
             grad_kv,
-            None if main_hidden is not None else as_dtype(grad_wh, wh.dtype),
-            None if main_embed is not None else as_dtype(grad_we, we.dtype),
+            None if main_hidden is not None else reduced(grad_wh, wh.dtype),
+            None if main_embed is not None else reduced(grad_we, we.dtype),
             None, None, None, None, None, None,
         )
 

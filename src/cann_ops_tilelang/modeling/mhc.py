@@ -54,7 +54,7 @@ from ..mhc import (
     mhc_sinkhorn_forward,
 )
 from ..mhc._common import check_hc, check_hidden
-from ._buffers import over_tokens, per_token
+from ._buffers import grad_buffers, over_tokens, per_token, reduced
 
 __all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
            "mhc_pre"]
@@ -84,9 +84,10 @@ def _main_grad(param: Optional[Tensor], op: str, arg: str) -> Optional[Tensor]:
 
 
 def _grad_out(grad: Optional[Tensor], main: Optional[Tensor]) -> Optional[Tensor]:
-    """Accumulates a parameter gradient into its ``main_grad`` (returning None) or returns it."""
+    """Accumulates a parameter gradient into its ``main_grad`` (returning None) or returns it (reduced over the
+    ranks on DTensors)."""
     if main is None:
-        return grad
+        return reduced(grad)
     main.add_(grad)
     return None
 
@@ -210,10 +211,9 @@ def _fn_grads(fn, norm_weight, d_fn_m, mains, tokens):
     main_fn, main_nw = mains
     if norm_weight is None:
         return _grad_out(d_fn_m, main_fn), None
-    fn_grad = main_fn if main_fn is not None else over_tokens(tokens, *fn.shape, zero=True)
-    nw_grad = main_nw if main_nw is not None else over_tokens(tokens, *norm_weight.shape, zero=True)
+    fn_grad, nw_grad = grad_buffers(tokens, (fn, norm_weight), mains)
     mhc_fn_normw_merge_backward(fn, norm_weight, d_fn_m, fn_grad, nw_grad)
-    return (None if main_fn is not None else fn_grad), (None if main_nw is not None else nw_grad)
+    return (None if main_fn is not None else reduced(fn_grad)), (None if main_nw is not None else reduced(nw_grad))
 
 
 class _Pre(torch.autograd.Function):
@@ -385,10 +385,9 @@ class _Head(torch.autograd.Function):
         main_fn, main_scale, main_base, main_nw = ctx.mains
         if norm_weight is not None:
             padded = torch.cat([fn_head, fn_head.new_zeros(M3 - m, fn_head.shape[1])])
-            fn_grad = over_tokens(residual, *padded.shape, zero=True)
-            nw_grad = main_nw if main_nw is not None else over_tokens(residual, *norm_weight.shape, zero=True)
+            fn_grad, nw_grad = grad_buffers(residual, (padded, norm_weight), (None, main_nw))
             mhc_fn_normw_merge_backward(padded, norm_weight, d_fn_m, fn_grad, nw_grad)
-            nw_grad = None if main_nw is not None else nw_grad
+            nw_grad = None if main_nw is not None else reduced(nw_grad)
         else:
             fn_grad, nw_grad = d_fn_m, None
         return (residual_grad, _grad_out(fn_grad[:m].contiguous(), main_fn),
