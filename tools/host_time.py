@@ -16,7 +16,6 @@ import os
 import pkgutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -26,9 +25,15 @@ import torch  # noqa: E402
 from cann_ops_tilelang import _library, limits  # noqa: E402
 
 
+# the Library holding the CPU stubs: replaced whole on each call (torch 2.11 refuses a second Python registration
+# of one op and key; 2.13 overrides with a warning)
+_STUBS: torch.library.Library | None = None
+
+
 def _stub_cuda_paths_on_cpu(record: list | None) -> None:
     """Registers every op's CUDA device path for the CPU, its TileLang kernels no-ops; ``record`` collects the
     calls ``(name, args, kwargs)`` when given."""
+    global _STUBS
     from cann_ops_tilelang.chips import H200
 
     os.environ.setdefault("OPS_TILELANG_NUM_SMS", str(H200.sms))  # for the launchers that size grids
@@ -41,15 +46,16 @@ def _stub_cuda_paths_on_cpu(record: list | None) -> None:
         module = importlib.import_module(info.name)
         if hasattr(module, "jit_compile"):
             module.jit_compile = lambda op, key, prim_func: no_op
+    if _STUBS is not None:
+        _STUBS._destroy()
+    _STUBS = torch.library.Library(_library.NAMESPACE, "IMPL")
     for name, public in _library.registered_ops().items():
         run = public.op_state.kernel("cuda")
         if record is not None:
             def run(*args, _run=run, _name=name, **kwargs):
                 record.append((_name, args, kwargs))
                 return _run(*args, **kwargs)
-        with warnings.catch_warnings():  # a second call overrides the first registration
-            warnings.simplefilter("ignore", UserWarning)
-            _library._LIBRARY.impl(name, run, "CPU")
+        _STUBS.impl(name, run, "CPU")
 
 
 def _per_call_us(fn, calls: int) -> float:
