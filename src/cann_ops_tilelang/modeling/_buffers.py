@@ -8,7 +8,6 @@ its own tokens; the rules declare these results ``P``). With fewer tokens than s
 (the ops then gather, as the rules' fallback does). :func:`reduced` makes a parameter's gradient ``Replicate``.
 """
 
-import math
 import sys
 from typing import Optional
 
@@ -28,8 +27,11 @@ def _token_sharded(tokens: Tensor) -> bool:
     """Whether a DTensor's dim 0 is sharded with at least one token per shard."""
     from torch.distributed.tensor import Shard
 
-    dims = [i for i, p in enumerate(tokens.placements) if isinstance(p, Shard) and p.dim == 0]
-    return bool(dims) and tokens.shape[0] >= math.prod(tokens.device_mesh.size(i) for i in dims)
+    sharded, shards = False, 1  # a loop, not math.prod over a generator: Dynamo traces this under torch.compile
+    for i, placement in enumerate(tokens.placements):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            sharded, shards = True, shards * tokens.device_mesh.size(i)
+    return sharded and tokens.shape[0] >= shards
 
 
 def _place(dtensor_cls, local: Tensor, tokens: Tensor, size: tuple[int, ...], sharded) -> Tensor:
