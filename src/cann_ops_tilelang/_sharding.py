@@ -96,8 +96,8 @@ def _describe(placements) -> str:
 @functools.cache
 def _uneven_sharding() -> dict[str, bool]:
     """``allow_uneven_sharding=True`` where torch has it: a tensor already sharded as asked stays valid with fewer
-    rows than ranks. torch 2.10 and 2.11 lack the argument; they drop such a strategy, so the call gathers
-    (Replicate) and still gives the same result."""
+    rows than ranks. torch 2.11 lacks the argument and drops such a strategy: the call takes the all-Replicate
+    fallback (gathering), or is refused where a buffer it writes is sharded (docs/distributed.md)."""
     import inspect
 
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy

@@ -251,7 +251,8 @@ class _Pre(torch.autograd.Function):
         d_comb = d_comb.contiguous() if d_comb is not None else per_token(comb_logits, m, m, zero=True)
         mhc_sinkhorn_backward(d_comb, comb_logits.view(tokens, m, m), d_comb_logits.view(tokens, m, m),
                               sinkhorn_repeat, sinkhorn_eps)
-        d_mixes, d_scale, d_base = torch.empty_like(mixes), over_tokens(mixes, *scale.shape), over_tokens(mixes, *base.shape)
+        d_mixes = torch.empty_like(mixes)
+        d_scale, d_base = over_tokens(mixes, *scale.shape), over_tokens(mixes, *base.shape)
         d_post = d_post.contiguous() if d_post is not None else zeros(post)
         mhc_pre_split_mixes_backward(d_pre, d_post, d_comb_logits, mixes, post, scale, base, d_mixes, d_scale,
                                      d_base, post_mult_value)
