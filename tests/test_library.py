@@ -234,13 +234,15 @@ def test_a_launch_runs_on_the_arguments_device(stub_backend, monkeypatch):
     """The kernels launch on the current device and its current stream: tensors on another device of the same
     type make that device current for the launch, and only then (simulated: fake CUDA tensors, a fake
     device module whose current device is 0)."""
+    from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     entered = []
     mode = FakeTensorMode()
+    # a fake CUDA tensor initializes the real runtime on its device, which fails for cuda:1 on a one-GPU host
+    monkeypatch.setattr(fake_tensor, "init_gpu_context", lambda device: None)
 
     def on(device):
-        # built from a meta tensor: a factory call would ask the real CUDA runtime for device 1 where one exists
         return FakeTensor(mode, torch.empty(2, device="meta"), torch.device(device))
 
     class FakeCuda:
