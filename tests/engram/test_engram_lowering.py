@@ -230,8 +230,8 @@ def test_gate_no_residual_kernels():
 
 def test_gate_fwd_layout():
     """The CUDA forward's summation groups cover the row exactly once; one warp serves a stream exactly
-    where H <= 4096 and no vector slot is guarded (else one warp per group); at most 16 vectors per
-    thread and 2048 threads per SM."""
+    where H <= 4096 and no vector slot is guarded (else one warp per group; without the residual one per two
+    groups); at most 16 vectors per thread and 2048 threads per SM."""
     from cann_ops_tilelang.kernels.cuda.engram.gate import forward
 
     for hidden in range(256, 8193, 256):
@@ -241,8 +241,15 @@ def test_gate_fwd_layout():
         assert 4 * 32 * wps * min_blocks <= 2048 and nv * (gps // wps) <= 16, (hidden, wps, nv, min_blocks)
         assert (wps == 1) == (hidden <= 4096 and not guarded), (hidden, wps, guarded)
         assert wps in (1, gps), (hidden, wps, gps)
+        # without the residual: the same summation groups (the same sums, bit for bit), half the warps per
+        # stream where several serve it, at twice the registers per thread (128)
+        wps_nores, *rest = forward.fwd_layout(hidden, 4, residual=False)
+        assert rest == [gps, nv, guarded, min_blocks], hidden
+        assert wps_nores == (1 if wps == 1 else wps // 2), hidden
+        assert 65536 // (4 * 32 * wps_nores * min_blocks) >= 128 and nv * (gps // wps_nores) <= 16, hidden
     assert forward.fwd_layout(4096, 4) == (1, 4, 4, False, 4)
     assert forward.fwd_layout(7168, 4) == (4, 4, 7, False, 2)
+    assert forward.fwd_layout(7168, 4, residual=False) == (2, 4, 7, False, 2)
 
 
 def test_gate_bwd_split_schedule():

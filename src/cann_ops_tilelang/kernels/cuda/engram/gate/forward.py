@@ -8,7 +8,8 @@ per group plus a step that adds the groups in ascending order gives the per-stre
 memory and a barrier where several warps serve a stream, in registers where one warp does; every thread
 of the stream adds the same values in the same order, so they are bitwise equal).
 Pass 2 streams ``v`` and writes ``out = bf16(x + g * v)`` from the registers, so ``x`` and ``kv`` are
-read from HBM exactly once (``residual=False``: ``out = bf16(g * v)``, masked tokens 0). The kernel always
+read from HBM exactly once (``residual=False``: ``v`` is loaded into those registers before pass 1, which
+streams ``x``, and pass 2 writes ``out = bf16(g * v)``, masked tokens 0). The kernel always
 writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
 without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see
 :func:`engram_gate_fwd`). The token count is a dynamic dimension."""
@@ -26,8 +27,8 @@ _VEC = 8  # bf16 elements per 16-byte access
 _MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see fwd_layout)
 
 
-def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int]:
-    """Thread layout ``(wps, gps, nv, guarded, min_blocks)`` of the forward kernel.
+def fwd_layout(hidden_size: int, hc_mult: int, residual: bool = True) -> tuple[int, int, int, bool, int]:
+    """Thread layout ``(wps, gps, nv, guarded, min_blocks)`` of the forward kernel (``residual``: the mode).
 
     A stream's three sums are formed in ``gps`` summation groups of 32 lanes (group ``w``, lane ``l``
     owns the column vectors ``i * 32 * gps + 32 * w + l``, ``i < nv``), each reduced by a warp butterfly,
@@ -41,7 +42,9 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int
     serves all groups of a stream (up to 16 vectors per thread, 128 registers, four 128-thread CTAs per SM):
     its lanes hold the group sums after the butterflies, so there is no shared-memory step and no barrier
     (docs/perf/h200/engram.md, 2026-11-30 — gate forward: thread layout and CTAs per SM; 2026-12-01 — gate
-    forward: one warp per stream at H <= 4096).
+    forward: one warp per stream at H <= 4096). Without the residual the several-warp layout takes half
+    as many warps per stream at 128 registers: at 64 ptxas spilled that kernel in every schedule tried
+    (docs/perf/h100/engram.md, 2026-12-05 (later) — gate forward without the residual: thread layout).
     """
     n32 = hidden_size // (32 * _VEC)
     max_gps = max(1, min(4, 32 // hc_mult))
@@ -50,7 +53,8 @@ def fwd_layout(hidden_size: int, hc_mult: int) -> tuple[int, int, int, bool, int
     guarded = nv * gps != n32
     if n32 <= 16 and not guarded:
         return 1, gps, nv, False, max(1, min(4, 512 // (32 * hc_mult)))  # <= 128 registers per thread
-    return gps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
+    wps = gps if residual else max(1, gps // 2)
+    return wps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
 
 
 def engram_gate_fwd_key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch.Tensor | None,
@@ -84,7 +88,7 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     m = ENGRAM_HC_MULT.require("engram_gate_fwd", hc_mult)
     if inplace and not residual:
         raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
-    wps, gps, nv, guarded, min_blocks = fwd_layout(H, m)
+    wps, gps, nv, guarded, min_blocks = fwd_layout(H, m, residual)
     q = gps // wps  # summation groups per warp
     warp_local = wps == 1  # one warp per stream: no shared-memory step, no barrier
     tps = 32 * wps  # threads per stream
@@ -108,7 +112,8 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
             lt = tid % tps
             lane = tid % 32
             g0 = (lt // 32) * q  # this warp's first summation group
-            xr = T.alloc_local((nv, q, _VEC), bf16)
+            xr = T.alloc_local((nv, q, _VEC), bf16)  # x (v without the residual), kept for pass 2
+            xs = T.alloc_local((_VEC,), bf16)  # x streamed, without the residual
             kf = T.alloc_local((_VEC,), f32)
             wr = T.alloc_local((_VEC,), f32)
             vr = T.alloc_local((_VEC,), f32)
@@ -123,33 +128,42 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
             for u in T.unroll(q):
                 for j in T.unroll(3):
                     part[u, j] = 0.0
-            # Pass 1: x into registers (kept), k streamed, three fp32 sums per summation group.
+            # Pass 1: x into registers (kept), k streamed, three fp32 sums per summation group. Without the
+            # residual v goes into those registers first (its loads travel with pass 1's) and x is streamed.
             # Slot (i, u) holds column vector i * gw + (g0 + u) * 32 + lane.
-            for i in T.unroll(nv):
-                for u in T.unroll(q):
-                    if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
-                        for k in T.vectorized(_VEC):
-                            xr[i, u, k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-            if live:
+            if residual:
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
                             for k in T.vectorized(_VEC):
-                                kf[k] = kv[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                wr[k] = wf[h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-                            for k in T.unroll(_VEC):
-                                part[u, 0] += T.cast(xr[i, u, k], f32) * T.cast(xr[i, u, k], f32)
-                                part[u, 1] += kf[k] * kf[k]
-                                part[u, 2] += T.cast(xr[i, u, k], f32) * wr[k] * kf[k]
-            if live and not residual:
-                # x is dead once its sums are formed: its registers take v now, so the loads of pass 2 overlap
-                # the reductions and the barrier
+                                xr[i, u, k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+            elif live:
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
                             for k in T.vectorized(_VEC):
                                 xr[i, u, k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+            if live:
+                for i in T.unroll(nv):
+                    for u in T.unroll(q):
+                        if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
+                            if not residual:
+                                for k in T.vectorized(_VEC):
+                                    xs[k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                kf[k] = kv[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.vectorized(_VEC):
+                                wr[k] = wf[h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            if residual:
+                                for k in T.unroll(_VEC):
+                                    part[u, 0] += T.cast(xr[i, u, k], f32) * T.cast(xr[i, u, k], f32)
+                                    part[u, 1] += kf[k] * kf[k]
+                                    part[u, 2] += T.cast(xr[i, u, k], f32) * wr[k] * kf[k]
+                            else:
+                                for k in T.unroll(_VEC):
+                                    part[u, 0] += T.cast(xs[k], f32) * T.cast(xs[k], f32)
+                                    part[u, 1] += kf[k] * kf[k]
+                                    part[u, 2] += T.cast(xs[k], f32) * wr[k] * kf[k]
             for u in T.unroll(q):
                 for j in T.unroll(3):
                     part[u, j] = T.warp_reduce_sum(part[u, j])
