@@ -431,6 +431,18 @@ def test_gate_fwd_no_residual(tokens, hidden, masked, device, seed):
     """``residual=False``: the output within the forward's tolerance of ``bf16(g·v)`` of the reference, and
     bitwise ``bf16(gate_score · f32(v))`` of the kernel's own gate (one fp32 product, one rounding); masked
     tokens 0; the statistics byte-equal to the residual forward's; saving or not gives the same output."""
+    check_gate_fwd_no_residual(tokens, hidden, masked, device, seed)
+
+
+@pytest.mark.parametrize("hidden", [2304, 6400])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_fwd_no_residual_guarded_rows(hidden, masked, device, seed):
+    """The same at hidden sizes whose last vector slot is guarded (the no-residual build has its own thread
+    layout there: two warps per stream)."""
+    check_gate_fwd_no_residual(509, hidden, masked, device, seed)
+
+
+def check_gate_fwd_no_residual(tokens, hidden, masked, device, seed):
     x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
     wf = engram_fused_weight_ref(wh, we)
     out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
