@@ -141,15 +141,19 @@ def _wrap(mode: str, model, device):
 
         return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
     if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the mesh on the run's device type: FSDP2's default mesh is CUDA wherever CUDA exists, which would move
+        # a CPU (gloo) run's parameters to the GPU of a GPU host
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         # FSDP2 all-gathers one dtype per group: the bf16 FFN of each block, then the block's fp32 mHC
         # parameters, the fp32 mHC head, and the root's bf16 rest (embedding, Engram gate, LM head)
         for block in model.blocks:
-            fully_shard(block.sublayer)
-            fully_shard(block)
-        fully_shard(model.head)
-        fully_shard(model)
+            fully_shard(block.sublayer, mesh=mesh)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model.head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     return model
 
