@@ -62,3 +62,27 @@ def test_refuses_more_ranks_than_gpus(capsys):
     with pytest.raises(SystemExit):
         distributed_train.parse(["--nproc", "2"])
     assert "needs 2 CUDA devices" in capsys.readouterr().err
+
+
+def test_fsdp2_mesh_on_the_runs_device_type(monkeypatch):
+    """FSDP2's default mesh is CUDA wherever CUDA exists: a CPU (gloo) run on a GPU host would have its parameters
+    moved to the GPU (seen on the GPU host, 2026-12-05). Every ``fully_shard`` gets a mesh of the run's device."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import distributed_train
+
+    meshes, calls = [], []
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or kind)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, mesh=None: calls.append((module, mesh)))
+    model = torch.nn.Module()
+    model.blocks = [torch.nn.Module() for _ in range(2)]
+    for block in model.blocks:
+        block.sublayer = torch.nn.Linear(2, 2)
+    model.head = torch.nn.Linear(2, 2)
+    assert distributed_train._wrap("fsdp2", model, torch.device("cpu")) is model
+    assert meshes == [("cpu", (2,))]
+    assert [mesh for _, mesh in calls] == ["cpu"] * 6
+    assert calls[-1][0] is model
