@@ -235,6 +235,12 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, SIZES, n_embed_per_ngram=64, n_head_per_ngram=5), ValueError, "'n_head_per_ngram'"),
         (lambda: Engram(HIDDEN, SIZES, max_ngram_size=1, **SMALL), ValueError, "'max_ngram_size'"),
         (lambda: module.hash_ids(ids[..., 0], [3, 5, 7], 0), TypeError, "'multipliers': expected a torch.Tensor"),
+        (lambda: module.hash_ids(ids[..., 0], torch.tensor([3, 5, 7], dtype=torch.int32), 0), TypeError,
+         "'multipliers': expected int64"),
+        (lambda: module.hash_ids(ids[..., 0], torch.tensor([3, 5, 7], device="meta"), 0), ValueError,
+         "'multipliers': expected a tensor on cpu"),
+        # inputs on another device than the parameters (the forgotten .to(device)): named here, not by an op
+        (lambda: module(x.to("meta"), ids.to("meta")), ValueError, "'hidden_states': expected a tensor on cpu"),
         # the constructor refuses what the gate, the norms or the tables would refuse (or turn into NaN) later
         (lambda: Engram(256, SIZES, **SMALL), ValueError, "'hidden_size': expected a hidden size a multiple of 256"),
         (lambda: Engram(512.0, SIZES, **SMALL), TypeError, "'hidden_size': expected an int"),

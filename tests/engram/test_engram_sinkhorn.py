@@ -130,7 +130,7 @@ def test_partial_rows_per_device_type():
 
 @pytest.mark.parametrize("kwargs,exc", [
     (dict(lr=-1.0), ValueError), (dict(beta1=1.5), ValueError), (dict(nesterov=1), TypeError),
-    (dict(sinkhorn_iters=-1), ValueError), (dict(sinkhorn_iters=True), ValueError), (dict(eps=0.0), ValueError),
+    (dict(sinkhorn_iters=-1), ValueError), (dict(sinkhorn_iters=True), TypeError), (dict(eps=0.0), ValueError),
     (dict(alpha=0.0), ValueError), (dict(weight_decay=-0.1), ValueError),
 ])
 def test_optimizer_refuses_bad_hyper_parameters(kwargs, exc):
@@ -139,7 +139,7 @@ def test_optimizer_refuses_bad_hyper_parameters(kwargs, exc):
 
 
 @pytest.mark.parametrize("group,exc", [
-    (dict(sinkhorn_iters=-2), ValueError), (dict(sinkhorn_iters=2.5), ValueError), (dict(lr=-5.0), ValueError),
+    (dict(sinkhorn_iters=-2), ValueError), (dict(sinkhorn_iters=2.5), TypeError), (dict(lr=-5.0), ValueError),
     (dict(lr=True), ValueError), (dict(lr=1e300), ValueError), (dict(alpha=-1.0), ValueError),
     (dict(eps=0.0), ValueError), (dict(weight_decay=float("inf")), ValueError), (dict(nesterov="yes"), TypeError),
     (dict(beta1=0.5, momentum=0.4), ValueError),
@@ -473,6 +473,65 @@ def test_deterministic_and_state_dict_round_trip(dtype, seed):
         p.grad = g.clone()
         resumed.step()
     assert torch.equal(bits(p), bits(full_a))
+
+
+def test_optimizer_checks_groups_again_at_step_and_leaves_state_alone_when_it_refuses():
+    """Hyper-parameters changed after construction (a scheduler, load_state_dict) are checked before any state
+    changes, and a table on a device without kernels gets no state from a refused step."""
+    p = torch.nn.Parameter(torch.randn(4, 64))
+    p.grad = torch.randn(4, 64)
+    opt = EngramSinkhorn([p])
+    before = p.detach().clone()
+    for key, value in (("lr", -1.0), ("lr", 1e-40), ("alpha", 1e-40), ("weight_decay", -0.5)):
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=f"EngramSinkhorn: {key}"):
+            opt.step()
+        assert not opt.state and torch.equal(p.detach(), before)
+        opt.param_groups[0][key] = EngramSinkhorn([p]).param_groups[0][key]
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = -5.0
+    opt.load_state_dict(saved)
+    with pytest.raises(ValueError, match="EngramSinkhorn: lr must be"):
+        opt.step()
+    assert not opt.state and torch.equal(p.detach(), before)
+    for kwargs in (dict(lr=1e-40), dict(alpha=1e-40), dict(lr=1e30, weight_decay=1e30)):
+        with pytest.raises(ValueError, match="EngramSinkhorn"):
+            EngramSinkhorn([p], **kwargs)
+
+
+
+def test_optimizer_registers_a_tables_state_only_after_its_update(monkeypatch):
+    """An op that refuses (as on a device without kernels) leaves a new table without state or step count."""
+    import cann_ops_tilelang.optim.sinkhorn as optim_module
+
+    def refuse(*args):
+        raise RuntimeError("refused")
+
+    p = torch.nn.Parameter(torch.randn(4, 64))
+    p.grad = torch.randn(4, 64)
+    opt = EngramSinkhorn([p])
+    monkeypatch.setattr(optim_module, "engram_sinkhorn_finalize_apply", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        opt.step()
+    assert not opt.state
+    monkeypatch.undo()
+    opt.step()
+    assert float(opt.state[p]["step"]) == 1
+
+
+def test_beta1_and_its_alias_momentum():
+    p = torch.nn.Parameter(torch.randn(4, 64))
+    assert EngramSinkhorn([p]).param_groups[0]["beta1"] == 0.9
+    assert EngramSinkhorn([p], momentum=0.5, beta1=0.5).param_groups[0]["beta1"] == 0.5
+    with pytest.raises(ValueError, match="EngramSinkhorn: beta1 0.5 and its alias momentum 0.4 both given"):
+        EngramSinkhorn([p], beta1=0.5, momentum=0.4)
+
+
+def test_sinkhorn_update_of_no_rows_is_empty():
+    update = sinkhorn_update(torch.empty(0, 64), 5, 1e-8, 8.0)
+    assert update.shape == (0, 64) and update.dtype == torch.float32
+    with pytest.raises(TypeError, match="sinkhorn_update: iters must be an int"):
+        sinkhorn_update(torch.empty(0, 64), 2.0, 1e-8, 8.0)
 
 
 def test_momentum_alias_and_defaults():

@@ -187,6 +187,9 @@ class Engram(nn.Module):
         if hash_ids.device != hidden_states.device:
             raise err.value("hash_ids", f"expected a tensor on {hidden_states.device} (hidden_states'), got "
                                         f"{hash_ids.device}")
+        if hidden_states.device != self.kv_proj.weight.device:
+            raise err.value("hidden_states", f"expected a tensor on {self.kv_proj.weight.device} (the layer's "
+                                             f"parameters'), got {hidden_states.device}")
 
     def gated_value(self, hidden_states: Tensor, hash_ids: Tensor) -> Tensor:
         """``g·v`` ``(*, L, m, H)`` (the lookup, the projections and the gate without its residual)."""
@@ -243,6 +246,13 @@ class Engram(nn.Module):
         if tuple(multipliers.shape) != (self.max_ngram_size,):
             raise err.value("multipliers", f"expected a ({self.max_ngram_size},) int64 tensor, got "
                                            f"{tuple(getattr(multipliers, 'shape', ()))}")
+        if multipliers.dtype != torch.int64:
+            raise err.type("multipliers", f"expected int64, got {multipliers.dtype}")
+        if not isinstance(token_ids, Tensor):
+            raise err.type("token_ids", f"expected a torch.Tensor, got {type(token_ids).__name__}")
+        if multipliers.device != token_ids.device:
+            raise err.value("multipliers", f"expected a tensor on {token_ids.device} (token_ids'), got "
+                                           f"{multipliers.device}")
         windows = ngram_token_ids(token_ids, self.max_ngram_size, pad_id)
         lead = windows.shape[:-1]
         sizes = torch.tensor(self.table_sizes, dtype=torch.int32, device=token_ids.device)

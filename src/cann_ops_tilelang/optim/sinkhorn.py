@@ -62,10 +62,15 @@ def _sinkhorn_scales(matrix: torch.Tensor, iters: int, eps: float) -> tuple[torc
 
 
 def sinkhorn_update(matrix: torch.Tensor, iters: int, eps: float, alpha: float) -> torch.Tensor:
-    """Steps 2-3 above on an ``(R, D)`` fp32 Sinkhorn input (R >= 1): the ``(R, D)`` fp32 update ``U``
-    (``iters >= 0``; the ops check the rest)."""
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"sinkhorn_update: iters must be an int >= 0, got {iters!r}")
+    """Steps 2-3 above on an ``(R, D)`` fp32 Sinkhorn input: the ``(R, D)`` fp32 update ``U`` (``iters >= 0``;
+    the ops check the rest; ``R = 0`` gives an empty update)."""
+    if isinstance(iters, bool) or not isinstance(iters, int):
+        raise TypeError(f"sinkhorn_update: iters must be an int, got {type(iters).__name__}")
+    if iters < 0:
+        raise ValueError(f"sinkhorn_update: iters must be >= 0, got {iters!r}")
+    if isinstance(matrix, torch.Tensor) and matrix.dim() == 2 and matrix.shape[0] == 0:
+        return engram_sinkhorn_finalize(matrix, matrix.new_empty((0,)), matrix.new_ones((matrix.shape[1],)), eps,
+                                        alpha)  # no rows: nothing to normalize (the column reduction needs R >= 1)
     row_scale, col_scale = _sinkhorn_scales(matrix, iters, eps)
     return engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha)
 
@@ -78,22 +83,30 @@ class EngramSinkhorn(torch.optim.Optimizer):
             ``limits.ENGRAM_SINKHORN_COLS`` (64..1024, multiples of 64), any row count.
             Dense gradients of the table's dtype. On CUDA or Ascend devices (the ops have no CPU kernels).
         lr: learning rate (the update has entries of RMS ``alpha / sqrt(D)``, 1 by default).
-        beta1: momentum decay in [0, 1] (``momentum`` is accepted as an alias).
+        beta1: momentum decay in [0, 1], 0.9 when not given (``momentum`` is accepted as an alias; giving both
+            with different values is an error).
         nesterov: use the look-ahead ``beta1 * M + (1 - beta1) * G`` as the Sinkhorn input.
         sinkhorn_iters: row/column normalization rounds before the final row normalization (SinkGD: 5).
         eps: added to every row and column norm; rows whose momentum norm is far below it get a proportionally
-            smaller update (it must be >= fp32's smallest normal, 1.2e-38).
+            smaller update (in [1.2e-38, 1): at least fp32's smallest normal number).
         alpha: norm of every update row; ``None``: ``sqrt(D)``.
         weight_decay: decoupled weight decay (``W *= 1 - lr * weight_decay`` before the update).
+
+    ``lr``, ``alpha``, ``weight_decay`` and ``1 - lr * weight_decay`` must be finite in fp32 and zero or at least
+    its smallest normal number (as the ops take them). Every group is checked when added and again at every
+    ``step()`` (a scheduler's or ``load_state_dict``'s values too), before any state changes.
 
     State per table: ``momentum_buffer`` (the table's dtype and shape) and ``step``; ``state_dict()`` /
     ``load_state_dict()`` restore them exactly, so a resumed run repeats the updates bit for bit.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, beta1: float = 0.9, nesterov: bool = True,
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, beta1: float | None = None, nesterov: bool = True,
                  sinkhorn_iters: int = 5, eps: float = 1e-8, alpha: float | None = None,
                  weight_decay: float = 0.0, *, momentum: float | None = None):
-        defaults = dict(lr=lr, beta1=beta1 if momentum is None else momentum, nesterov=nesterov,
+        if beta1 is not None and momentum is not None and beta1 != momentum:
+            raise ValueError(f"EngramSinkhorn: beta1 {beta1!r} and its alias momentum {momentum!r} both given")
+        beta1 = 0.9 if beta1 is None and momentum is None else (momentum if beta1 is None else beta1)
+        defaults = dict(lr=lr, beta1=beta1, nesterov=nesterov,
                         sinkhorn_iters=sinkhorn_iters, eps=eps, alpha=alpha, weight_decay=weight_decay)
         self._check_hyper(defaults)
         super().__init__(params, defaults)  # each group through add_param_group (checked there)
@@ -101,8 +114,9 @@ class EngramSinkhorn(torch.optim.Optimizer):
     @staticmethod
     def _check_hyper(group: dict[str, Any]) -> None:
         """The hyper-parameters of a group (the constructor's defaults or a group's own values)."""
-        def number(value: Any) -> bool:  # a real number that stays finite in fp32, where the ops use it
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32.max
+        def number(value: Any) -> bool:  # a real number as the ops take it: finite in fp32, zero or normal there
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32.max \
+                and (value == 0 or abs(value) >= _FP32.tiny)
 
         lr, beta1, iters, eps = group["lr"], group["beta1"], group["sinkhorn_iters"], group["eps"]
         alpha, weight_decay = group["alpha"], group["weight_decay"]
@@ -112,14 +126,20 @@ class EngramSinkhorn(torch.optim.Optimizer):
             raise ValueError(f"EngramSinkhorn: beta1 must be in [0, 1], got {beta1!r}")
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"EngramSinkhorn: nesterov must be a bool, got {type(group['nesterov']).__name__}")
-        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-            raise ValueError(f"EngramSinkhorn: sinkhorn_iters must be an int >= 0, got {iters!r}")
+        if isinstance(iters, bool) or not isinstance(iters, int):
+            raise TypeError(f"EngramSinkhorn: sinkhorn_iters must be an int, got {type(iters).__name__}")
+        if iters < 0:
+            raise ValueError(f"EngramSinkhorn: sinkhorn_iters must be >= 0, got {iters!r}")
         if not (number(eps) and _FP32.tiny <= eps < 1.0):
             raise ValueError(f"EngramSinkhorn: eps must be in [1.2e-38, 1), got {eps!r}")
         if alpha is not None and not (number(alpha) and alpha > 0):
             raise ValueError(f"EngramSinkhorn: alpha must be None or a finite number > 0, got {alpha!r}")
         if not (number(weight_decay) and weight_decay >= 0.0):
             raise ValueError(f"EngramSinkhorn: weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        if not number(1.0 - lr * weight_decay):
+            raise ValueError(f"EngramSinkhorn: the decay 1 - lr * weight_decay must be finite in fp32 and zero or "
+                             f"normal there, got {1.0 - lr * weight_decay!r} (lr {lr!r}, weight_decay "
+                             f"{weight_decay!r})")
 
     @staticmethod
     def _check_param(p: torch.Tensor) -> None:
@@ -165,6 +185,7 @@ class EngramSinkhorn(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            self._check_hyper(group)  # changed since added (a scheduler, load_state_dict): checked before any update
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
@@ -174,19 +195,24 @@ class EngramSinkhorn(torch.optim.Optimizer):
                     raise RuntimeError("EngramSinkhorn: sparse gradients are not supported (use dense embeddings)")
                 if not grad.is_floating_point():
                     raise TypeError(f"EngramSinkhorn: expected a floating-point gradient, got {grad.dtype}")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["step"] += 1
+                # a new table's state is registered once its first update went through (a refused call, e.g.
+                # a table on a device without kernels, leaves the state as it was)
+                state = self.state.get(p)
+                buffer = state.get("momentum_buffer") if state else None
+                if buffer is None:
+                    buffer = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 rows, cols = p.shape
-                if rows == 0:
-                    continue
-                sinkhorn_input = engram_sinkhorn_momentum_update(
-                    grad.contiguous().to(p.dtype), state["momentum_buffer"], group["beta1"], group["nesterov"])
-                alpha = math.sqrt(cols) if group["alpha"] is None else group["alpha"]
-                row_scale, col_scale = _sinkhorn_scales(sinkhorn_input, group["sinkhorn_iters"], group["eps"])
-                # W <- W * (1 - lr * wd) - lr * U inside the op: no float arithmetic left to PyTorch/inductor
-                engram_sinkhorn_finalize_apply(sinkhorn_input, row_scale, col_scale, group["eps"], alpha, p,
-                                               lr, 1.0 - lr * wd)
+                if rows > 0:
+                    sinkhorn_input = engram_sinkhorn_momentum_update(grad.contiguous().to(p.dtype), buffer,
+                                                                     group["beta1"], group["nesterov"])
+                    alpha = math.sqrt(cols) if group["alpha"] is None else group["alpha"]
+                    row_scale, col_scale = _sinkhorn_scales(sinkhorn_input, group["sinkhorn_iters"], group["eps"])
+                    # W <- W * (1 - lr * wd) - lr * U inside the op: no float arithmetic left to PyTorch/inductor
+                    engram_sinkhorn_finalize_apply(sinkhorn_input, row_scale, col_scale, group["eps"], alpha, p,
+                                                   lr, 1.0 - lr * wd)
+                if not state:
+                    state = self.state[p]
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["momentum_buffer"] = buffer
+                state["step"] += 1
         return loss
