@@ -237,6 +237,51 @@ def test_zero_tokens_forward_and_backward(device, lead, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kept", ["all", "all but the last"])
+def test_recompute_chunk_from_the_modeling_api(device, kept, seed):
+    """A chunk run forward without gradients, keeping the pre mixes (``return_pre_mix``), the mixes and the
+    sublayer outputs; ``mhc_recompute_chunk`` regenerates every layer input and residual bitwise, with any
+    leading dims. The pre mix asked for changes nothing else: the same bits as the fused path."""
+    layers = 3
+    blocks = [modeling.MHCSublayer(H, Sublayer(H, seed + i, device), device=device) for i in range(layers)]
+    residual = residual_of(2 * 11, H, seed, device).view(2, 11, M, H)
+    pres, outputs, posts, combs, inputs, residuals = [], [], [], [], [], []
+    r = residual
+    with torch.no_grad():
+        for block in blocks:
+            li, (post, comb), pre = modeling.mhc_pre(r, block.fn, block.scale, block.base, return_pre_mix=True)
+            fused = modeling.mhc_pre(r, block.fn, block.scale, block.base)
+            assert torch.equal(li, fused[0]) and torch.equal(post, fused[1][0]) and torch.equal(comb, fused[1][1])
+            assert pre.shape == (2, 11, M) and pre.dtype == torch.float32
+            y = block.sublayer(li)
+            r = modeling.mhc_post(y, r, post, comb)
+            pres.append(pre), outputs.append(y), posts.append(post), combs.append(comb)
+            inputs.append(li), residuals.append(r)
+    n = layers if kept == "all" else layers - 1
+    got_inputs, got_residuals = modeling.mhc_recompute_chunk(residual, pres, outputs[:n], posts[:n], combs[:n])
+    assert len(got_inputs) == layers and len(got_residuals) == n
+    assert all(torch.equal(a, b) for a, b in zip(got_inputs, inputs))
+    assert all(torch.equal(a, b) for a, b in zip(got_residuals, residuals[:n]))
+    # with gradients: the same pre mix, outside the graph, and the backward as without it
+    fn = blocks[0].fn
+    li, (post, comb), link, pre = modeling.mhc_pre(residual, fn, blocks[0].scale, blocks[0].base,
+                                                   return_residual=True, return_pre_mix=True)
+    assert torch.equal(pre, pres[0]) and not pre.requires_grad and torch.equal(li, inputs[0])
+    li.float().sum().backward()
+    assert fn.grad is not None and fn.grad.abs().sum() > 0
+    for args, exc, match in [
+        ((residual, pres, outputs[:1], posts, combs), ValueError, "'layer_outputs': expected L - 1 or L = 3"),
+        ((residual, [], [], [], []), ValueError,
+         r"'pre_mixes': expected in \[1, 64\] tensors \(one per sublayer\), got 0"),
+        ((residual, pres, outputs, posts, combs[:2] + [combs[2].view(22, M, M)]), ValueError,
+         r"'comb_mixes\[2\]': expected shape \(2, 11, 4, 4\)"),
+        ((residual, pres[0], outputs, posts, combs), TypeError, "'pre_mixes': expected a list of tensors"),
+    ]:
+        with pytest.raises(exc, match=f"modeling.mhc_recompute_chunk: argument {match}"):
+            modeling.mhc_recompute_chunk(*args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_recompute_regenerates_the_forward_bitwise(device, seed):
     """A chunk of L sublayers run forward under no_grad (pre_big_fuse, post), then mhc_multilayer_recompute
     from the first residual and the saved small tensors: every layer input and residual bitwise equal."""
@@ -312,7 +357,7 @@ def test_compiled_model_matches_eager_without_graph_breaks_or_recompiles(device,
 def test_modeling_api_errors_name_the_argument():
     p = params(H, 0, "cpu")
     residual = residual_of(3, H, 0, "cpu")
-    with pytest.raises(ValueError, match=r"modeling.mhc_pre: argument 'fn': expected an fp32 tensor of shape"):
+    with pytest.raises(ValueError, match=r"modeling.mhc_pre: argument 'fn': expected shape \(24, 1024\)"):
         modeling.mhc_pre(residual, p["fn"][:, :-64], p["scale"], p["base"])
     with pytest.raises(TypeError, match=r"modeling.mhc_pre: argument 'residual': expected a torch.Tensor"):
         modeling.mhc_pre(residual.tolist(), p["fn"], p["scale"], p["base"])
@@ -321,9 +366,36 @@ def test_modeling_api_errors_name_the_argument():
         modeling.mhc_post(li.view(6, 128), residual, post, comb)
     with pytest.raises(ValueError, match=r"modeling.MHCSublayer: argument 'hidden_size': expected a hidden size"):
         modeling.MHCSublayer(100, torch.nn.Identity())
-    with pytest.raises(ValueError, match=r"mhc_sinkhorn_forward: argument 'repeat'|mhc_pre_big_fuse: argument "
-                                         r"'sinkhorn_repeat'"):
-        modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], sinkhorn_repeat=0)
+    # the scalars and the other tensors under the function's own names, before any kernel runs, with or
+    # without gradients
+    fn_grad = p["fn"].clone().requires_grad_(True)
+    for fn in (p["fn"], fn_grad):
+        for kwargs, arg in [(dict(sinkhorn_repeat=0), "sinkhorn_repeat"), (dict(norm_eps=-1.0), "norm_eps"),
+                            (dict(pre_eps=float("nan")), "pre_eps"), (dict(sinkhorn_eps=-1.0), "sinkhorn_eps"),
+                            (dict(n_splits=0), "n_splits"), (dict(post_mult_value=0.0), "post_mult_value")]:
+            with pytest.raises(ValueError, match=rf"modeling.mhc_pre: argument '{arg}'"):
+                modeling.mhc_pre(residual, fn, p["scale"], p["base"], **kwargs)
+    with pytest.raises(TypeError, match=r"modeling.mhc_pre: argument 'fn': expected torch.float32, got torch.bfloat16"):
+        modeling.mhc_pre(residual, p["fn"].bfloat16(), p["scale"], p["base"])
+    with pytest.raises(ValueError, match=r"modeling.mhc_pre: argument 'scale': expected a tensor on cpu \(the "
+                                         r"residual's\), got meta"):
+        modeling.mhc_pre(residual, p["fn"], p["scale"].to("meta"), p["base"])
+    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'n_splits'"):
+        modeling.mhc_head(residual, p["fn"][:M], p["scale"][:1], p["base"][:M], n_splits=10**6)
+    with pytest.raises(TypeError, match=r"modeling.mhc_head: argument 'fn_head': expected torch.float32"):
+        modeling.mhc_head(residual, p["fn"][:M].double(), p["scale"][:1], p["base"][:M])
+    module = modeling.MHCSublayer(H, torch.nn.Identity(), norm_weight=True, device="meta")
+    with pytest.raises(ValueError, match=r"modeling.mhc_pre: argument 'fn': expected a tensor on cpu"):
+        module(residual)  # the forgotten .to(device): named before the weight merge runs on the wrong device
+    for args, exc, match in [
+        ((li.float(), residual, post, comb), TypeError, r"'layer_output': expected torch.bfloat16"),
+        ((li, residual, post.double(), comb), TypeError, r"'post_mix': expected torch.float32"),
+        ((li, residual, post, comb.to("meta")), ValueError, r"'comb_mix': expected a tensor on cpu"),
+    ]:
+        with pytest.raises(exc, match=rf"modeling.mhc_post: argument {match}"):
+            modeling.mhc_post(*args)
+    with pytest.raises(TypeError, match=r"modeling.expand_from_embedding: argument 'x': expected torch.bfloat16"):
+        modeling.expand_from_embedding(li.float())
 
 
 @pytest.mark.parametrize("bad,exc,match", [
@@ -362,7 +434,8 @@ def test_modules_check_their_arguments_and_inputs():
     assert block.hidden_size == H and block.fn.shape == (24, 4 * H)
     assert block(residual_of(3, H, 0, "cpu")).shape == (3, 4, H)
     head = modeling.MHCHead(H)
-    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'scale_head': expected an fp32 tensor"):
+    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'scale_head': expected shape \(1,\), "
+                                         r"got \(0,\)"):
         modeling.mhc_head(residual, head.fn, head.scale[:0], head.base)
     head.base.main_grad = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'base_head.main_grad': expected a contiguous "

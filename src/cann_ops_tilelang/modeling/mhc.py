@@ -57,7 +57,7 @@ from ..mhc._common import check_hc, check_hidden
 from ._buffers import grad_buffers, over_tokens, per_token, reduced
 
 __all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
-           "mhc_pre"]
+           "mhc_pre", "mhc_recompute_chunk"]
 
 M = limits.MHC_HC_MULT.low
 M3 = limits.MHC_MIX
@@ -116,19 +116,41 @@ def _flat_residual(op: str, residual: Tensor) -> tuple[Tensor, tuple[int, ...], 
     return residual.reshape(-1, m, hidden).contiguous(), lead, m, hidden
 
 
-def _check_params(op: str, hidden: int, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Optional[Tensor],
+def _check_params(op: str, residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Optional[Tensor],
                   rows: int, scales: int, bases: int, names: tuple[str, str, str] = ("fn", "scale", "base")) -> None:
-    """The parameters' kinds, dtypes and shapes; ``names``: the caller's names of ``fn``, ``scale``, ``base``."""
+    """The parameters' kinds, dtypes, shapes and device (the residual's); ``names``: the caller's names of ``fn``,
+    ``scale``, ``base``."""
     err = OpError(op)
-    k = M * hidden
+    k = M * residual.shape[-1]
     for arg, value, shape in ((names[0], fn, (rows, k)), (names[1], scale, (scales,)), (names[2], base, (bases,)),
                               ("norm_weight", norm_weight, (k,))):
         if value is None and arg == "norm_weight":
             continue
         if not isinstance(value, Tensor):
             raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
-        if value.dtype != torch.float32 or tuple(value.shape) != shape:
-            raise err.value(arg, f"expected an fp32 tensor of shape {shape}, got {value.dtype} {tuple(value.shape)}")
+        if value.dtype != torch.float32:
+            raise err.type(arg, f"expected torch.float32, got {value.dtype}")
+        if tuple(value.shape) != shape:
+            raise err.value(arg, f"expected shape {shape}, got {tuple(value.shape)}")
+        if value.device != residual.device:
+            raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
+
+
+def _check_hyper(op: str, residual: Tensor, eps: dict, n_splits: int, post_mult_value: Optional[float] = None,
+                 sinkhorn_repeat: Optional[int] = None) -> None:
+    """The scalars of :func:`mhc_pre` / :func:`mhc_head` under their public names, before any kernel runs (eager
+    only, as :func:`_flat_residual`'s ranges: traced, the ops check them)."""
+    if torch.compiler.is_compiling():
+        return
+    err = OpError(op)
+    for arg, value in eps.items():
+        check_float(err, arg, value, minimum=0.0)
+    limits.mhc_gemm_splits(M * residual.shape[-1]).check(err, "n_splits", check_int(err, "n_splits", n_splits))
+    if post_mult_value is not None:
+        check_float(err, "post_mult_value", post_mult_value, minimum=0.0, inclusive=False)
+    if sinkhorn_repeat is not None:
+        limits.MHC_SINKHORN_REPEAT.of(residual.device.type).check(
+            err, "sinkhorn_repeat", check_int(err, "sinkhorn_repeat", sinkhorn_repeat))
 
 
 # --- expand ------------------------------------------------------------------------------------------------
@@ -165,6 +187,8 @@ def expand_from_embedding(x: Tensor, hc_mult: int = M) -> Tensor:
         raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult}")
     if x.dim() < 1:
         raise err.value("x", "expected (*, H), got a 0-D tensor")
+    if x.dtype != torch.bfloat16:
+        raise err.type("x", f"expected torch.bfloat16, got {x.dtype}")
     out = _Expand.apply(x.reshape(-1, x.shape[-1]).contiguous())
     return out.view(*x.shape[:-1], M, x.shape[-1])
 
@@ -216,28 +240,41 @@ def _fn_grads(fn, norm_weight, d_fn_m, mains, tokens):
     return (None if main_fn is not None else reduced(fn_grad)), (None if main_nw is not None else reduced(nw_grad))
 
 
+def _pre_forward(residual, fn, scale, base, norm_weight, norm_eps, post_mult_value, pre_eps, sinkhorn_eps,
+                 sinkhorn_repeat, n_splits):
+    """The pre stage through the unfused primitives: ``(layer_input, post, comb, pre)`` and the intermediates
+    its backward needs ``(fn_m, out_mul, sqrsum, mixes, comb_logits)``."""
+    tokens, m, hidden = residual.shape
+    fn_m = _merged_fn(fn, norm_weight)
+    out_mul, sqrsum, mixes = _mixes_forward(residual, fn_m, norm_eps, n_splits)
+    pre, post, comb_logits = (per_token(mixes, n) for n in (m, m, m * m))
+    mhc_pre_split_mixes_forward(mixes, scale, base, pre, post, comb_logits, post_mult_value, pre_eps)
+    comb = per_token(mixes, m, m)
+    mhc_sinkhorn_forward(comb_logits.view(tokens, m, m), comb, sinkhorn_repeat, sinkhorn_eps)
+    layer_input = per_token(residual, hidden)
+    mhc_pre_apply_mix_forward(residual, pre, layer_input)
+    return (layer_input, post, comb, pre), (fn_m, out_mul, sqrsum, mixes, comb_logits)
+
+
 class _Pre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, fn, scale, base, norm_weight, norm_eps, post_mult_value, pre_eps, sinkhorn_eps,
                 sinkhorn_repeat, n_splits, mains):
-        tokens, m, hidden = residual.shape
-        fn_m = _merged_fn(fn, norm_weight)
-        out_mul, sqrsum, mixes = _mixes_forward(residual, fn_m, norm_eps, n_splits)
-        pre, post, comb_logits = (per_token(mixes, n) for n in (m, m, m * m))
-        mhc_pre_split_mixes_forward(mixes, scale, base, pre, post, comb_logits, post_mult_value, pre_eps)
-        comb = per_token(mixes, m, m)
-        mhc_sinkhorn_forward(comb_logits.view(tokens, m, m), comb, sinkhorn_repeat, sinkhorn_eps)
-        layer_input = per_token(residual, hidden)
-        mhc_pre_apply_mix_forward(residual, pre, layer_input)
+        (layer_input, post, comb, pre), (fn_m, out_mul, sqrsum, mixes, comb_logits) = _pre_forward(
+            residual, fn, scale, base, norm_weight, norm_eps, post_mult_value, pre_eps, sinkhorn_eps, sinkhorn_repeat,
+            n_splits)
         ctx.save_for_backward(residual, fn, fn_m, scale, base, norm_weight, out_mul, sqrsum, mixes, pre, post,
                               comb_logits)
         ctx.hyper = (norm_eps, post_mult_value, sinkhorn_eps, sinkhorn_repeat)
         ctx.mains = mains
+        # the pre mix, for activation recomputation (no gradient flows through this copy)
+        pre_out = pre.clone()
+        ctx.mark_non_differentiable(pre_out)
         # the residual again, as this node's output: the gradient mhc_post writes for it arrives here
-        return layer_input, post, comb, residual.view_as(residual)
+        return layer_input, post, comb, residual.view_as(residual), pre_out
 
     @staticmethod
-    def backward(ctx, d_layer_input, d_post, d_comb, d_residual_link):
+    def backward(ctx, d_layer_input, d_post, d_comb, d_residual_link, _d_pre_out):
         residual, fn, fn_m, scale, base, norm_weight, out_mul, sqrsum, mixes, pre, post, comb_logits = \
             ctx.saved_tensors
         norm_eps, post_mult_value, sinkhorn_eps, sinkhorn_repeat = ctx.hyper
@@ -265,7 +302,8 @@ class _Pre(torch.autograd.Function):
 
 def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_weight: Optional[Tensor] = None,
             norm_eps: float = 1e-6, post_mult_value: float = 2.0, pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6,
-            sinkhorn_repeat: int = 20, n_splits: int = 16, return_residual: bool = False):
+            sinkhorn_repeat: int = 20, n_splits: int = 16, return_residual: bool = False,
+            return_pre_mix: bool = False):
     """The pre stage of an mHC sublayer.
 
     Args:
@@ -280,21 +318,32 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
         n_splits: split-K count of the pre-norm GEMM (in [1, m*H/64]).
         return_residual: also return ``residual`` as an output of this node, to be passed to
             :func:`mhc_post` so that the residual gradient is accumulated in one buffer (module docstring).
+        return_pre_mix: also return the pre mix ``(*, m)`` fp32 (no gradient), what :func:`mhc_recompute_chunk`
+            needs to regenerate this layer's input.
 
     Returns:
-        ``(layer_input (*, H) bf16, (post_mix (*, m, 1) fp32, comb_mix (*, m, m) fp32))``, and the linked
-        residual ``(*, m, H)`` when ``return_residual``. With gradients enabled the unfused primitives run (their
-        backward needs their intermediates); without, ``mhc_pre_big_fuse`` gives bitwise the same results.
+        ``(layer_input (*, H) bf16, (post_mix (*, m, 1) fp32, comb_mix (*, m, m) fp32))``, then the linked
+        residual ``(*, m, H)`` when ``return_residual``, then ``pre_mix`` when ``return_pre_mix``. With gradients
+        enabled the unfused primitives run (their backward needs their intermediates); without,
+        ``mhc_pre_big_fuse`` (or the unfused forwards where the pre mix is asked for) gives bitwise the same results.
     """
     op = "modeling.mhc_pre"
     flat, lead, m, hidden = _flat_residual(op, residual)
-    _check_params(op, hidden, fn, scale, base, norm_weight, M3, 3, M3)
+    _check_params(op, residual, fn, scale, base, norm_weight, M3, 3, M3)
+    _check_hyper(op, residual, {"norm_eps": norm_eps, "pre_eps": pre_eps, "sinkhorn_eps": sinkhorn_eps}, n_splits,
+                 post_mult_value, sinkhorn_repeat)
     tensors = (residual, fn, scale, base) + (() if norm_weight is None else (norm_weight,))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         mains = tuple(_main_grad(p, op, name) for p, name in ((fn, "fn"), (scale, "scale"), (base, "base"),
                                                                 (norm_weight, "norm_weight")))
-        layer_input, post, comb, link = _Pre.apply(flat, fn, scale, base, norm_weight, norm_eps, post_mult_value,
-                                                   pre_eps, sinkhorn_eps, sinkhorn_repeat, n_splits, mains)
+        layer_input, post, comb, link, pre = _Pre.apply(flat, fn, scale, base, norm_weight, norm_eps,
+                                                        post_mult_value, pre_eps, sinkhorn_eps, sinkhorn_repeat,
+                                                        n_splits, mains)
+    elif return_pre_mix:  # the fused op does not write the pre mix
+        (layer_input, post, comb, pre), _ = _pre_forward(flat, fn, scale, base, norm_weight, norm_eps,
+                                                         post_mult_value, pre_eps, sinkhorn_eps, sinkhorn_repeat,
+                                                         n_splits)
+        link = flat
     else:
         tokens = flat.shape[0]
         fn_m = _merged_fn(fn, norm_weight)
@@ -305,7 +354,9 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
                          pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat, n_splits)
         link = flat
     result = (layer_input.view(*lead, hidden), (post.view(*lead, m, 1), comb.view(*lead, m, m)))
-    return (*result, link.view(residual.shape)) if return_residual else result
+    if return_residual:
+        result += (link.view(residual.shape),)
+    return result + (pre.view(*lead, m),) if return_pre_mix else result
 
 
 # --- post --------------------------------------------------------------------------------------------------
@@ -342,8 +393,13 @@ def mhc_post(layer_output: Tensor, residual: Tensor, post_mix: Tensor, comb_mix:
                                ("comb_mix", comb_mix, [lead + (m, m)])):
         if not isinstance(value, Tensor):
             raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+        dtype = torch.bfloat16 if arg == "layer_output" else torch.float32
+        if value.dtype != dtype:
+            raise err.type(arg, f"expected {dtype}, got {value.dtype}")
         if tuple(value.shape) not in shapes:
             raise err.value(arg, f"expected shape {' or '.join(map(str, shapes))}, got {tuple(value.shape)}")
+        if value.device != residual.device:
+            raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
     out = _Post.apply(layer_output.reshape(-1, hidden).contiguous(), flat, post_mix.reshape(-1, m).contiguous(),
                       comb_mix.reshape(-1, m, m).contiguous())
     return out.view(residual.shape)
@@ -416,7 +472,8 @@ def mhc_head(residual: Tensor, fn_head: Tensor, scale_head: Tensor, base_head: T
     op = "modeling.mhc_head"
     flat, lead, m, hidden = _flat_residual(op, residual)
     names = ("fn_head", "scale_head", "base_head")
-    _check_params(op, hidden, fn_head, scale_head, base_head, norm_weight, m, 1, m, names)
+    _check_params(op, residual, fn_head, scale_head, base_head, norm_weight, m, 1, m, names)
+    _check_hyper(op, residual, {"norm_eps": norm_eps, "pre_eps": pre_eps}, n_splits)
     mains = tuple(_main_grad(p, op, name) for p, name in zip((fn_head, scale_head, base_head, norm_weight),
                                                              names + ("norm_weight",)))
     out = _Head.apply(flat, fn_head, scale_head, base_head, norm_weight, norm_eps, pre_eps, n_splits, mains)
@@ -452,7 +509,8 @@ class MHCSublayer(nn.Module):
     ``y = sublayer(layer_input)``, ``mhc_post(y, residual, *mixes)``, with the residual gradient accumulated
     in the order of the module docstring.
 
-    Parameters (fp32): ``fn (M3, m*H)`` initialized ``N(0, 1e-4)`` (small: the mixes start from the biases),
+    Parameters (fp32): ``fn (M3, m*H)`` initialized normal with std ``1e-4`` (small: the mixes start from the
+    biases),
     ``scale (3,)`` ones, ``base (M3,)`` as :func:`_init_base` (a plain residual connection at start), and with
     ``norm_weight=True`` an RMSNorm weight ``(m*H,)`` of ones.
 
@@ -461,7 +519,9 @@ class MHCSublayer(nn.Module):
         sublayer: maps ``(*, H)`` bf16 to ``(*, H)`` bf16.
         hc_mult: ``m`` (4).
         norm_weight: keep an RMSNorm weight of the flattened residual.
-        post_mult_value, sinkhorn_repeat, eps, n_splits: as :func:`mhc_pre` (DeepSeek-V4 defaults).
+        post_mult_value, sinkhorn_repeat, eps, n_splits: as :func:`mhc_pre` (DeepSeek-V4 defaults; ``eps``
+            is its three epsilons).
+        device: where the parameters are created.
     """
 
     def __init__(self, hidden_size: int, sublayer: nn.Module, hc_mult: int = M, *, norm_weight: bool = False,
@@ -500,8 +560,15 @@ class MHCSublayer(nn.Module):
 class MHCHead(nn.Module):
     """The head's mix of the residual streams: ``forward(residual (*, m, H)) -> (*, H)`` (:func:`mhc_head`).
 
-    Parameters (fp32): ``fn (m, m*H)`` ``N(0, 1e-4)``, ``scale (1,)`` ones, ``base (m,)`` with
+    Parameters (fp32): ``fn (m, m*H)`` normal with std ``1e-4``, ``scale (1,)`` ones, ``base (m,)`` with
     ``sigmoid(base) = 1/m`` (the mean of the streams at start), optional ``norm_weight (m*H,)`` ones.
+
+    Args:
+        hidden_size: ``H`` (a multiple of 64 in [256, 8192]).
+        hc_mult: ``m`` (4).
+        norm_weight: keep an RMSNorm weight of the flattened residual.
+        eps: ``norm_eps`` and ``pre_eps`` of :func:`mhc_head`; n_splits: its split-K count.
+        device: where the parameters are created.
     """
 
     def __init__(self, hidden_size: int, hc_mult: int = M, *, norm_weight: bool = False, eps: float = 1e-6,
@@ -522,4 +589,56 @@ class MHCHead(nn.Module):
                         pre_eps=self.eps, n_splits=self.n_splits)
 
 
-mhc_multilayer_recompute = mhc_multilayer_recompute  # re-exported for users who checkpoint chunks of sublayers
+# --- activation recomputation -------------------------------------------------------------------------------
+
+
+def mhc_recompute_chunk(residual: Tensor, pre_mixes: list, layer_outputs: list, post_mixes: list,
+                        comb_mixes: list) -> tuple[list, list]:
+    """A chunk's layer inputs and residuals regenerated (activation recomputation) from the residual entering
+    it and the small tensors its forward kept, bitwise as :func:`mhc_pre` and :func:`mhc_post` computed them
+    (one ``mhc_multilayer_recompute`` pass; no gradient flows through it).
+
+    Args:
+        residual: ``(*, m, H)`` bf16, the residual entering the chunk's first sublayer.
+        pre_mixes: ``L`` tensors ``(*, m)`` fp32 (``mhc_pre(..., return_pre_mix=True)``), ``L`` in [1, 64].
+        layer_outputs: ``Lp`` tensors ``(*, H)`` bf16, the sublayers' outputs, ``Lp`` in ``{L - 1, L}`` (``L - 1``:
+            the last sublayer's post is left to the caller).
+        post_mixes: ``Lp`` tensors ``(*, m, 1)`` or ``(*, m)`` fp32; comb_mixes: ``Lp`` tensors ``(*, m, m)`` fp32.
+
+    Returns:
+        ``(layer_inputs, residuals)``: ``L`` tensors ``(*, H)`` bf16 and ``Lp`` tensors ``(*, m, H)`` bf16, the
+        residual after each post.
+    """
+    op = "modeling.mhc_recompute_chunk"
+    err = OpError(op)
+    flat, lead, m, hidden = _flat_residual(op, residual)
+    lists = {"pre_mixes": (pre_mixes, [lead + (m,)]), "layer_outputs": (layer_outputs, [lead + (hidden,)]),
+             "post_mixes": (post_mixes, [lead + (m, 1), lead + (m,)]), "comb_mixes": (comb_mixes, [lead + (m, m)])}
+    for arg, (items, shapes) in lists.items():
+        if not isinstance(items, (list, tuple)):
+            raise err.type(arg, f"expected a list of tensors, got {type(items).__name__}")
+        for index, item in enumerate(items):
+            if not isinstance(item, Tensor):
+                raise err.type(f"{arg}[{index}]", f"expected a torch.Tensor, got {type(item).__name__}")
+            if tuple(item.shape) not in shapes:
+                raise err.value(f"{arg}[{index}]", f"expected shape {' or '.join(map(str, shapes))}, got "
+                                                   f"{tuple(item.shape)}")
+    layers, kept = len(pre_mixes), len(layer_outputs)
+    if not limits.MHC_RECOMPUTE_LAYERS.low <= layers <= limits.MHC_RECOMPUTE_LAYERS.high:
+        raise err.value("pre_mixes", f"expected {limits.MHC_RECOMPUTE_LAYERS.describe()} tensors (one per sublayer), "
+                                     f"got {layers}")
+    if kept not in (layers - 1, layers) or len(post_mixes) != kept or len(comb_mixes) != kept:
+        raise err.value("layer_outputs", f"expected L - 1 or L = {layers} tensors, and as many post_mixes and "
+                                         f"comb_mixes, got {kept}, {len(post_mixes)}, {len(comb_mixes)}")
+    tokens = flat.shape[0]
+    inputs = [per_token(flat, hidden) for _ in range(layers)]
+    residuals = [torch.empty_like(flat) for _ in range(kept)]
+    with torch.no_grad():
+        mhc_multilayer_recompute(flat, [t.reshape(tokens, m).contiguous() for t in pre_mixes],
+                                 [t.reshape(tokens, hidden).contiguous() for t in layer_outputs],
+                                 [t.reshape(tokens, m).contiguous() for t in post_mixes],
+                                 [t.reshape(tokens, m, m).contiguous() for t in comb_mixes], inputs, residuals)
+    return [t.view(*lead, hidden) for t in inputs], [t.view(residual.shape) for t in residuals]
+
+
+mhc_multilayer_recompute = mhc_multilayer_recompute  # the op itself, re-exported (the (T, ...) shapes of the op)
