@@ -476,10 +476,17 @@ def test_deterministic_and_state_dict_round_trip(dtype, seed):
 
 
 def test_optimizer_checks_groups_again_at_step_and_leaves_state_alone_when_it_refuses():
-    """Hyper-parameters changed after construction (a scheduler, load_state_dict) are checked before any state
-    changes, and a table on a device without kernels gets no state from a refused step."""
-    p = torch.nn.Parameter(torch.randn(4, 64))
+    """Hyper-parameters changed after construction (a scheduler, load_state_dict) are checked, in every group,
+    before any table or state changes."""
+    q = torch.nn.Parameter(torch.randn(4, 64))
+    q.grad = torch.randn(4, 64)
+    q_before = q.detach().clone()
+    opt = EngramSinkhorn([{"params": [q]}, {"params": [p := torch.nn.Parameter(torch.randn(4, 64))]}])
     p.grad = torch.randn(4, 64)
+    opt.param_groups[1]["lr"] = -1.0  # the second group is bad: the first is not updated either
+    with pytest.raises(ValueError, match="EngramSinkhorn: lr must be"):
+        opt.step()
+    assert not opt.state and torch.equal(q.detach(), q_before)
     opt = EngramSinkhorn([p])
     before = p.detach().clone()
     for key, value in (("lr", -1.0), ("lr", 1e-40), ("alpha", 1e-40), ("weight_decay", -0.5)):
@@ -494,9 +501,10 @@ def test_optimizer_checks_groups_again_at_step_and_leaves_state_alone_when_it_re
     with pytest.raises(ValueError, match="EngramSinkhorn: lr must be"):
         opt.step()
     assert not opt.state and torch.equal(p.detach(), before)
-    for kwargs in (dict(lr=1e-40), dict(alpha=1e-40), dict(lr=1e30, weight_decay=1e30)):
+    for kwargs in (dict(lr=1e-40), dict(alpha=1e-40), dict(beta1=1e-40), dict(lr=1e30, weight_decay=1e30)):
         with pytest.raises(ValueError, match="EngramSinkhorn"):
             EngramSinkhorn([p], **kwargs)
+    assert EngramSinkhorn([p], weight_decay=1e-40).param_groups[0]["weight_decay"] == 1e-40  # no op takes it
 
 
 
@@ -517,6 +525,9 @@ def test_optimizer_registers_a_tables_state_only_after_its_update(monkeypatch):
     monkeypatch.undo()
     opt.step()
     assert float(opt.state[p]["step"]) == 1
+    buffer = opt.state[p]["momentum_buffer"]
+    opt.step()  # later steps update the registered buffer in place
+    assert opt.state[p]["momentum_buffer"] is buffer and float(opt.state[p]["step"]) == 2
 
 
 def test_beta1_and_its_alias_momentum():

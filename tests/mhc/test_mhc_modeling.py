@@ -240,8 +240,8 @@ def test_zero_tokens_forward_and_backward(device, lead, seed):
 @pytest.mark.parametrize("kept", ["all", "all but the last"])
 def test_recompute_chunk_from_the_modeling_api(device, kept, seed):
     """A chunk run forward without gradients, keeping the pre mixes (``return_pre_mix``), the mixes and the
-    sublayer outputs; ``mhc_recompute_chunk`` regenerates every layer input and residual bitwise, with any
-    leading dims. The pre mix asked for changes nothing else: the same bits as the fused path."""
+    sublayer outputs; ``mhc_recompute_chunk`` regenerates every layer input and residual bitwise, with leading
+    dims (2, 11). The pre mix asked for changes nothing else: the same bits as the fused path."""
     layers = 3
     blocks = [modeling.MHCSublayer(H, Sublayer(H, seed + i, device), device=device) for i in range(layers)]
     residual = residual_of(2 * 11, H, seed, device).view(2, 11, M, H)

@@ -92,16 +92,17 @@ class EngramSinkhorn(torch.optim.Optimizer):
         alpha: norm of every update row; ``None``: ``sqrt(D)``.
         weight_decay: decoupled weight decay (``W *= 1 - lr * weight_decay`` before the update).
 
-    ``lr``, ``alpha``, ``weight_decay`` and ``1 - lr * weight_decay`` must be finite in fp32 and zero or at least
-    its smallest normal number (as the ops take them). Every group is checked when added and again at every
-    ``step()`` (a scheduler's or ``load_state_dict``'s values too), before any state changes.
+    ``lr``, ``beta1``, ``alpha`` and ``1 - lr * weight_decay`` must be finite in fp32 and zero or at least its
+    smallest normal number (as the ops take them); ``weight_decay`` finite. Every group is checked when added, and
+    all of them again at every ``step()`` (a scheduler's or ``load_state_dict``'s values too) before any table or
+    state changes.
 
     State per table: ``momentum_buffer`` (the table's dtype and shape) and ``step``; ``state_dict()`` /
     ``load_state_dict()`` restore them exactly, so a resumed run repeats the updates bit for bit.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, beta1: float | None = None, nesterov: bool = True,
-                 sinkhorn_iters: int = 5, eps: float = 1e-8, alpha: float | None = None,
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, beta1: float | None = None,
+                 nesterov: bool = True, sinkhorn_iters: int = 5, eps: float = 1e-8, alpha: float | None = None,
                  weight_decay: float = 0.0, *, momentum: float | None = None):
         if beta1 is not None and momentum is not None and beta1 != momentum:
             raise ValueError(f"EngramSinkhorn: beta1 {beta1!r} and its alias momentum {momentum!r} both given")
@@ -114,16 +115,18 @@ class EngramSinkhorn(torch.optim.Optimizer):
     @staticmethod
     def _check_hyper(group: dict[str, Any]) -> None:
         """The hyper-parameters of a group (the constructor's defaults or a group's own values)."""
-        def number(value: Any) -> bool:  # a real number as the ops take it: finite in fp32, zero or normal there
+        def number(value: Any, op_takes: bool = True) -> bool:
+            # a real number finite in fp32; one an op takes also zero or at least fp32's smallest normal number
             return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32.max \
-                and (value == 0 or abs(value) >= _FP32.tiny)
+                and (not op_takes or value == 0 or abs(value) >= _FP32.tiny)
 
         lr, beta1, iters, eps = group["lr"], group["beta1"], group["sinkhorn_iters"], group["eps"]
         alpha, weight_decay = group["alpha"], group["weight_decay"]
         if not (number(lr) and lr >= 0.0):
-            raise ValueError(f"EngramSinkhorn: lr must be a finite number >= 0, got {lr!r}")
+            raise ValueError(f"EngramSinkhorn: lr must be 0 or a finite number >= 1.18e-38 (fp32's smallest normal), "
+                             f"got {lr!r}")
         if not (number(beta1) and 0.0 <= beta1 <= 1.0):
-            raise ValueError(f"EngramSinkhorn: beta1 must be in [0, 1], got {beta1!r}")
+            raise ValueError(f"EngramSinkhorn: beta1 must be 0 or in [1.18e-38, 1], got {beta1!r}")
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"EngramSinkhorn: nesterov must be a bool, got {type(group['nesterov']).__name__}")
         if isinstance(iters, bool) or not isinstance(iters, int):
@@ -133,8 +136,9 @@ class EngramSinkhorn(torch.optim.Optimizer):
         if not (number(eps) and _FP32.tiny <= eps < 1.0):
             raise ValueError(f"EngramSinkhorn: eps must be in [1.2e-38, 1), got {eps!r}")
         if alpha is not None and not (number(alpha) and alpha > 0):
-            raise ValueError(f"EngramSinkhorn: alpha must be None or a finite number > 0, got {alpha!r}")
-        if not (number(weight_decay) and weight_decay >= 0.0):
+            raise ValueError(f"EngramSinkhorn: alpha must be None or a finite number >= 1.18e-38 (fp32's smallest "
+                             f"normal), got {alpha!r}")
+        if not (number(weight_decay, op_takes=False) and weight_decay >= 0.0):
             raise ValueError(f"EngramSinkhorn: weight_decay must be a finite number >= 0, got {weight_decay!r}")
         if not number(1.0 - lr * weight_decay):
             raise ValueError(f"EngramSinkhorn: the decay 1 - lr * weight_decay must be finite in fp32 and zero or "
@@ -184,8 +188,9 @@ class EngramSinkhorn(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # changed since added (a scheduler, load_state_dict): all checked first
+            self._check_hyper(group)
         for group in self.param_groups:
-            self._check_hyper(group)  # changed since added (a scheduler, load_state_dict): checked before any update
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
@@ -198,8 +203,9 @@ class EngramSinkhorn(torch.optim.Optimizer):
                 # a new table's state is registered once its first update went through (a refused call, e.g.
                 # a table on a device without kernels, leaves the state as it was)
                 state = self.state.get(p)
-                buffer = state.get("momentum_buffer") if state else None
-                if buffer is None:
+                fresh = state is None or "momentum_buffer" not in state
+                buffer = None if fresh else state["momentum_buffer"]
+                if fresh:
                     buffer = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 rows, cols = p.shape
                 if rows > 0:
@@ -210,9 +216,9 @@ class EngramSinkhorn(torch.optim.Optimizer):
                     # W <- W * (1 - lr * wd) - lr * U inside the op: no float arithmetic left to PyTorch/inductor
                     engram_sinkhorn_finalize_apply(sinkhorn_input, row_scale, col_scale, group["eps"], alpha, p,
                                                    lr, 1.0 - lr * wd)
-                if not state:
+                if fresh:
                     state = self.state[p]
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state.setdefault("step", torch.zeros((), dtype=torch.float32))
                     state["momentum_buffer"] = buffer
                 state["step"] += 1
         return loss
