@@ -276,6 +276,10 @@ def test_recompute_chunk_from_the_modeling_api(device, kept, seed):
         ((residual, pres, outputs, posts, combs[:2] + [combs[2].view(22, M, M)]), ValueError,
          r"'comb_mixes\[2\]': expected shape \(2, 11, 4, 4\)"),
         ((residual, pres[0], outputs, posts, combs), TypeError, "'pre_mixes': expected a list of tensors"),
+        ((residual, pres[:2] + [pres[2].double()], outputs, posts, combs), TypeError,
+         r"'pre_mixes\[2\]': expected torch.float32, got torch.float64"),
+        ((residual, pres, [outputs[0].to("meta")] + outputs[1:], posts, combs), ValueError,
+         rf"'layer_outputs\[0\]': expected a tensor on {device}"),
     ]:
         with pytest.raises(exc, match=f"modeling.mhc_recompute_chunk: argument {match}"):
             modeling.mhc_recompute_chunk(*args)

@@ -620,9 +620,15 @@ def mhc_recompute_chunk(residual: Tensor, pre_mixes: list, layer_outputs: list, 
         for index, item in enumerate(items):
             if not isinstance(item, Tensor):
                 raise err.type(f"{arg}[{index}]", f"expected a torch.Tensor, got {type(item).__name__}")
+            dtype = torch.bfloat16 if arg == "layer_outputs" else torch.float32
+            if item.dtype != dtype:
+                raise err.type(f"{arg}[{index}]", f"expected {dtype}, got {item.dtype}")
             if tuple(item.shape) not in shapes:
                 raise err.value(f"{arg}[{index}]", f"expected shape {' or '.join(map(str, shapes))}, got "
                                                    f"{tuple(item.shape)}")
+            if item.device != residual.device:
+                raise err.value(f"{arg}[{index}]", f"expected a tensor on {residual.device} (the residual's), got "
+                                                   f"{item.device}")
     layers, kept = len(pre_mixes), len(layer_outputs)
     if not limits.MHC_RECOMPUTE_LAYERS.low <= layers <= limits.MHC_RECOMPUTE_LAYERS.high:
         raise err.value("pre_mixes", f"expected {limits.MHC_RECOMPUTE_LAYERS.describe()} tensors (one per sublayer), "
