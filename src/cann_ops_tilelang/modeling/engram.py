@@ -248,12 +248,10 @@ class Engram(nn.Module):
                                            f"{tuple(getattr(multipliers, 'shape', ()))}")
         if multipliers.dtype != torch.int64:
             raise err.type("multipliers", f"expected int64, got {multipliers.dtype}")
-        if not isinstance(token_ids, Tensor):
-            raise err.type("token_ids", f"expected a torch.Tensor, got {type(token_ids).__name__}")
+        windows = ngram_token_ids(token_ids, self.max_ngram_size, pad_id)  # checks token_ids and pad_id
         if multipliers.device != token_ids.device:
             raise err.value("multipliers", f"expected a tensor on {token_ids.device} (token_ids'), got "
                                            f"{multipliers.device}")
-        windows = ngram_token_ids(token_ids, self.max_ngram_size, pad_id)
         lead = windows.shape[:-1]
         sizes = torch.tensor(self.table_sizes, dtype=torch.int32, device=token_ids.device)
         rows = hash_op(windows.reshape(-1, self.max_ngram_size).to(torch.int32).contiguous(),

@@ -117,6 +117,8 @@ class EngramSinkhorn(torch.optim.Optimizer):
         """The hyper-parameters of a group (the constructor's defaults or a group's own values)."""
         def number(value: Any, op_takes: bool = True) -> bool:
             # a real number finite in fp32; one an op takes also zero or at least fp32's smallest normal number
+            # (check_float's rule, written traceably: step() runs it under torch.compile, check_float's
+            # struct packing does not trace)
             return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32.max \
                 and (not op_takes or value == 0 or abs(value) >= _FP32.tiny)
 
@@ -204,9 +206,8 @@ class EngramSinkhorn(torch.optim.Optimizer):
                 # a table on a device without kernels, leaves the state as it was)
                 state = self.state.get(p)
                 fresh = state is None or "momentum_buffer" not in state
-                buffer = None if fresh else state["momentum_buffer"]
-                if fresh:
-                    buffer = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                buffer = torch.zeros_like(p, memory_format=torch.contiguous_format) if fresh \
+                    else state["momentum_buffer"]
                 rows, cols = p.shape
                 if rows > 0:
                     sinkhorn_input = engram_sinkhorn_momentum_update(grad.contiguous().to(p.dtype), buffer,
