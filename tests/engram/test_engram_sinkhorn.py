@@ -598,13 +598,15 @@ def test_cuda_compiles_other_widths_and_mixed_dtypes():
     assert all(f in reduce_src for f in ("__fmul_rn", "__fsqrt_rn", "__fadd_rn", "__fdiv_rn"))
     apply_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_finalize_apply(64, "bfloat16"), arch="sm_90a").source
     assert "__fsub_rn(__fmul_rn(" in apply_src
-    # the momentum update: PLAN.elems (4) elements per thread, one vector per buffer in the main pass (16 bytes of
-    # fp32, 8 of bf16), a masked element-wise tail
-    assert cu.PLAN.elems == 4
-    for dtype, vector in (("float32", "*(float4*)"), ("bfloat16", "*(uint2*)")):
-        mom_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_momentum_update(dtype, dtype, True),
-                                           arch="sm_90a").source
-        assert vector in mom_src and "< numel" in mom_src
+    # the momentum update at both plans: 4-element vectors per buffer in the main pass (16 bytes of fp32, 8 of
+    # bf16), a masked element-wise tail; the small tables' plan below its threshold, the large one from it on
+    assert cu.momentum_plan(cu.PLAN.momentum_small_numel - 1) == cu.PLAN.momentum_small
+    assert cu.momentum_plan(cu.PLAN.momentum_small_numel) == cu.PLAN.momentum_large
+    for plan in (cu.PLAN.momentum_small, cu.PLAN.momentum_large):
+        for dtype, vector in (("float32", "*(float4*)"), ("bfloat16", "*(uint2*)")):
+            mom_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_momentum_update(dtype, dtype, True, *plan),
+                                               arch="sm_90a").source
+            assert vector in mom_src and "< numel" in mom_src and "== (numel >> 2)" in mom_src
 
 
 @pytest.mark.parametrize("cols", [64, 128, 192, 256, 512])
@@ -658,7 +660,7 @@ DEVICE_SHAPES = [(0, 64), (1, 64), (509, 64), (8001, 128), (100001, 64), (4097, 
 @pytest.mark.parametrize("gdt", [BF16, F32])
 @pytest.mark.parametrize("mdt", [BF16, F32])
 @pytest.mark.parametrize("nesterov", [False, True])
-@pytest.mark.parametrize("numel", [0, 5, 256, 1001 * 256 + 7, 100001 * 512 + 131])
+@pytest.mark.parametrize("numel", [0, 5, 256, 1001 * 256 + 7, (1 << 22) - 3, 100001 * 512 + 131])
 def test_device_momentum_bitwise(gdt, mdt, nesterov, numel, device, seed):
     g = torch.randn(numel, generator=gen(seed)).to(gdt)
     m = torch.randn(numel, generator=gen(seed + 1)).to(mdt)

@@ -3,9 +3,10 @@
 All four stream their data once in vectors (16 bytes; 8 for the momentum update's bf16 buffers) and are
 memory-bound at the optimizer's table sizes:
 
-* momentum update: one thread per 4 consecutive elements of the flat buffers (one 16-byte fp32 vector, an
-  8-byte bf16 one), 1024 elements per CTA; the thread holding the last ``N % 4`` elements takes them one by
-  one (a masked tail: any element count). The products and sums are rounded one by one
+* momentum update: vectors of 4 consecutive elements of the flat buffers (one 16-byte fp32 vector, an
+  8-byte bf16 one); a thread takes :func:`momentum_plan`'s vectors, ``threads`` apart (every load instruction
+  of a warp coalesced); the thread holding the last ``N % 4`` elements takes them one by one (a masked tail:
+  any element count). The products and sums are rounded one by one
   (``__fmul_rn``/``__fadd_rn``) so that the result is the reference's, bit for bit, whatever nvcc would
   contract.
 * step: :data:`PLAN.ctas` CTAs (four per H200 SM), each owning a contiguous row range and writing one row of
@@ -55,6 +56,7 @@ __all__ = [
     "get_engram_sinkhorn_step_kernel",
     "get_engram_sinkhorn_step_reduce_kernel",
     "lowering_cases",
+    "momentum_plan",
     "row_layout",
     "rows_in_flight",
     "step_slots",
@@ -66,8 +68,9 @@ class Plan:
     """Schedule of the Sinkhorn kernels. 256-thread CTAs; four step CTAs per SM (the most that 64 registers
     allow) keep 1024 threads with two iterations of four 16-byte row copies each in flight while they reduce
     a third (three 16 KiB slots per CTA where D <= 512 is a power of two or 192 / 384; two slots otherwise). The
-    momentum update takes 4 elements per thread, the fastest count measured at fp32 and bf16
-    (docs/perf/h200/engram.md, 2026-12-02 (night) — Sinkhorn momentum update: elements per thread)."""
+    momentum update takes one 4-element vector per thread from :data:`momentum_small_numel` elements on (the
+    fastest count at fp32 and bf16, docs/perf/h200/engram.md, 2026-12-02 (night)), four per 128-thread CTA
+    below it (docs/perf/h100/engram.md, 2026-12-05 (session 7))."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
@@ -75,7 +78,10 @@ class Plan:
     # NOTE 3 slots over 2: 9 % faster at R = 10^6, D = 128 (docs/perf/h200/engram.md)
     step_slots: int = 3  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
     step_staging: int = 48 << 10  # bytes of step staging per CTA at most (fewer slots, not fewer than 2, above)
-    elems: int = 4  # momentum elements per thread
+    # NOTE tuned at N = 256256 and 2560256 (4 x 128: 1.5-7 % faster) and 51.2e6 / 64e6 (1 x 256: up to 0.8 % faster)
+    momentum_small: tuple[int, int] = (4, 128)  # (vectors per thread, threads) below momentum_small_numel
+    momentum_large: tuple[int, int] = (1, 256)  # the same from momentum_small_numel elements on
+    momentum_small_numel: int = 1 << 22
     reduce_cols: int = 8  # step-reduce columns per CTA (32 CTAs at D = 256): 32-byte row pieces
     reduce_chunk: int = 512  # partial rows staged at once (16 KiB): one chunk for the 528 partials and a tail
     reduce_unroll: int = 8  # staged rows read ahead of the sequential additions (step reduce)
@@ -112,21 +118,33 @@ def step_slots(cols: int) -> int:
 # ---- momentum update ---------------------------------------------------------------------------------------
 
 
+def momentum_plan(numel: int) -> tuple[int, int]:
+    """``(vectors per thread, threads per CTA)`` of the momentum update of ``numel`` elements."""
+    return PLAN.momentum_small if numel < PLAN.momentum_small_numel else PLAN.momentum_large
+
+
 def engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov) -> tuple:
-    """``(grad dtype, momentum dtype, nesterov)``; the element count is dynamic."""
-    return (_DTYPES[grad.dtype], _DTYPES[momentum_buffer.dtype], bool(nesterov))
+    """``(grad dtype, momentum dtype, nesterov, vectors per thread, threads)``; the element count is dynamic
+    (its size class picks the plan)."""
+    return (_DTYPES[grad.dtype], _DTYPES[momentum_buffer.dtype], bool(nesterov)) + momentum_plan(grad.numel())
 
 
-def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool):
+def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool, vectors: int = 1,
+                                          threads: int = 256):
     """prim_func(grad (N,), momentum_buffer (N,) in/out, out (N,) f32, beta1 f32, one_minus_beta1 f32), ``N``
-    dynamic (any element count)."""
+    dynamic (any element count); ``vectors`` 4-element vectors per thread of ``threads``-thread CTAs."""
     from tilelang import language as T
 
-    f32 = T.float32
-    vec, threads = PLAN.elems, PLAN.threads
-    # a thread's elements start at vec * i: whole vectors while in range, the last N % vec one by one (the
-    # masked tail)
+    f32, vec = T.float32, 4
     numel = T.dynamic("numel")
+
+    @T.macro
+    def update(m, g, v, beta1, one_minus_beta1):  # m = m * beta1 + g * (1 - beta1); the output into g
+        m[v] = T.ieee_add(T.ieee_mul(m[v], beta1), T.ieee_mul(g[v], one_minus_beta1))
+        if nesterov:  # the update once more
+            g[v] = T.ieee_add(T.ieee_mul(m[v], beta1), T.ieee_mul(g[v], one_minus_beta1))
+        else:
+            g[v] = m[v]
 
     @T.prim_func
     def engram_sinkhorn_momentum_update_cuda(
@@ -136,38 +154,35 @@ def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, 
         beta1: f32,
         one_minus_beta1: f32,
     ):
-        with T.Kernel(T.ceildiv(numel, threads * vec), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(numel, threads * vectors * vec), threads=threads) as bx:
             tid = T.get_thread_binding()
-            i = bx * threads + tid
-            g = T.alloc_local((vec,), f32)
-            m = T.alloc_local((vec,), f32)
-            u = T.alloc_local((vec,), f32)
-            if i < numel // vec:  # (compared in vectors: no int32 overflow up to 2^31 - 1 elements)
-                for v in T.vectorized(vec):
-                    g[v] = T.cast(grad[i * vec + v], f32)
-                for v in T.vectorized(vec):
-                    m[v] = T.cast(momentum_buffer[i * vec + v], f32)
-                for v in T.unroll(vec):
-                    m[v] = T.ieee_add(T.ieee_mul(m[v], beta1), T.ieee_mul(g[v], one_minus_beta1))
-                    if nesterov:
-                        u[v] = T.ieee_add(T.ieee_mul(m[v], beta1), T.ieee_mul(g[v], one_minus_beta1))
-                    else:
-                        u[v] = m[v]
-                for v in T.vectorized(vec):
-                    momentum_buffer[i * vec + v] = T.cast(m[v], momentum_dtype)
-                for v in T.vectorized(vec):
-                    out[i * vec + v] = u[v]
-            elif i == numel // vec:  # the masked tail: N % vec elements, one by one
-                for v in T.serial(vec):
-                    if i * vec + v < numel:
-                        gs = T.cast(grad[i * vec + v], f32)
-                        ms = T.ieee_add(T.ieee_mul(T.cast(momentum_buffer[i * vec + v], f32), beta1),
-                                        T.ieee_mul(gs, one_minus_beta1))
-                        momentum_buffer[i * vec + v] = T.cast(ms, momentum_dtype)
-                        if nesterov:
-                            out[i * vec + v] = T.ieee_add(T.ieee_mul(ms, beta1), T.ieee_mul(gs, one_minus_beta1))
-                        else:
-                            out[i * vec + v] = ms
+            g = T.alloc_local((vectors * vec,), f32)
+            m = T.alloc_local((vectors * vec,), f32)
+            # vector j of the thread: index (bx * vectors + j) * threads + tid, compared in vectors (no int32
+            # overflow up to 2^31 - 1 elements); every load issued before the first update
+            for j in T.unroll(vectors):
+                if (bx * vectors + j) * threads + tid < numel // vec:
+                    for v in T.vectorized(vec):
+                        g[j * vec + v] = T.cast(grad[((bx * vectors + j) * threads + tid) * vec + v], f32)
+                    for v in T.vectorized(vec):
+                        m[j * vec + v] = T.cast(momentum_buffer[((bx * vectors + j) * threads + tid) * vec + v], f32)
+            for j in T.unroll(vectors):
+                i = (bx * vectors + j) * threads + tid
+                if i < numel // vec:
+                    for v in T.unroll(vec):
+                        update(m, g, j * vec + v, beta1, one_minus_beta1)
+                    for v in T.vectorized(vec):
+                        momentum_buffer[i * vec + v] = T.cast(m[j * vec + v], momentum_dtype)
+                    for v in T.vectorized(vec):
+                        out[i * vec + v] = g[j * vec + v]
+                elif i == numel // vec:  # the masked tail: N % vec elements, one by one
+                    for v in T.serial(vec):
+                        if i * vec + v < numel:
+                            g[0] = T.cast(grad[i * vec + v], f32)
+                            m[0] = T.cast(momentum_buffer[i * vec + v], f32)
+                            update(m, g, 0, beta1, one_minus_beta1)
+                            momentum_buffer[i * vec + v] = T.cast(m[0], momentum_dtype)
+                            out[i * vec + v] = g[0]
 
     return engram_sinkhorn_momentum_update_cuda
 
@@ -590,13 +605,14 @@ def engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha, out=None,
 
 def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     """The kernels at the optimizer's table widths (independent of ``hidden_size``): momentum for bf16/fp32
-    buffers with and without Nesterov, step, reduce and finalize at D = 64 and 128, the finalize's apply
-    variant for a bf16 table at D = 64 and an fp32 one at D = 128 (the other widths and the mixed dtypes are
-    lowered once by tests/engram/test_engram_sinkhorn.py)."""
+    buffers with and without Nesterov (each at both plans), step, reduce and finalize at D = 64 and 128, the
+    finalize's apply variant for a bf16 table at D = 64 and an fp32 one at D = 128 (the other widths and the
+    mixed dtypes are lowered once by tests/engram/test_engram_sinkhorn.py)."""
     cases = {}
     for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
         name = f"engram_sinkhorn_momentum_update_{'bf16' if m == 'bfloat16' else 'fp32'}_{'nesterov' if nesterov else 'plain'}"
-        cases[name] = build_engram_sinkhorn_momentum_update(g, m, nesterov)
+        cases[name] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_large)
+        cases[f"{name}_small"] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_small)
     for cols in (64, 128):
         cases[f"engram_sinkhorn_step_d{cols}"] = build_engram_sinkhorn_step(cols)
         cases[f"engram_sinkhorn_step_reduce_d{cols}"] = build_engram_sinkhorn_step_reduce(cols)
