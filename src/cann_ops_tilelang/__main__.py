@@ -1,6 +1,6 @@
 """``python -m cann_ops_tilelang``: versions, devices and registered ops, then a demonstration.
 
-With a CUDA GPU or an Ascend NPU it runs every Engram op once at a model shape and trains a small model
+With a CUDA GPU or an Ascend NPU it runs the Engram gate's ops once at a model shape and trains a small model
 (mHC sublayers, an Engram gate, the mHC head) for a few steps, eager and compiled, with timings. Without one
 (or with ``--lower``) it
 instead lowers every kernel for both targets (AscendC source for Ascend 950, checked against the UB
@@ -299,7 +299,7 @@ def _run_on_device(device: str, tokens: int, hidden_size: int, steps: int) -> No
 
     x, kv = randn(tokens, m, hidden_size), randn(tokens, m + 1, hidden_size)
     wh, we = randn(m, hidden_size), randn(m, hidden_size)
-    print(f"every Engram op once at T={tokens}, m={m}, H={hidden_size} (first call compiles):")
+    print(f"the Engram gate's ops once at T={tokens}, m={m}, H={hidden_size} (first call compiles):")
     wf = ops.engram_fused_weight(wh, we)
     out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6)
     gx, gkv, part = ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, 1e-6)

@@ -400,6 +400,14 @@ def test_modeling_api_errors_name_the_argument():
             modeling.mhc_post(*args)
     with pytest.raises(TypeError, match=r"modeling.expand_from_embedding: argument 'x': expected torch.bfloat16"):
         modeling.expand_from_embedding(li.float())
+    # the hidden size and hc_mult checked under the function's own name, before the primitive
+    with pytest.raises(ValueError, match=r"modeling.expand_from_embedding: argument 'x': expected a hidden size"):
+        modeling.expand_from_embedding(li[..., :100])
+    with pytest.raises(TypeError, match=r"modeling.expand_from_embedding: argument 'hc_mult': expected an int, "
+                                        r"got str"):
+        modeling.expand_from_embedding(li, hc_mult="4")
+    with pytest.raises(ValueError, match=r"modeling.expand_from_embedding: argument 'hc_mult': expected hc_mult 4"):
+        modeling.expand_from_embedding(li, hc_mult=3)
 
 
 @pytest.mark.parametrize("bad,exc,match", [
@@ -444,4 +452,8 @@ def test_modules_check_their_arguments_and_inputs():
     head.base.main_grad = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'base_head.main_grad': expected a contiguous "
                                          r"fp32 buffer .* got torch.bfloat16 \(4,\) on cpu"):
+        head(residual)
+    head.base.main_grad = [0.0] * 4  # a wrong kind of thing: a TypeError, as for the Engram gate
+    with pytest.raises(TypeError, match=r"modeling.mhc_head: argument 'base_head.main_grad': expected a "
+                                        r"torch.Tensor, got list"):
         head(residual)

@@ -73,11 +73,12 @@ def _main_grad(param: Optional[Tensor], op: str, arg: str) -> Optional[Tensor]:
     buffer = getattr(param, "main_grad", None)
     if buffer is None:
         return None
-    if not isinstance(buffer, Tensor) or buffer.dtype != torch.float32 or buffer.shape != param.shape \
-            or buffer.device != param.device or not buffer.is_contiguous():
-        got = (f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
-               + ("" if buffer.is_contiguous() else ", not contiguous")) if isinstance(buffer, Tensor) \
-            else type(buffer).__name__
+    if not isinstance(buffer, Tensor):
+        raise OpError(op).type(f"{arg}.main_grad", f"expected a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dtype != torch.float32 or buffer.shape != param.shape or buffer.device != param.device \
+            or not buffer.is_contiguous():
+        got = f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}" + (
+            "" if buffer.is_contiguous() else ", not contiguous")
         raise OpError(op).value(f"{arg}.main_grad", f"expected a contiguous fp32 buffer of the parameter's shape "
                                                     f"{tuple(param.shape)} on {param.device}, got {got}")
     return buffer
@@ -183,12 +184,13 @@ def expand_from_embedding(x: Tensor, hc_mult: int = M) -> Tensor:
     err = OpError("modeling.expand_from_embedding")
     if not isinstance(x, Tensor):
         raise err.type("x", f"expected a torch.Tensor, got {type(x).__name__}")
-    if hc_mult not in limits.MHC_HC_MULT:
-        raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult}")
+    check_hc(err, "hc_mult", check_int(err, "hc_mult", hc_mult))
     if x.dim() < 1:
         raise err.value("x", "expected (*, H), got a 0-D tensor")
     if x.dtype != torch.bfloat16:
         raise err.type("x", f"expected torch.bfloat16, got {x.dtype}")
+    if not torch.compiler.is_compiling():  # traced: the op checks it (Dynamo cannot trace the ranges)
+        check_hidden(err, "x", x.shape[-1])
     out = _Expand.apply(x.reshape(-1, x.shape[-1]).contiguous())
     return out.view(*x.shape[:-1], M, x.shape[-1])
 

@@ -81,7 +81,8 @@ class EngramSinkhorn(torch.optim.Optimizer):
     Args:
         params: ``(R, D)`` tables (or param groups), contiguous, bf16 or fp32, ``D`` in
             ``limits.ENGRAM_SINKHORN_COLS`` (64..1024, multiples of 64), any row count.
-            Dense gradients of the table's dtype. On CUDA or Ascend devices (the ops have no CPU kernels).
+            Dense floating-point gradients (another dtype than the table's is cast to it first). On CUDA or
+            Ascend devices (the ops have no CPU kernels).
         lr: learning rate (the update has entries of RMS ``alpha / sqrt(D)``, 1 by default).
         beta1: momentum decay in [0, 1], 0.9 when not given (``momentum`` is accepted as an alias; giving both
             with different values is an error).
