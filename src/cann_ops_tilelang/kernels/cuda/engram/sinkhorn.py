@@ -70,7 +70,7 @@ class Plan:
     a third (three 16 KiB slots per CTA where D <= 512 is a power of two or 192 / 384; two slots otherwise). The
     momentum update takes one 4-element vector per thread from :data:`momentum_small_numel` elements on (the
     fastest count at fp32 and bf16, docs/perf/h200/engram.md, 2026-12-02 (night)), four per 128-thread CTA
-    below it (docs/perf/h100/engram.md, 2026-12-05 (session 7))."""
+    below it (docs/perf/h100/engram.md, 2026-12-05 (night))."""
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
@@ -129,8 +129,8 @@ def engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov) -> tupl
     return (_DTYPES[grad.dtype], _DTYPES[momentum_buffer.dtype], bool(nesterov)) + momentum_plan(grad.numel())
 
 
-def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool, vectors: int = 1,
-                                          threads: int = 256):
+def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool,
+                                          vectors: int = PLAN.momentum_large[0], threads: int = PLAN.momentum_large[1]):
     """prim_func(grad (N,), momentum_buffer (N,) in/out, out (N,) f32, beta1 f32, one_minus_beta1 f32), ``N``
     dynamic (any element count); ``vectors`` 4-element vectors per thread of ``threads``-thread CTAs."""
     from tilelang import language as T
