@@ -100,6 +100,20 @@ def _check_hidden_size(op: str, residual: Tensor, hidden_size: int) -> None:
                                             f"shape {tuple(residual.shape)}")
 
 
+def _check_tensor(err: OpError, arg: str, value: object, dtype: torch.dtype, shapes: list[tuple[int, ...]],
+                  residual: Tensor) -> None:
+    """A tensor argument of the modeling API: its kind, ``dtype``, one of ``shapes`` and the residual's device
+    (any strides: the callers make their views contiguous)."""
+    if not isinstance(value, Tensor):
+        raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise err.type(arg, f"expected {dtype}, got {value.dtype}")
+    if tuple(value.shape) not in shapes:
+        raise err.value(arg, f"expected shape {' or '.join(map(str, shapes))}, got {tuple(value.shape)}")
+    if value.device != residual.device:
+        raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
+
+
 def _flat_residual(op: str, residual: Tensor) -> tuple[Tensor, tuple[int, ...], int, int]:
     """``residual (*, m, H)`` bf16 viewed ``(T, m, H)`` contiguous, with ``(*)``, ``m`` and ``H``."""
     err = OpError(op)
@@ -393,15 +407,7 @@ def mhc_post(layer_output: Tensor, residual: Tensor, post_mix: Tensor, comb_mix:
     for arg, value, shapes in (("layer_output", layer_output, [lead + (hidden,)]),
                                ("post_mix", post_mix, [lead + (m, 1), lead + (m,)]),
                                ("comb_mix", comb_mix, [lead + (m, m)])):
-        if not isinstance(value, Tensor):
-            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
-        dtype = torch.bfloat16 if arg == "layer_output" else torch.float32
-        if value.dtype != dtype:
-            raise err.type(arg, f"expected {dtype}, got {value.dtype}")
-        if tuple(value.shape) not in shapes:
-            raise err.value(arg, f"expected shape {' or '.join(map(str, shapes))}, got {tuple(value.shape)}")
-        if value.device != residual.device:
-            raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
+        _check_tensor(err, arg, value, torch.bfloat16 if arg == "layer_output" else torch.float32, shapes, residual)
     out = _Post.apply(layer_output.reshape(-1, hidden).contiguous(), flat, post_mix.reshape(-1, m).contiguous(),
                       comb_mix.reshape(-1, m, m).contiguous())
     return out.view(residual.shape)
@@ -512,9 +518,8 @@ class MHCSublayer(nn.Module):
     in the order of the module docstring.
 
     Parameters (fp32): ``fn (M3, m*H)`` initialized normal with std ``1e-4`` (small: the mixes start from the
-    biases),
-    ``scale (3,)`` ones, ``base (M3,)`` as :func:`_init_base` (a plain residual connection at start), and with
-    ``norm_weight=True`` an RMSNorm weight ``(m*H,)`` of ones.
+    biases), ``scale (3,)`` ones, ``base (M3,)`` as :func:`_init_base` (a plain residual connection at start),
+    and with ``norm_weight=True`` an RMSNorm weight ``(m*H,)`` of ones.
 
     Args:
         hidden_size: ``H`` (a multiple of 64 in [256, 8192]).
@@ -620,17 +625,8 @@ def mhc_recompute_chunk(residual: Tensor, pre_mixes: list, layer_outputs: list, 
         if not isinstance(items, (list, tuple)):
             raise err.type(arg, f"expected a list of tensors, got {type(items).__name__}")
         for index, item in enumerate(items):
-            if not isinstance(item, Tensor):
-                raise err.type(f"{arg}[{index}]", f"expected a torch.Tensor, got {type(item).__name__}")
-            dtype = torch.bfloat16 if arg == "layer_outputs" else torch.float32
-            if item.dtype != dtype:
-                raise err.type(f"{arg}[{index}]", f"expected {dtype}, got {item.dtype}")
-            if tuple(item.shape) not in shapes:
-                raise err.value(f"{arg}[{index}]", f"expected shape {' or '.join(map(str, shapes))}, got "
-                                                   f"{tuple(item.shape)}")
-            if item.device != residual.device:
-                raise err.value(f"{arg}[{index}]", f"expected a tensor on {residual.device} (the residual's), got "
-                                                   f"{item.device}")
+            _check_tensor(err, f"{arg}[{index}]", item, torch.bfloat16 if arg == "layer_outputs" else torch.float32,
+                          shapes, residual)
     layers, kept = len(pre_mixes), len(layer_outputs)
     if not limits.MHC_RECOMPUTE_LAYERS.low <= layers <= limits.MHC_RECOMPUTE_LAYERS.high:
         raise err.value("pre_mixes", f"expected {limits.MHC_RECOMPUTE_LAYERS.describe()} tensors (one per sublayer), "
@@ -648,5 +644,3 @@ def mhc_recompute_chunk(residual: Tensor, pre_mixes: list, layer_outputs: list, 
                                  [t.reshape(tokens, m, m).contiguous() for t in comb_mixes], inputs, residuals)
     return [t.view(*lead, hidden) for t in inputs], [t.view(residual.shape) for t in residuals]
 
-
-mhc_multilayer_recompute = mhc_multilayer_recompute  # the op itself, re-exported (the (T, ...) shapes of the op)
