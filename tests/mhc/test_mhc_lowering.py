@@ -166,35 +166,34 @@ def test_cuda_gemm_forward_schedule_choice(hidden):
 @pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 7168, 8192])
 def test_cuda_gemm_backward_token_partitions(hidden):
     """The CUDA GEMM backward's token partitions (a launch argument, never a compile key): none empty, each at
-    least 4 tiles of 64 tokens unless there is a single one, at least 3 of them where the column CTAs fit in
-    one wave (of 4 single-stage CTAs per SM), at most 32, one for T <= 64 (no reduction pass); 5 at T = 8192 for
-    H = 7168, 9 for H = 4096, 1 at T <= 1024 for both; the single-stage kernel only where 3 CTAs per SM do not
-    take the single partition's column CTAs in one wave."""
+    least 4 tiles of 64 tokens unless there is a single one, at most 32, all CTAs in one wave of 3 per SM
+    unless there is a single partition, one for T <= 64 (no reduction pass); one at H >= 4096 for any T, 4 at
+    T = 8192 for H = 1280; the single-stage kernel only where 3 CTAs per SM do not take the single partition's
+    column CTAs in one wave (4 single-stage CTAs per SM take them up to H = 8192)."""
     from cann_ops_tilelang.chips import H200
     from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
 
     k = 4 * hidden
+    assert k // 64 <= gemm.PLAN.single_stage_per_sm * H200.sms
     for tokens in (0, 1, 63, 64, 65, 255, 256, 509, 512, 1001, 4096, 8192, 16384, 100000):
         p = gemm.mhc_gemm_with_sqrsum_backward_partials(tokens, k)
         tiles = -(-tokens // 64)
         per = -(-tiles // p)
         assert 1 <= p <= 32 and (p - 1) * per < max(tiles, 1), (hidden, tokens, p)  # the last partition has a tile
         assert p == 1 or per >= 4, (hidden, tokens, p)
-        one_wave = k // 64 <= gemm.PLAN.single_stage_per_sm * H200.sms
-        assert p == 1 or p >= gemm.PLAN.min_partials or not one_wave, (hidden, tokens, p)
+        assert p == 1 or p * (k // 64) <= gemm.PLAN.resident_per_sm * H200.sms, (hidden, tokens, p)
         assert tiles > 1 or p == 1
+        if hidden >= 4096:
+            assert p == 1, (hidden, tokens, p)
         # one stage only for a single partition whose column CTAs need 4 per SM to fit one wave
         stages = gemm.mhc_gemm_with_sqrsum_backward_stages(p, k)
         three = k // 64 <= gemm.PLAN.resident_per_sm * H200.sms
         assert stages == (1 if p == 1 and not three else gemm.PLAN.stages), (hidden, tokens, stages)
-    assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 7168) == 5
-    assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 4096) == 9
-    for hidden_size in (4096, 7168):
-        assert gemm.mhc_gemm_with_sqrsum_backward_partials(1024, 4 * hidden_size) == 1
-        assert gemm.mhc_gemm_with_sqrsum_backward_partials(512, 4 * hidden_size) == 1
-    assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 7168) == 1  # T <= 1024
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 1280) == 4
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(509, 4 * 1280) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 7168) == 1
     assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 4096) == 2
-    assert gemm.mhc_gemm_with_sqrsum_backward_stages(5, 4 * 7168) == 2  # T = 8192
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(4, 4 * 1280) == 2
     assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(24, 64), 1) == (64, 24, 2)
 
 

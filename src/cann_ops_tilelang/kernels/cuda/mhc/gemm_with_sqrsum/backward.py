@@ -10,8 +10,9 @@ cost in bytes.
 
 Grid ``(K / BK, P)``: CTA ``(cb, p)`` owns ``BK`` columns and the token tiles ``[p * per, min((p + 1) * per,
 tiles))`` of ``BT`` tokens, ``per = ceil(tiles / P)``, ``P`` chosen per call by the launcher (a kernel
-argument through the partials' shape, never a compile key). One pass over x and x_grad: per tile (x, x_grad,
-g, sg in a ``PLAN.stages`` cp.async pipeline) one shared tile ``G = [g_hi 0 g_lo 0]`` (``BT x 64``, each half
+argument through the partials' shape, never a compile key). One pass over x and x_grad: per tile (x, g, sg,
+x_grad in a ``PLAN.stages`` cp.async pipeline; with one stage, the next tile's x, g, sg load under the tile's
+x_grad store and its x_grad under the next products) one shared tile ``G = [g_hi 0 g_lo 0]`` (``BT x 64``, each half
 padded to 32 columns) is the A operand of all three WGMMAs:
 
 * ``x_grad tile (BT x BK) = G @ [fn_hi; 0; fn_hi; 0] + G @ [fn_lo; 0; fn_lo; 0]`` (``64 x BK`` each), then
@@ -54,50 +55,42 @@ _PAD = 32  # each of g_hi / g_lo padded to 32 columns of G (M3 <= 32): the 64-ro
 class BackwardPlan:
     """The backward's tuning: ``block_t`` tokens per pipeline step (the M of the x_grad product, the K of the
     fn_grad product), ``block_k`` columns per CTA, ``threads`` per CTA, ``stages`` of the x / x_grad / g
-    pipeline; the grid's ``ctas_per_sm`` target over all waves, at most ``max_partials`` token partitions and
-    at least ``min_tiles_per_partial`` token tiles per partition (each partition writes an ``M3 x K`` fp32
-    partial, ``2 * 4 * M3`` bytes per column written and read, against ``6 * 64`` per tile of x / x_grad), no
-    split into fewer than ``min_partials`` where the ``K / BK`` column CTAs fit in one wave of
-    ``resident_per_sm`` per SM, or of ``single_stage_per_sm`` single-stage CTAs (46 KiB of shared memory);
-    ``reduce_threads`` of the partial reduction."""
+    pipeline; ``resident_per_sm`` such CTAs share an SM, ``single_stage_per_sm`` single-stage ones (46 KiB of
+    shared memory); at most ``max_partials`` token partitions and at least ``min_tiles_per_partial`` token
+    tiles per partition (each partition writes an ``M3 x K`` fp32 partial, ``2 * 4 * M3`` bytes per column
+    written and read, against ``6 * 64`` per tile of x / x_grad); ``reduce_threads`` of the partial reduction."""
 
     block_t: int
     block_k: int
     threads: int
     stages: int
-    ctas_per_sm: int
-    max_partials: int
-    min_tiles_per_partial: int
-    min_partials: int
     resident_per_sm: int
     single_stage_per_sm: int
+    max_partials: int
+    min_tiles_per_partial: int
     reduce_threads: int
 
 
 # NOTE 64 x 64 tiles (22 KiB of x, x_grad, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
-# 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it). ~16 CTAs per SM over all waves keeps
-# the last wave's tail short;
-# partitions of >= 4 tiles keep the partials' traffic (written and read) within 1/8 of x / x_grad's, 2 % at
-# T = 8192; a split in 2 (T = 512) costs its partials and reduction and still leaves a tail wave: none where
-# the column CTAs fit in one wave (H = 4096), nor at T = 1024; where 3 per SM do not fit them (H = 7168) one
-# stage lets 4 share an SM and take them in one wave (docs/perf/h200/mhc.md, 2026-12-02, 2026-12-03, 2026-12-05).
-PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, ctas_per_sm=16, max_partials=32,
-                    min_tiles_per_partial=4, min_partials=5, resident_per_sm=3, single_stage_per_sm=4,
-                    reduce_threads=128)
+# 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it); where 3 per SM do not take the column
+# CTAs in one wave (H > 6336) one stage lets 4 share an SM. The grid is one wave: as many token partitions as
+# keep it one (one at H >= 4096): a partition's fixed cost (its partials, a longer tail) outweighs more CTAs
+# per SM (docs/perf/h200/mhc.md, 2026-12-02 .. 2026-12-05; docs/perf/h100/mhc.md, 2026-12-05 late).
+PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, resident_per_sm=3,
+                    single_stage_per_sm=4, max_partials=32, min_tiles_per_partial=4, reduce_threads=128)
 
 
 def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     """Number ``P`` of token partitions of the backward for ``T = num_tokens`` at ``K = cols`` (1: no second
-    pass): ``K / BK`` column CTAs times ``P`` near ``PLAN.ctas_per_sm`` per H200 SM, every partition at least
-    ``PLAN.min_tiles_per_partial`` token tiles and none empty; 1 where that leaves fewer than
-    ``PLAN.min_partials`` and the column CTAs fit in one resident wave of single-stage CTAs (``P = 5`` at
-    T = 8192, K = 28672; 9 at K = 16384; 1 at T <= 1024 for both)."""
+    pass): the most that keep the ``P * K / BK`` CTAs in one wave of the H200's SMs (``PLAN.resident_per_sm``
+    per SM, ``PLAN.single_stage_per_sm`` for a single partition of more column CTAs than that takes), every
+    partition at least ``PLAN.min_tiles_per_partial`` token tiles and none empty, at most ``PLAN.max_partials``
+    (1 at H >= 4096 for any T; 4 at T = 8192, H = 1280). Column CTAs beyond one wave (K > 33792, past
+    ``limits.MHC_HIDDEN``) get one partition."""
     tiles = -(-num_tokens // PLAN.block_t)
     col_ctas = cols // PLAN.block_k
-    want = -(-PLAN.ctas_per_sm * H200.sms // col_ctas)
-    p = max(1, min(want, PLAN.max_partials, tiles // PLAN.min_tiles_per_partial))
-    if p < PLAN.min_partials and col_ctas <= PLAN.single_stage_per_sm * H200.sms:
-        p = 1
+    p = max(1, min(PLAN.resident_per_sm * H200.sms // col_ctas, PLAN.max_partials,
+                   tiles // PLAN.min_tiles_per_partial))
     per = -(-tiles // p) if tiles else 1
     return max(1, -(-tiles // per))
 
@@ -105,7 +98,7 @@ def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
 def mhc_gemm_with_sqrsum_backward_stages(num_partials: int, cols: int) -> int:
     """Pipeline stages of the main kernel for ``P = num_partials`` (:func:`mhc_gemm_with_sqrsum_backward_partials`):
     ``PLAN.stages``, or 1 where a single partition's column CTAs fit in one wave only at
-    ``PLAN.single_stage_per_sm`` per SM (T < 1280 at 6336 < H <= 8448)."""
+    ``PLAN.single_stage_per_sm`` per SM (any T at H > 6336)."""
     one_wave = cols // PLAN.block_k <= PLAN.resident_per_sm * H200.sms
     return PLAN.stages if one_wave or num_partials > 1 else 1
 
@@ -151,12 +144,17 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
     num_partials = T.dynamic("num_partials")
 
     @T.macro
-    def load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, stage, t0, c0):
-        # one tile's x, x_grad, g and sg rows by cp.async (rows past T are skipped), one group each
+    def load_operands(x, out_mul_grad, sqrsum_grad, x_s, gf_s, sg_s, stage, t0, c0):
+        # one tile's x, g and sg rows by cp.async (rows past T are skipped), one group each
         T.async_copy(x[t0 : t0 + BT, c0 : c0 + BK], x_s[stage, :, :])
-        T.async_copy(x_grad[t0 : t0 + BT, c0 : c0 + BK], xg_s[stage, :, :])
         T.async_copy(out_mul_grad[t0 : t0 + BT, 0:M3], gf_s[stage, :, :])
         T.async_copy(sqrsum_grad[t0 : t0 + BT], sg_s[stage, :])
+
+    @T.macro
+    def load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, stage, t0, c0):
+        # ... and its x_grad rows, the last of the tile's 4 groups
+        load_operands(x, out_mul_grad, sqrsum_grad, x_s, gf_s, sg_s, stage, t0, c0)
+        T.async_copy(x_grad[t0 : t0 + BT, c0 : c0 + BK], xg_s[stage, :, :])
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_backward_cuda(
@@ -195,9 +193,9 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
             T.clear(fh_s)
             T.clear(fl_s)
             T.clear(acc_f)
-            # Prologue: tiles 0 .. NS-2 of the partition in flight (4 cp.async groups per tile: x, x_grad,
-            # g, sg; empty groups where the partition is shorter, so the wait count below stays constant).
-            for st in T.unroll(NS - 1):
+            # Prologue: tiles 0 .. max(NS-2, 0) of the partition in flight (4 cp.async groups per tile: x, g,
+            # sg, x_grad; empty groups where the partition is shorter, so the wait count below stays constant).
+            for st in T.unroll(max(NS - 1, 1)):
                 if st < n:
                     load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, st, (b0 + st) * BT, c0)
                 else:
@@ -212,14 +210,16 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
                 fl_s[j, c] = lo
                 fl_s[_PAD + j, c] = lo
             for it in T.serial(n):
-                # Tile it + NS - 1 goes into the stage consumed at it - 1 (released by the closing barrier).
-                if it + NS - 1 < n:
-                    load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, (it + NS - 1) % NS,
-                         (b0 + it + NS - 1) * BT, c0)
-                else:
-                    for _ in T.unroll(4):
-                        T.ptx_commit_group()
-                T.ptx_wait_group(4 * (NS - 1))
+                if NS > 1:
+                    # Tile it + NS - 1 goes into the stage consumed at it - 1 (released by the closing barrier).
+                    if it + NS - 1 < n:
+                        load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, (it + NS - 1) % NS,
+                             (b0 + it + NS - 1) * BT, c0)
+                    else:
+                        for _ in T.unroll(4):
+                            T.ptx_commit_group()
+                # one stage: x, g and sg suffice up to the products; x_grad (the last group) may still land
+                T.ptx_wait_group(4 * (NS - 1) if NS > 1 else 1)
                 T.sync_threads()
                 t0 = (b0 + it) * BT
                 if t0 + BT > num_tokens:
@@ -244,6 +244,9 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
                 T.wgmma_gemm(gt_s, fh_s, acc_x, clear_accum=True)
                 T.wgmma_gemm(gt_s, fl_s, acc_x)
                 T.wgmma_gemm(gt_s, x_s[it % NS, :, :], acc_f, transpose_A=True)
+                if NS == 1:
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
                 T.wait_wgmma(1)
                 T.warpgroup_fence_operand(acc_x, num_regs=BT * BK // TH)  # the epilogue's reads stay after the wait
                 for i, c in T.Parallel(BT, BK):  # in place: each element read and written by one thread
@@ -255,10 +258,15 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(acc_f, num_regs=2 * _PAD * BK // TH)
                 T.sync_threads()
+                if NS == 1 and it + 1 < n:
+                    # one stage: the next tile's x, g, sg load under this tile's x_grad store, its x_grad after
+                    load_operands(x, out_mul_grad, sqrsum_grad, x_s, gf_s, sg_s, 0, t0 + BT, c0)
                 for i, c in T.Parallel(BT, BK):
                     if t0 + i < num_tokens:
                         x_grad[t0 + i, c0 + c] = xg_s[it % NS, i, c]
                 T.sync_threads()
+                if NS == 1 and it + 1 < n:
+                    T.async_copy(x_grad[t0 + BT : t0 + 2 * BT, c0 : c0 + BK], xg_s[0, :, :])
             T.copy(acc_f, r_s)
             T.sync_threads()
             for j, c in T.Parallel(M3, BK):
