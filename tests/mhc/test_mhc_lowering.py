@@ -209,6 +209,33 @@ def test_cuda_gemm_forward_tightest_resident_case_fits():
     assert built.fits and built.smem_bytes > 220 * 1024, built.smem_bytes
 
 
+def test_cuda_gemm_backward_single_stage_loads_x_grad_last():
+    """The single-stage GEMM backward waits for all cp.async groups but the newest before the products: that
+    group must be x_grad's, in the prologue and in the loop (where x, g and sg go out after the epilogue and
+    x_grad after the store), as generated, since TileLang orders adjacent copies itself."""
+    import re
+
+    case = "gemm_with_sqrsum/mhc_gemm_with_sqrsum_backward_1stage"
+    src = cuda_build.lower_source(cuda_mhc.lowering_cases(7168)[case])
+    copy = r"cp_async_gs_conditional<\d+>\(\(&\(\(\(\w+\*\)(\w+)\)"  # the destination buffer of a cp.async
+    events = re.findall(copy + r"|cp_async_(commit)\(\)|cp_async_wait<(\d)>", src)
+    groups, pending, waits = [], set(), []
+    for buf, commit, wait in events:
+        if buf:
+            pending.add(buf)
+        elif commit:
+            groups.append(pending)
+            pending = set()
+        else:
+            waits.append((int(wait), len(groups)))
+    assert not pending and [w for w, _ in waits] == [1, 0], waits
+    prologue = [g for g in groups[: waits[0][1]] if g]
+    loop = [g for g in groups[waits[1][1]:] if g]
+    for issued in (prologue, loop):
+        assert issued[-1] == {"xg_s"}, issued
+        assert set().union(*issued[:-1]) == {"x_s", "gf_s", "sg_s"}, issued
+
+
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
 @pytest.mark.parametrize("hidden", [1280, 7168])
 def test_cuda_gemm_backward_keeps_three_ctas_per_sm(hidden):
