@@ -74,7 +74,7 @@ class BackwardPlan:
 # NOTE 64 x 64 tiles (22 KiB of x, x_grad, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
 # 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it); where 3 per SM do not take the column
 # CTAs in one wave (H > 6336) one stage lets 4 share an SM. The grid is one wave: as many token partitions as
-# keep it one (one at H >= 4096): a partition's fixed cost (its partials, a longer tail) outweighs more CTAs
+# keep it one (one from H = 3200): a partition's fixed cost (its partials, a longer tail) outweighs more CTAs
 # per SM (docs/perf/h200/mhc.md, 2026-12-02 .. 2026-12-05; docs/perf/h100/mhc.md, 2026-12-05 late).
 PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, resident_per_sm=3,
                     single_stage_per_sm=4, max_partials=32, min_tiles_per_partial=4, reduce_threads=128)
@@ -84,9 +84,9 @@ def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     """Number ``P`` of token partitions of the backward for ``T = num_tokens`` at ``K = cols`` (1: no second
     pass): the most that keep the ``P * K / BK`` CTAs in one wave of the H200's SMs (``PLAN.resident_per_sm``
     per SM, ``PLAN.single_stage_per_sm`` for a single partition of more column CTAs than that takes), every
-    partition at least ``PLAN.min_tiles_per_partial`` token tiles and none empty, at most ``PLAN.max_partials``
-    (1 at H >= 4096 for any T; 4 at T = 8192, H = 1280). Column CTAs beyond one wave (K > 33792, past
-    ``limits.MHC_HIDDEN``) get one partition."""
+    partition but the last at least ``PLAN.min_tiles_per_partial`` token tiles and none empty, at most
+    ``PLAN.max_partials`` (1 from H = 3200 for any T; 4 at T = 8192, H = 1280). Column CTAs beyond one wave
+    (K > 33792, past ``limits.MHC_HIDDEN``) get one partition."""
     tiles = -(-num_tokens // PLAN.block_t)
     col_ctas = cols // PLAN.block_k
     p = max(1, min(PLAN.resident_per_sm * H200.sms // col_ctas, PLAN.max_partials,
