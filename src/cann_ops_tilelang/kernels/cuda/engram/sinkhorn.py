@@ -74,6 +74,7 @@ class Plan:
 
     threads: int = 256
     ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
+    step_resident: int = 4  # step CTAs per SM the register budget is set for (64 registers)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
     # NOTE 3 slots over 2: 9 % faster at R = 10^6, D = 128 (docs/perf/h200/engram.md)
     step_slots: int = 3  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
@@ -318,7 +319,7 @@ def build_engram_sinkhorn_step(cols: int):
         eps: f32,
     ):
         with T.Kernel(ctas, threads=PLAN.threads) as b:
-            T.annotate_min_blocks_per_sm(ctas // H200.sms)
+            T.annotate_min_blocks_per_sm(PLAN.step_resident)
             tid = T.get_thread_binding()
             lane = tid % lanes
             grp = tid // lanes
