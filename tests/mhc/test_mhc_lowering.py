@@ -166,32 +166,36 @@ def test_cuda_gemm_forward_schedule_choice(hidden):
 @pytest.mark.parametrize("hidden", [256, 1280, 2560, 4096, 7168, 8192])
 def test_cuda_gemm_backward_token_partitions(hidden):
     """The CUDA GEMM backward's token partitions (a launch argument, never a compile key): none empty, each but
-    the last at least 4 tiles of 64 tokens, at most 32, all CTAs in one wave of 3 per SM
-    unless there is a single partition, one for T <= 64 (no reduction pass); one from H = 3200 for any T, 4 at
-    T = 8192 for H = 1280; the single-stage kernel only where 3 CTAs per SM do not take the single partition's
-    column CTAs in one wave (4 single-stage CTAs per SM take them up to H = 8192)."""
+    the last at least 4 tiles of 64 tokens, at most 32, one for T <= 64 (no reduction pass). Where 3 CTAs per SM
+    take the column CTAs in one wave (H <= 6336): all CTAs in that wave unless there is a single partition, one
+    from H = 3200 for any T, 4 at T = 8192 for H = 1280. Beyond it: a single partition of single-stage CTAs up
+    to T = 2048 (4 per SM take them up to H = 8192), above it 5 partitions of two-stage CTAs."""
     from cann_ops_tilelang.chips import H200
     from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import backward as gemm
 
     k = 4 * hidden
     assert k // 64 <= gemm.PLAN.single_stage_per_sm * H200.sms
-    for tokens in (0, 1, 63, 64, 65, 255, 256, 509, 512, 1001, 4096, 8192, 16384, 100000):
+    three = k // 64 <= gemm.PLAN.resident_per_sm * H200.sms
+    for tokens in (0, 1, 63, 64, 65, 255, 256, 509, 512, 1001, 2048, 2049, 4096, 8192, 16384, 100000):
         p = gemm.mhc_gemm_with_sqrsum_backward_partials(tokens, k)
         tiles = -(-tokens // 64)
         per = -(-tiles // p)
         assert 1 <= p <= 32 and (p - 1) * per < max(tiles, 1), (hidden, tokens, p)  # the last partition has a tile
         assert p == 1 or per >= 4, (hidden, tokens, p)
-        assert p == 1 or p * (k // 64) <= gemm.PLAN.resident_per_sm * H200.sms, (hidden, tokens, p)
         assert tiles > 1 or p == 1
-        if hidden >= 3200:
-            assert p == 1, (hidden, tokens, p)
+        if three:
+            assert p == 1 or p * (k // 64) <= gemm.PLAN.resident_per_sm * H200.sms, (hidden, tokens, p)
+            assert hidden < 3200 or p == 1, (hidden, tokens, p)
+        else:
+            assert p == (1 if tokens <= 2048 else 5), (hidden, tokens, p)
         # one stage only for a single partition whose column CTAs need 4 per SM to fit one wave
         stages = gemm.mhc_gemm_with_sqrsum_backward_stages(p, k)
-        three = k // 64 <= gemm.PLAN.resident_per_sm * H200.sms
         assert stages == (1 if p == 1 and not three else gemm.PLAN.stages), (hidden, tokens, stages)
     assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 1280) == 4
     assert gemm.mhc_gemm_with_sqrsum_backward_partials(509, 4 * 1280) == 2
+    assert gemm.mhc_gemm_with_sqrsum_backward_partials(8192, 4 * 7168) == 5
     assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 7168) == 1
+    assert gemm.mhc_gemm_with_sqrsum_backward_stages(5, 4 * 7168) == 2
     assert gemm.mhc_gemm_with_sqrsum_backward_stages(1, 4 * 4096) == 2
     assert gemm.mhc_gemm_with_sqrsum_backward_stages(4, 4 * 1280) == 2
     assert gemm.mhc_gemm_with_sqrsum_backward_key(torch.empty(24, 64), 1) == (64, 24, 2)

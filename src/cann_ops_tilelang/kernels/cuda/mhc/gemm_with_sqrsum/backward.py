@@ -58,7 +58,10 @@ class BackwardPlan:
     pipeline; ``resident_per_sm`` such CTAs share an SM, ``single_stage_per_sm`` single-stage ones (46 KiB of
     shared memory); at most ``max_partials`` token partitions and at least ``min_tiles_per_partial`` token
     tiles per partition (each partition writes an ``M3 x K`` fp32 partial, ``2 * 4 * M3`` bytes per column
-    written and read, against ``6 * 64`` per tile of x / x_grad); ``reduce_threads`` of the partial reduction."""
+    written and read, against ``6 * 64`` per tile of x / x_grad). Where one wave of two-stage CTAs does not
+    take the column CTAs: a single partition of single-stage CTAs up to ``single_stage_max_tiles`` token
+    tiles, above that about ``ctas_per_sm`` two-stage CTAs per SM over several waves; ``reduce_threads`` of
+    the partial reduction."""
 
     block_t: int
     block_k: int
@@ -68,29 +71,38 @@ class BackwardPlan:
     single_stage_per_sm: int
     max_partials: int
     min_tiles_per_partial: int
+    single_stage_max_tiles: int
+    ctas_per_sm: int
     reduce_threads: int
 
 
 # NOTE 64 x 64 tiles (22 KiB of x, x_grad, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
-# 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it); where 3 per SM do not take the column
-# CTAs in one wave (H > 6336) one stage lets 4 share an SM. The grid is one wave: as many token partitions as
-# keep it one (one from H = 3200): a partition's fixed cost (its partials, a longer tail) outweighs more CTAs
-# per SM (docs/perf/h200/mhc.md, 2026-12-02 .. 2026-12-05; docs/perf/h100/mhc.md, 2026-12-05 late).
+# 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it). Where 3 per SM take the column CTAs in
+# one wave (H <= 6336) the grid is that wave, with as many token partitions as keep it one (one from H = 3200).
+# Beyond it (H = 7168) a single partition of single-stage CTAs (4 per SM) takes them in one wave up to
+# T = 2048; at larger T the H200 streams faster with ~16 two-stage CTAs per SM over several waves (P = 5 at
+# T = 8192: 8 % faster; on the H100 3 % slower) (docs/perf/h200/mhc.md, 2026-12-02 .. 2026-12-06).
 PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, resident_per_sm=3,
-                    single_stage_per_sm=4, max_partials=32, min_tiles_per_partial=4, reduce_threads=128)
+                    single_stage_per_sm=4, max_partials=32, min_tiles_per_partial=4, single_stage_max_tiles=32,
+                    ctas_per_sm=16, reduce_threads=128)
 
 
 def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     """Number ``P`` of token partitions of the backward for ``T = num_tokens`` at ``K = cols`` (1: no second
-    pass): the most that keep the ``P * K / BK`` CTAs in one wave of the H200's SMs (``PLAN.resident_per_sm``
-    per SM, ``PLAN.single_stage_per_sm`` for a single partition of more column CTAs than that takes), every
-    partition but the last at least ``PLAN.min_tiles_per_partial`` token tiles and none empty, at most
-    ``PLAN.max_partials`` (1 from H = 3200 for any T; 4 at T = 8192, H = 1280). Column CTAs beyond one wave
-    (K > 33792, past ``limits.MHC_HIDDEN``) get one partition."""
+    pass), every partition but the last at least ``PLAN.min_tiles_per_partial`` token tiles and none empty, at
+    most ``PLAN.max_partials``. Where ``PLAN.resident_per_sm`` CTAs per H200 SM take the ``K / BK`` column CTAs
+    in one wave: the most that keep the ``P * K / BK`` CTAs in that wave (1 from H = 3200 for any T; 4 at
+    T = 8192, H = 1280). Beyond it: 1 up to ``PLAN.single_stage_max_tiles`` token tiles (single-stage CTAs,
+    one wave), else about ``PLAN.ctas_per_sm`` CTAs per SM (5 at H = 7168 from T = 2049)."""
     tiles = -(-num_tokens // PLAN.block_t)
     col_ctas = cols // PLAN.block_k
-    p = max(1, min(PLAN.resident_per_sm * H200.sms // col_ctas, PLAN.max_partials,
-                   tiles // PLAN.min_tiles_per_partial))
+    cap = min(PLAN.max_partials, tiles // PLAN.min_tiles_per_partial)
+    if col_ctas <= PLAN.resident_per_sm * H200.sms:
+        p = max(1, min(PLAN.resident_per_sm * H200.sms // col_ctas, cap))
+    elif tiles <= PLAN.single_stage_max_tiles:
+        p = 1
+    else:
+        p = max(1, min(-(-PLAN.ctas_per_sm * H200.sms // col_ctas), cap))
     per = -(-tiles // p) if tiles else 1
     return max(1, -(-tiles // per))
 
@@ -98,7 +110,7 @@ def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
 def mhc_gemm_with_sqrsum_backward_stages(num_partials: int, cols: int) -> int:
     """Pipeline stages of the main kernel for ``P = num_partials`` (:func:`mhc_gemm_with_sqrsum_backward_partials`):
     ``PLAN.stages``, or 1 where a single partition's column CTAs fit in one wave only at
-    ``PLAN.single_stage_per_sm`` per SM (any T at H > 6336)."""
+    ``PLAN.single_stage_per_sm`` per SM (T <= 2048 at H > 6336)."""
     one_wave = cols // PLAN.block_k <= PLAN.resident_per_sm * H200.sms
     return PLAN.stages if one_wave or num_partials > 1 else 1
 
