@@ -80,8 +80,8 @@ class BackwardPlan:
 # 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it). Where 3 per SM take the column CTAs in
 # one wave (H <= 6336) the grid is that wave, with as many token partitions as keep it one (one from H = 3200).
 # Beyond it (H = 7168) a single partition of single-stage CTAs (4 per SM) takes them in one wave up to
-# T = 2048; at larger T the H200 streams faster with ~16 two-stage CTAs per SM over several waves (P = 5 at
-# T = 8192: 8 % faster; on the H100 3 % slower) (docs/perf/h200/mhc.md, 2026-12-02 .. 2026-12-06).
+# T = 2048; at larger T the H200 streams faster with ~16 two-stage CTAs per SM over several waves (the H100 does
+# not: tuned for the H200) (docs/perf/h200/mhc.md, 2026-12-02 .. 2026-12-06).
 PLAN = BackwardPlan(block_t=64, block_k=MHC_GEMM_BLOCK, threads=128, stages=2, resident_per_sm=3,
                     single_stage_per_sm=4, max_partials=32, min_tiles_per_partial=4, single_stage_max_tiles=32,
                     ctas_per_sm=16, reduce_threads=128)
@@ -102,7 +102,7 @@ def mhc_gemm_with_sqrsum_backward_partials(num_tokens: int, cols: int) -> int:
     elif tiles <= PLAN.single_stage_max_tiles:
         p = 1
     else:
-        p = max(1, min(-(-PLAN.ctas_per_sm * H200.sms // col_ctas), cap))
+        p = min(-(-PLAN.ctas_per_sm * H200.sms // col_ctas), cap)  # tiles > 32: cap >= 8
     per = -(-tiles // p) if tiles else 1
     return max(1, -(-tiles // per))
 
