@@ -139,6 +139,8 @@ def _synchronize(kind: str | None) -> None:
 
 def device_time_us(fn: Callable[[], Any], kind: str | None) -> tuple[float, str]:
     """(microseconds, timer name) for one call of ``fn``."""
+    # do_bench flushes L2 by zeroing a 256 MB buffer, so every timed call also pays the write-back of those dirty
+    # lines: a fixed cost that weighs on kernels streaming a few hundred MB (docs/perf/h100/engram.md, 2026-12-06)
     global _CUPTI_BROKEN
     if kind is None:
         return _time_wall(fn), "wall"
