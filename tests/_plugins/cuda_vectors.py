@@ -2,14 +2,15 @@
 
 ``vector_accesses(source)`` maps each kernel parameter to the widest access the source makes to it, in
 bytes: a vector cast ``*(uint4*)(param + ...)`` (16 bytes for ``uint4``, 8 for ``float2``...), a
-``cp.async`` copy from it (``cp_async_gs<16>(dst, &(param[...]))``, or the GEMM forward's
-``ops_cp_async16(dst, &(param[0]), ...)``) or a TMA load through its descriptor
-(``param_desc``: 16 bytes, the TMA alignment of global addresses). :func:`kernel_ops` finds the ops that
-launch a lowering case from their declarations (the case name starts with the op's launcher name) and the
-kernel module's ``ARGUMENTS`` (parameters named differently from the op's arguments); the lowering tests check with
-:func:`undeclared` that every op declares (``declare(..., vector_args=...)``) at least the width its
-kernels use, so that the op helper's alignment check covers every vector access, except where the
-launcher itself checks an argument and otherwise launches another variant (:func:`launcher_checked`).
+``cp.async`` copy from it (``cp_async_gs<16>(dst, &(param[...]))``, or the package's
+``ops_cp_async16(dst, &(param[0]), ...)`` and ``ops_cp_async16_evict_first(dst, &(param[...]))``) or a TMA
+load through its descriptor (``param_desc``: 16 bytes, the TMA alignment of global addresses).
+:func:`kernel_ops` finds the ops that launch a lowering case from their declarations (the case name starts
+with the op's launcher name) and the kernel module's ``ARGUMENTS`` (parameters named differently from the
+op's arguments); the lowering tests check with :func:`undeclared` that every op declares
+(``declare(..., vector_args=...)``) at least the width its kernels use, so that the op helper's alignment
+check covers every vector access, except where the launcher itself checks an argument and otherwise
+launches another variant (:func:`launcher_checked`).
 """
 
 import re
@@ -94,8 +95,9 @@ def vector_accesses(source: str) -> dict[str, int]:
         note(name, _WIDTH[ty])
     for width, name in re.findall(r"cp_async_gs(?:_conditional)?<(\d+)>\([^;]*?\)\),\s*\(&\((\w+)\[", source):
         note(name, int(width))
-    # the package's own raw-offset helper (ops_cp_async16(dst, &(param[0]), byte offset, predicate))
-    for width, name in re.findall(r"ops_cp_async(\d+)\([^;]*?\)\),\s*\(&\((\w+)\[", source):
+    # the package's own helpers (kernels/cuda/_cp_async.py): ops_cp_async16(dst, &(param[0]), byte offset,
+    # predicate) and ops_cp_async16_evict_first(dst, &(param[...]))
+    for width, name in re.findall(r"ops_cp_async(\d+)(?:_evict_first)?\([^;]*?\)\),\s*\(&\((\w+)\[", source):
         note(name, int(width))
     for name in re.findall(r"tma_load\(\s*(\w+)\s*,", source):
         note(name, 16)

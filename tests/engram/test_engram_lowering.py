@@ -378,6 +378,26 @@ def test_cuda_grad_w_reduce_vector_waits_for_each_group(partials, rows, groups):
     assert body.index("cp_async_wait") < body.index("cp_async_commit", body.index("cp_async_wait"))
 
 
+@pytest.mark.parametrize("cols", [64, 128, 1024])
+def test_cuda_sinkhorn_step_streams_the_table_evict_first(cols):
+    """The step's table rows come in by the evict-first helper only (kernels/cuda/_cp_async.py), every
+    16-byte copy of the table one of them, inside the step's commit groups; the row scales by TileLang's
+    4-byte cp.async; and the helper's PTX carries the L2 policy on the copy."""
+    from cann_ops_tilelang.kernels.cuda import _cp_async
+    from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as sk
+
+    body = cuda_build.lower_source(sk.build_engram_sinkhorn_step(cols))
+    body = body[body.index("__global__ void __launch_bounds__"):]
+    hinted = re.findall(r"ops_cp_async16_evict_first\([^;]*?\)\),\s*\(&\((\w+)\[", body)
+    plain = re.findall(r"cp_async_gs<(\d+)>\([^;]*?\)\),\s*\(&\((\w+)\[", body)
+    assert hinted and set(hinted) == {"matrix"}
+    assert set(plain) == {("4", "row_scale")}
+    assert body.index("ops_cp_async16_evict_first") < body.index("cp_async_commit")
+    helper = _cp_async.PRELUDE[_cp_async.PRELUDE.index("ops_cp_async16_evict_first"):]
+    assert '"l"(0x12f0000000000000ull)' in helper and _cp_async.L2_EVICT_FIRST_POLICY == 0x12F0000000000000
+    assert "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;" in helper
+
+
 def test_cuda_grad_w_reduce_takes_vectors_only_where_aligned():
     """The launcher's key: the vector schedule for P <= 66 when the weights start on 8-byte and the buffers on
     16-byte boundaries; the TMA schedule for more rows or for any one of the four at a smaller offset (a

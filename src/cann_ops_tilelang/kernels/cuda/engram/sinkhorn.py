@@ -13,7 +13,7 @@ memory-bound at the optimizer's table sizes:
   column partials (no atomics). A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
   power of two dividing ``D / 4`` up to a warp); the ``256 / G`` row groups of a CTA take every ``256 / G``-th
   row of its range, and their column sums are added in group order through shared memory at the end. A
-  thread stages :func:`rows_in_flight` rows (up to 4 vectors) per iteration by ``cp.async`` in
+  thread stages :func:`rows_in_flight` rows (up to 4 vectors) per iteration by ``cp.async`` (L2 evict-first) in
   :func:`step_slots` private shared-memory slots, the next iterations' rows in flight while it reduces the
   current ones; one lane per row copies the row's scale, which reaches the row's other lanes by a shuffle.
   The rows' sums of squares are completed by xor shuffles that leave each lane one row's sum
@@ -35,6 +35,7 @@ import torch
 from ....chips import H200
 from ....limits import ENGRAM_SINKHORN_COLS
 from .._build import jit_compile
+from .._cp_async import PRELUDE as CP_ASYNC_PRELUDE
 
 __all__ = [
     "PLAN",
@@ -297,12 +298,15 @@ def build_engram_sinkhorn_step(cols: int):
     def issue(matrix, row_scale, xs, rss, slot, first, hi, lane, tid):
         # cp.async of this thread's vectors of rows first + u * groups (those below hi) into its own 16-byte
         # columns of slot `slot`, and lane u < fl of a row group the scale of row u into its own word (one copy
-        # per row, not one per lane); one commit group per call
+        # per row, not one per lane); one commit group per call. The table's rows are read once: evict-first in
+        # L2, so that L2 replaces them before the row norms and scales being written in pieces
+        # (docs/perf/h100/engram.md, 2026-12-06 fourth and fifth sessions).
         for u in T.unroll(fl):
             if first + u * groups < hi:
                 for c in T.unroll(chunks):
-                    T.ptx_cp_async(T.access_ptr(xs[(slot * fl + u) * chunks + c, tid * 4], "w", 4),
-                                   T.access_ptr(matrix[first + u * groups, (c * lanes + lane) * 4], "r", 4), 4)
+                    T.call_extern("void", "ops_cp_async16_evict_first",
+                                  T.access_ptr(xs[(slot * fl + u) * chunks + c, tid * 4], "w", 4),
+                                  T.access_ptr(matrix[first + u * groups, (c * lanes + lane) * 4], "r", 4))
         if lane < fl:
             if first + lane * groups < hi:
                 T.ptx_cp_async(T.access_ptr(rss[slot, tid], "w", 1),
@@ -318,7 +322,7 @@ def build_engram_sinkhorn_step(cols: int):
         col_sumsq_partial: T.Tensor((ctas, cols), f32),
         eps: f32,
     ):
-        with T.Kernel(ctas, threads=PLAN.threads) as b:
+        with T.Kernel(ctas, threads=PLAN.threads, prelude=CP_ASYNC_PRELUDE) as b:
             T.annotate_min_blocks_per_sm(PLAN.step_resident)
             tid = T.get_thread_binding()
             lane = tid % lanes
@@ -611,7 +615,8 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
     mixed dtypes are lowered once by tests/engram/test_engram_sinkhorn.py)."""
     cases = {}
     for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
-        name = f"engram_sinkhorn_momentum_update_{'bf16' if m == 'bfloat16' else 'fp32'}_{'nesterov' if nesterov else 'plain'}"
+        dtype, variant = ("bf16" if m == "bfloat16" else "fp32"), ("nesterov" if nesterov else "plain")
+        name = f"engram_sinkhorn_momentum_update_{dtype}_{variant}"
         cases[name] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_large)
         cases[f"{name}_small"] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_small)
     for cols in (64, 128):

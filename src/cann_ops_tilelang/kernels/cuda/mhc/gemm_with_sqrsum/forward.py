@@ -27,6 +27,7 @@ from ..... import config
 from .....chips import H200
 from .....limits import MHC_GEMM_BLOCK, IntRange, LimitError, mhc_gemm_splits
 from ..._build import jit_compile
+from ..._cp_async import PRELUDE as CP_ASYNC_PRELUDE
 from .._common import check_gemm_weight
 
 __all__ = [
@@ -83,17 +84,6 @@ PLAN = ForwardPlan(
     split_threads=128,
     split_vectors=4,
 )
-# A 16-byte cp.async of the x tile: ``gmem + offset`` bytes into ``smem`` where ``pred`` holds (else nothing is
-# copied: rows past the token count are never stored). Raw offsets keep TileLang's bounds predicate (both
-# dimensions, per chunk) out of the load issue.
-_CP_ASYNC_PRELUDE = r"""
-__device__ __forceinline__ void ops_cp_async16(void* smem, const void* gmem, long long offset, bool pred) {
-  unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  const char* src = static_cast<const char*>(gmem) + offset;
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
-               :: "r"(dst), "l"(src), "r"(static_cast<int>(pred)) : "memory");
-}
-"""
 
 
 def mhc_gemm_with_sqrsum_forward_block_k(cols: int, n_splits: int) -> int:
@@ -163,7 +153,7 @@ def _x_tile_macro(cols: int, block_k: int, num_tokens):
     """``T.macro(x, x_s, stage, tile, col, tid)``: one step's ``BT x block_k`` x tile (tokens from
     ``tile * BT``, columns from ``col``) into ``x_s[stage]``, the x loads of both forward schedules. Each
     thread issues its 16-byte chunks (rows ``TH / (block_k / 8)`` apart, one column chunk) by raw-offset
-    cp.async (``ops_cp_async16``, the kernel needs ``_CP_ASYNC_PRELUDE``), checked against the token count
+    cp.async (``ops_cp_async16``, the kernel needs ``_cp_async.PRELUDE``), checked against the token count
     only: rows past it are not loaded (their results are never stored). Commits no group."""
     from tilelang import language as T
 
@@ -268,7 +258,7 @@ def build_mhc_gemm_with_sqrsum_forward(cols: int, rows: int, n_splits: int, bloc
         sqrsum_part: T.Tensor((S, num_tokens), f32),
     ):
         # split-major grid: the S CTAs of one token tile are launched together and read whole rows of x
-        with T.Kernel(S, T.ceildiv(num_tokens, BT), threads=TH, prelude=_CP_ASYNC_PRELUDE) as (s, bt):
+        with T.Kernel(S, T.ceildiv(num_tokens, BT), threads=TH, prelude=CP_ASYNC_PRELUDE) as (s, bt):
             tid = T.get_thread_binding()
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             f_s = T.alloc_shared((NS, 2 * M3, BK), bf16)
@@ -417,7 +407,7 @@ def build_mhc_gemm_with_sqrsum_forward_resident(cols: int, rows: int, n_splits: 
         ctas_per_split: i32,
     ):
         # CTA b: split b % S, token tiles [b0, b1) of that split's ctas_per_split CTAs
-        with T.Kernel(S * ctas_per_split, threads=TH, prelude=_CP_ASYNC_PRELUDE) as b:
+        with T.Kernel(S * ctas_per_split, threads=TH, prelude=CP_ASYNC_PRELUDE) as b:
             x_s = T.alloc_shared((NS, BT, BK), bf16)
             w_s = T.alloc_shared((slots, 2 * M3, BK), bf16)  # the split's hi / lo weights, step by step
             acc = T.alloc_fragment((BT, 2 * M3), f32)
