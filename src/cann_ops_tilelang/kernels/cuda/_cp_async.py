@@ -10,8 +10,7 @@ with ``T.call_extern("void", name, ...)`` where TileLang's ``T.ptx_cp_async`` ca
   2026-12-06). The policy is :data:`L2_EVICT_FIRST_POLICY`, a constant operand rather than a ``createpolicy``
   in the helper: ptxas 13.0 folds that ``createpolicy`` into uniform registers and, in the step, mis-encoded
   the copies of one stage (an illegal instruction on an H100); with the constant it emits plain predicated
-  copies. The source size is written out (16) so that no
-  assembler can take the policy for it.
+  copies. The source size is written out (16) so that no assembler can take the policy for it.
 
 The lowering tests read both names as 16-byte accesses to the argument of their second operand
 (tests/_plugins/cuda_vectors.py).
