@@ -9,10 +9,11 @@ passes the lists unpacked. No pointer table, so nothing is allocated per call an
 pointers; at most ``limits.MHC_RECOMPUTE_LAYERS`` layers (``6 L + 1`` pointers within the 4 KiB of parameters).
 
 Schedule: a 1-D grid over ``(token, column chunk)``, each thread owning one 8-column vector of its token for the
-whole pass, the ``m`` residual streams kept in registers as bf16; per layer one ``layer_output`` vector loaded, the
-sublayer input and ``m`` residual vectors stored (layers unrolled). Each layer's ``m + m + m*m`` scalars of the
-CTA's token are staged once in shared memory before one barrier. 16-byte vectors for the ``(T, ., H)`` tensors,
-scalar loads for the mixes (docs/perf/h200/mhc.md, 2026-12-02).
+whole pass, the ``m`` residual streams kept in registers as bf16; per layer the sublayer input and ``m`` residual
+vectors stored (layers unrolled), and the thread's ``layer_output`` vector read from its own shared-memory slot,
+copied there by ``cp.async`` up to :attr:`RecomputePlan.y_stages` layers ahead. Each layer's ``m + m + m*m``
+scalars of the CTA's token are staged once in shared memory before one barrier. 16-byte vectors for the
+``(T, ., H)`` tensors, scalar loads for the mixes (docs/perf/h200/mhc.md, 2026-12-02).
 """
 
 import dataclasses
@@ -58,17 +59,21 @@ ARGUMENTS = {f"{name}_{index}": name for name, _ in LISTS for index in range(MHC
 class RecomputePlan:
     """Row layout of the ``(token, chunk)`` CTA: ``threads`` threads, one vector each per chunk, where ``H / 8``
     has such a layout (:func:`row_layout`), else up to ``fallback_threads``; ``regs``: the register budget per
-    thread behind the annotated CTAs per SM."""
+    thread behind the annotated CTAs per SM; ``y_stages``: sublayer outputs in flight ahead of their layer, each
+    thread copying its own vectors by ``cp.async`` into private shared-memory slots (0: loaded into registers
+    where used)."""
 
     threads: int
     fallback_threads: int
     regs: int
+    y_stages: int = 0
 
 
 # One vector per thread in CTAs of 128 threads, as the apply-mix forward, at 96 registers (5 CTAs per SM; the
-# layer's working set, 16 bf16-pair + 32 fp32 residual registers, spills below 80). Measurements and the variants
-# not adopted: docs/perf/h200/mhc.md, 2026-12-02.
-PLAN = RecomputePlan(threads=128, fallback_threads=256, regs=96)
+# layer's working set, 16 bf16-pair + 32 fp32 residual registers, spills below 80). Up to 10 layers of y in flight
+# from the start (20 KiB of shared memory per CTA at L >= 10): the loads no longer wait behind each layer's stores.
+# Measurements and the variants not adopted: docs/perf/h200/mhc.md (2026-12-02), docs/perf/h100/mhc.md (2026-12-07).
+PLAN = RecomputePlan(threads=128, fallback_threads=256, regs=96, y_stages=10)
 
 
 def recompute_layout(hidden_size: int, plan: RecomputePlan = PLAN) -> RowLayout:
@@ -140,6 +145,7 @@ def build_mhc_multilayer_recompute(
     nvec = H // VEC
     nwarps = threads // 32
     row = 2 * hc_mult + hc_mult * hc_mult  # scalars per layer and token
+    depth = min(plan.y_stages, Lp)
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
     # Python lists: the builder unrolls a loop over a list (a loop over range() would be a TIR loop)
@@ -185,6 +191,8 @@ def build_mhc_multilayer_recompute(
             yr = T.alloc_local((VEC,), bf16)
             yf = T.alloc_local((VEC,), f32)
             acc = T.alloc_local((VEC,), f32)
+            if depth:
+                ys = T.alloc_shared((depth, threads * VEC), bf16)  # this thread's columns of y in flight
             # layer l's scalars by the first m + m + m * m lanes of warp l % nwarps, all issued at once
             for l in all_layers:
                 if wid == l % nwarps:
@@ -196,6 +204,11 @@ def build_mhc_multilayer_recompute(
                         if lane >= 2 * m and lane < row:
                             mixes[l, lane] = comb_mix_list[l][t, (lane - 2 * m) // m, (lane - 2 * m) % m]
             if (not guarded) or (cb * threads + tid < nvec):
+                # one commit group per layer of y, empty past Lp, so that layer l always waits for depth - 1
+                for l in list(range(depth)):
+                    T.ptx_cp_async(T.access_ptr(ys[l, tid * VEC], "w", VEC),
+                                   T.access_ptr(layer_output_list[l][t, col], "r", VEC), VEC)
+                    T.ptx_commit_group()
                 for i in T.unroll(m):
                     for k in T.vectorized(VEC):
                         rr[i, k] = initial_residual[t, i, col + k]
@@ -215,8 +228,17 @@ def build_mhc_multilayer_recompute(
                     for k in T.vectorized(VEC):
                         layer_input_list[l][t, col + k] = T.cast(acc[k], bf16)
                     if l < Lp:
-                        for k in T.vectorized(VEC):
-                            yr[k] = layer_output_list[l][t, col + k]
+                        if depth:
+                            T.ptx_wait_group(depth - 1)
+                            for k in T.vectorized(VEC):
+                                yr[k] = ys[l % depth, tid * VEC + k]
+                            if l + depth < Lp:  # into the slot just read (the thread's own)
+                                T.ptx_cp_async(T.access_ptr(ys[l % depth, tid * VEC], "w", VEC),
+                                               T.access_ptr(layer_output_list[l + depth][t, col], "r", VEC), VEC)
+                            T.ptx_commit_group()
+                        else:
+                            for k in T.vectorized(VEC):
+                                yr[k] = layer_output_list[l][t, col + k]
                         for o in T.vectorized(m):
                             pr[o] = mixes[l, m + o]
                         for i in T.unroll(m):
