@@ -71,7 +71,7 @@ class RecomputePlan:
 
 # One vector per thread in CTAs of 128 threads, as the apply-mix forward, at 96 registers (5 CTAs per SM; the
 # layer's working set, 16 bf16-pair + 32 fp32 residual registers, spills below 80). Up to 10 layers of y in flight
-# from the start (20 KiB of shared memory per CTA at L >= 10): the loads no longer wait behind each layer's stores.
+# from the start (20 KiB of shared memory per CTA at Lp >= 10): the loads no longer wait behind each layer's stores.
 # Measurements and the variants not adopted: docs/perf/h200/mhc.md (2026-12-02), docs/perf/h100/mhc.md (2026-12-07).
 PLAN = RecomputePlan(threads=128, fallback_threads=256, regs=96, y_stages=10)
 
