@@ -77,9 +77,11 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
 def test_both_backends_have_the_same_kernels():
     # the CUDA forward has no statistics-free variant (it always writes them): compare without that flag; the
     # CUDA reduction's vector schedule is a second kernel of the same op for aligned buffers, the CUDA momentum
-    # update's small-table plan one for small buffers
+    # update's small-table plan one for small buffers, the CUDA step's split schedule and its sum of the pieces two
+    # of the step
     def families(module):
-        return sorted({re.sub(r"_(no)?save|_vector$|_small$", "", name) for name in module.lowering_cases(4096)})
+        return sorted({re.sub(r"_(no)?save|_vector$|_small$|_split$|_combine$", "", name)
+                       for name in module.lowering_cases(4096)})
 
     assert families(ascend_engram) == families(cuda_engram)
     for family in (ascend_engram, cuda_engram):
@@ -386,13 +388,14 @@ def test_cuda_sinkhorn_step_streams_the_table_evict_first(cols):
     from cann_ops_tilelang.kernels.cuda import _cp_async
     from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as sk
 
-    body = cuda_build.lower_source(sk.build_engram_sinkhorn_step(cols))
-    body = body[body.index("__global__ void __launch_bounds__"):]
-    hinted = re.findall(r"ops_cp_async16_evict_first\([^;]*?\)\),\s*\(&\((\w+)\[", body)
-    plain = re.findall(r"cp_async_gs<(\d+)>\([^;]*?\)\),\s*\(&\((\w+)\[", body)
-    assert hinted and set(hinted) == {"matrix"}
-    assert set(plain) == {("4", "row_scale")}
-    assert body.index("ops_cp_async16_evict_first") < body.index("cp_async_commit")
+    for split in (False, True):  # the split schedule's row bounds are variables: TileLang guards the scale copy
+        body = cuda_build.lower_source(sk.build_engram_sinkhorn_step(cols, split))
+        body = body[body.index("__global__ void __launch_bounds__"):]
+        hinted = re.findall(r"ops_cp_async16_evict_first\([^;]*?\)\),\s*\(&\((\w+)\[", body)
+        plain = re.findall(r"cp_async_gs(?:_conditional)?<(\d+)>\([^;]*?\)\),\s*\(&\((\w+)\[", body)
+        assert hinted and set(hinted) == {"matrix"}
+        assert set(plain) == {("4", "row_scale")}
+        assert body.index("ops_cp_async16_evict_first") < body.index("cp_async_commit")
     helper = _cp_async.PRELUDE[_cp_async.PRELUDE.index("ops_cp_async16_evict_first"):]
     assert '"l"(0x12f0000000000000ull)' in helper and _cp_async.L2_EVICT_FIRST_POLICY == 0x12F0000000000000
     assert "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;" in helper

@@ -609,6 +609,18 @@ def test_cuda_compiles_other_widths_and_mixed_dtypes():
             assert vector in mom_src and "< numel" in mom_src and "== (numel >> 2)" in mom_src
 
 
+def test_cuda_step_splits_a_worker_where_four_pieces_of_the_least_rows_fit():
+    from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as cu
+
+    least, pieces = cu.PLAN.step_split_rows, cu.PLAN.step_split
+    assert least == 448 and pieces == 4
+    edge = P_CUDA * (pieces * least - 1)  # the most rows at which a worker owns fewer than 4 * 448 rows
+    rows = [0, 1, 300007, edge, edge + 1, 1000003, 10**7]
+    assert [cu.step_split(r) for r in rows] == [1, 1, 1, 1, 4, 4, 4]
+    assert [cu.engram_sinkhorn_step_key(torch.empty(r, 64, device="meta")) for r in (edge, edge + 1)] == [
+        (64, False), (64, True)]
+
+
 @pytest.mark.parametrize("cols", [64, 128, 192, 256, 512])
 def test_cuda_step_scattered_row_sums_are_the_butterfly_sums(cols, seed):
     """The step's scattered reduction (each lane left with one row's sum of squares), simulated lane by lane in
@@ -653,7 +665,8 @@ def test_builders_refuse_widths_outside_the_range():
 
 # --- device tier -----------------------------------------------------------------------------------------
 
-DEVICE_SHAPES = [(0, 64), (1, 64), (509, 64), (8001, 128), (100001, 64), (4097, 1024)]
+# 1000003 rows: 4 CUDA step CTAs per partial row (the split schedule and its second kernel)
+DEVICE_SHAPES = [(0, 64), (1, 64), (509, 64), (8001, 128), (100001, 64), (4097, 1024), (1000003, 64)]
 
 
 @requires_device
@@ -707,6 +720,7 @@ def test_device_step_reduce_finalize(rows, cols, device, seed):
     p_from_fin = (table(rows, cols, seed + 3, dtype=BF16).float() * 0.999 - fin * 0.01).to(BF16)
     assert torch.equal(bits(pd), bits(p_from_fin))
     torch.testing.assert_close(colsq, part_ref.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(part, part_ref, rtol=1e-5, atol=1e-6)  # each worker's rows, whatever the schedule
     torch.testing.assert_close(fin, engram_sinkhorn_finalize_ref(a, r_ref, c, 1e-8, math.sqrt(cols)))
 
 

@@ -10,14 +10,15 @@ memory-bound at the optimizer's table sizes:
   (``__fmul_rn``/``__fadd_rn``) so that the result is the reference's, bit for bit, whatever nvcc would
   contract.
 * step: :data:`PLAN.ctas` CTAs (four per H200 SM), each owning a contiguous row range and writing one row of
-  column partials (no atomics). A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
-  power of two dividing ``D / 4`` up to a warp); the ``256 / G`` row groups of a CTA take every ``256 / G``-th
-  row of its range, and their column sums are added in group order through shared memory at the end. A
-  thread stages :func:`rows_in_flight` rows (up to 4 vectors) per iteration by ``cp.async`` (L2 evict-first) in
-  :func:`step_slots` private shared-memory slots, the next iterations' rows in flight while it reduces the
-  current ones; one lane per row copies the row's scale, which reaches the row's other lanes by a shuffle.
-  The rows' sums of squares are completed by xor shuffles that leave each lane one row's sum
-  (:func:`_scatter_macro`), so that one square root and division per lane serve all its rows.
+  column partials (no atomics); for long ranges :func:`step_split` CTAs share one in equal pieces, their rows
+  added in order by a second kernel. A row is read by ``G`` lanes of 4 columns (``G = 16`` or ``32``, the largest
+  power of two dividing ``D / 4`` up to a warp); the ``256 / G`` row groups of a CTA take every ``256 / G``-th row
+  of its range, and their column sums are added in group order through shared memory at the end. A thread stages
+  :func:`rows_in_flight` rows (up to 4 vectors) per iteration by ``cp.async`` (L2 evict-first) in
+  :func:`step_slots` private shared-memory slots, the next iterations' rows in flight while it reduces the current
+  ones; one lane per row copies the row's scale, which reaches the row's other lanes by a shuffle. The rows' sums
+  of squares are completed by xor shuffles that leave each lane one row's sum (:func:`_scatter_macro`), so that
+  one square root and division per lane serve all its rows.
 * step reduce: a CTA per :data:`PLAN.reduce_cols` columns; its threads stage chunks of
   :data:`PLAN.reduce_chunk` partial rows of those columns in shared memory (the loads of the whole CTA in
   flight at once), then a thread per column adds them in ascending order, one rounding per addition, and
@@ -43,6 +44,7 @@ __all__ = [
     "build_engram_sinkhorn_finalize_apply",
     "build_engram_sinkhorn_momentum_update",
     "build_engram_sinkhorn_step",
+    "build_engram_sinkhorn_step_combine",
     "build_engram_sinkhorn_step_reduce",
     "engram_sinkhorn_finalize",
     "engram_sinkhorn_finalize_key",
@@ -54,6 +56,7 @@ __all__ = [
     "engram_sinkhorn_step_reduce_key",
     "get_engram_sinkhorn_finalize_kernel",
     "get_engram_sinkhorn_momentum_update_kernel",
+    "get_engram_sinkhorn_step_combine_kernel",
     "get_engram_sinkhorn_step_kernel",
     "get_engram_sinkhorn_step_reduce_kernel",
     "lowering_cases",
@@ -61,6 +64,7 @@ __all__ = [
     "row_layout",
     "rows_in_flight",
     "step_slots",
+    "step_split",
 ]
 
 
@@ -80,6 +84,9 @@ class Plan:
     # NOTE 3 slots over 2: 9 % faster at R = 10^6, D = 128 (docs/perf/h200/engram.md)
     step_slots: int = 3  # step staging slots per thread: the rows of slots - 1 iterations ahead in flight
     step_staging: int = 48 << 10  # bytes of step staging per CTA at most (fewer slots, not fewer than 2, above)
+    # NOTE SMs stream at unequal rates: the scheduler hands fast ones more pieces (docs/perf/h100/engram.md)
+    step_split: int = 4  # step CTAs per partial row where split (their rows added in order by a second kernel)
+    step_split_rows: int = 448  # rows of a piece at least (one CTA per partial row below)
     # NOTE tuned at N = 256256 and 2560256 (4 x 128: 1.5-7 % faster) and 51.2e6 / 64e6 (1 x 256: up to 0.8 % faster)
     momentum_small: tuple[int, int] = (4, 128)  # (vectors per thread, threads) below momentum_small_numel
     momentum_large: tuple[int, int] = (1, 256)  # the same from momentum_small_numel elements on
@@ -108,6 +115,12 @@ def rows_in_flight(cols: int) -> int:
     and 128 (one vector per lane and row), 2 at D = 256, 1 from three vectors per lane (at most 32 row
     registers per thread)."""
     return max(1, min(4, PLAN.row_vectors // row_layout(cols)[1]))
+
+
+def step_split(rows: int) -> int:
+    """Step CTAs per partial row at ``R = rows``: :data:`PLAN.step_split` where each piece of a partial's rows
+    gets at least :data:`PLAN.step_split_rows` rows, else 1 (the CTA writes its partial row itself)."""
+    return PLAN.step_split if -(-rows // PLAN.ctas) >= PLAN.step_split * PLAN.step_split_rows else 1
 
 
 def step_slots(cols: int) -> int:
@@ -279,13 +292,15 @@ def _scatter_macro(T, cols: int):
 
 
 def engram_sinkhorn_step_key(matrix) -> tuple:
-    """``(D,)``; the row count is dynamic."""
-    return (int(matrix.shape[1]),)
+    """``(D, split)``: ``split`` where :func:`step_split` is above 1; the row count is dynamic."""
+    return (int(matrix.shape[1]), step_split(int(matrix.shape[0])) > 1)
 
 
-def build_engram_sinkhorn_step(cols: int):
+def build_engram_sinkhorn_step(cols: int, split: bool = False):
     """prim_func(matrix (R, D) f32, row_scale (R,) f32 in/out, col_scale (D,) f32, row_norm (R,) f32,
-    col_sumsq_partial (PLAN.ctas, D) f32, eps f32), ``R`` dynamic; ``D`` in ``limits.ENGRAM_SINKHORN_COLS``."""
+    col_sumsq_partial (PLAN.ctas, D) f32, eps f32), ``R`` dynamic; ``D`` in ``limits.ENGRAM_SINKHORN_COLS``.
+    With ``split``, col_sumsq_partial is (PLAN.ctas * S, D), ``S`` (:func:`step_split`) dynamic, and CTA
+    ``p * S + s`` takes piece ``s`` of partial ``p``'s rows."""
     from tilelang import language as T
 
     lanes, chunks, groups = row_layout(cols)
@@ -293,6 +308,7 @@ def build_engram_sinkhorn_step(cols: int):
     scatter_sumsq = _scatter_macro(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl, ctas, slots = 4 * chunks, rows_in_flight(cols), PLAN.ctas, step_slots(cols)
+    subs = T.dynamic("num_sub_partials") if split else ctas
 
     @T.macro
     def issue(matrix, row_scale, xs, rss, slot, first, hi, lane, tid):
@@ -319,10 +335,10 @@ def build_engram_sinkhorn_step(cols: int):
         row_scale: T.Tensor((rows,), f32),
         col_scale: T.Tensor((cols,), f32),
         row_norm: T.Tensor((rows,), f32),
-        col_sumsq_partial: T.Tensor((ctas, cols), f32),
+        col_sumsq_partial: T.Tensor((subs, cols), f32),
         eps: f32,
     ):
-        with T.Kernel(ctas, threads=PLAN.threads, prelude=CP_ASYNC_PRELUDE) as b:
+        with T.Kernel(subs, threads=PLAN.threads, prelude=CP_ASYNC_PRELUDE) as b:
             T.annotate_min_blocks_per_sm(PLAN.step_resident)
             tid = T.get_thread_binding()
             lane = tid % lanes
@@ -342,9 +358,21 @@ def build_engram_sinkhorn_step(cols: int):
                     cs[c * 4 + v] = col_scale[(c * lanes + lane) * 4 + v]
             for j in T.unroll(nv):
                 acc[j] = T.float32(0)
-            per = T.ceildiv(rows, ctas)
-            lo = T.min(b * per, rows)
-            hi = T.min(lo + per, rows)
+            if split:
+                # piece b % S of partial b // S's rows, once: the divisions would be repeated in every load index
+                lo = T.alloc_var(T.int32)
+                hi = T.alloc_var(T.int32)
+                per = T.alloc_var(T.int32)
+                pieces = subs // ctas
+                whole = T.ceildiv(rows, ctas)
+                start = T.min((b // pieces) * whole, rows)
+                per = T.ceildiv(whole, pieces)
+                lo = T.min(start + (b % pieces) * per, T.min(start + whole, rows))
+                hi = T.min(T.min(lo + per, start + whole), rows)
+            else:
+                per = T.ceildiv(rows, ctas)
+                lo = T.min(b * per, rows)
+                hi = T.min(lo + per, rows)
             for sl in T.unroll(slots - 1):
                 issue(matrix, row_scale, xs, rss, sl, lo + sl * groups * fl + grp, hi, lane, tid)
             for it in T.serial(T.ceildiv(per, groups * fl)):
@@ -400,10 +428,52 @@ def get_engram_sinkhorn_step_kernel(*key):
     return jit_compile("engram_sinkhorn_step", key, build_engram_sinkhorn_step(*key))
 
 
+def build_engram_sinkhorn_step_combine(cols: int):
+    """prim_func(sub_partial (PLAN.ctas * S, D) f32, col_sumsq_partial (PLAN.ctas, D) f32), ``S`` dynamic: row
+    ``p`` is ``sub[p S] + sub[p S + 1] + ...`` in that order, one rounding per addition; a thread per 4 columns."""
+    from tilelang import language as T
+
+    cols = ENGRAM_SINKHORN_COLS.require("engram_sinkhorn_step", cols)
+    f32 = T.float32
+    subs = T.dynamic("num_sub_partials")
+    ctas, threads, quads = PLAN.ctas, PLAN.threads, cols // 4
+
+    @T.prim_func
+    def engram_sinkhorn_step_combine_cuda(
+        sub_partial: T.Tensor((subs, cols), f32),
+        col_sumsq_partial: T.Tensor((ctas, cols), f32),
+    ):
+        with T.Kernel(T.ceildiv(ctas * quads, threads), threads=threads) as b:
+            acc = T.alloc_local((4,), f32)
+            split = subs // ctas
+            i = b * threads + T.get_thread_binding()
+            if i < ctas * quads:
+                for v in T.vectorized(4):
+                    acc[v] = sub_partial[(i // quads) * split, (i % quads) * 4 + v]
+                for k in T.serial(split - 1):
+                    for v in T.vectorized(4):
+                        acc[v] = acc[v] + sub_partial[(i // quads) * split + k + 1, (i % quads) * 4 + v]
+                for v in T.vectorized(4):
+                    col_sumsq_partial[i // quads, (i % quads) * 4 + v] = acc[v]
+
+    return engram_sinkhorn_step_combine_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def get_engram_sinkhorn_step_combine_kernel(cols: int):
+    """Compiled sub-partial sum of the step at ``D = cols``, built once per width."""
+    return jit_compile("engram_sinkhorn_step", (cols, "combine"), build_engram_sinkhorn_step_combine(cols))
+
+
 def engram_sinkhorn_step(matrix, row_scale, col_scale, eps, row_norm, col_sumsq_partial) -> None:
-    """matrix (R, D) f32, row_scale (R,) in/out, col_scale (D,), row_norm (R,) out, partials (PLAN.ctas, D) out."""
+    """matrix (R, D) f32, row_scale (R,) in/out, col_scale (D,), row_norm (R,) out, partials (PLAN.ctas, D) out;
+    where :func:`step_split` is above 1, the sub-partials go to a scratch buffer and a second kernel adds them."""
     kernel = get_engram_sinkhorn_step_kernel(*engram_sinkhorn_step_key(matrix))
-    kernel(matrix, row_scale, col_scale, row_norm, col_sumsq_partial, float(eps))
+    pieces = step_split(matrix.shape[0])
+    sub = col_sumsq_partial if pieces == 1 else matrix.new_empty((PLAN.ctas * pieces, matrix.shape[1]))
+    kernel(matrix, row_scale, col_scale, row_norm, sub, float(eps))
+    if pieces > 1:
+        get_engram_sinkhorn_step_combine_kernel(matrix.shape[1])(sub, col_sumsq_partial)
 
 
 # ---- step reduce ----------------------------------------------------------------------------------------
@@ -621,6 +691,8 @@ def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
         cases[f"{name}_small"] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_small)
     for cols in (64, 128):
         cases[f"engram_sinkhorn_step_d{cols}"] = build_engram_sinkhorn_step(cols)
+        cases[f"engram_sinkhorn_step_d{cols}_split"] = build_engram_sinkhorn_step(cols, True)
+        cases[f"engram_sinkhorn_step_d{cols}_combine"] = build_engram_sinkhorn_step_combine(cols)
         cases[f"engram_sinkhorn_step_reduce_d{cols}"] = build_engram_sinkhorn_step_reduce(cols)
         cases[f"engram_sinkhorn_finalize_d{cols}"] = build_engram_sinkhorn_finalize(cols)
     cases["engram_sinkhorn_finalize_apply_bf16_d64"] = build_engram_sinkhorn_finalize_apply(64, "bfloat16")
