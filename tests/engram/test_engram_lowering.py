@@ -77,8 +77,8 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, name):
 def test_both_backends_have_the_same_kernels():
     # the CUDA forward has no statistics-free variant (it always writes them): compare without that flag; the
     # CUDA reduction's vector schedule is a second kernel of the same op for aligned buffers, the CUDA momentum
-    # update's small-table plan one for small buffers, the CUDA step's split schedule and its sum of the pieces two
-    # of the step
+    # update's small-table plan one for small buffers, and the CUDA step has two more: its split schedule and the
+    # kernel that adds the pieces' rows
     def families(module):
         return sorted({re.sub(r"_(no)?save|_vector$|_small$|_split$|_combine$", "", name)
                        for name in module.lowering_cases(4096)})
