@@ -10,7 +10,8 @@ phase 3  -m benchmark -n <devices> (only with --benchmarks; no -n with one devic
 Each xdist worker gwK is bound to device K % <devices> by tests/_plugins/device.py. Defaults: N = devices x 4
 on an accelerator host, else the CPU count; M = the number of devices (1 without devices). A phase that
 selects no test (pytest exit 5) counts as passed; the exit code is 1 if any phase failed, else 0.
-Extra arguments go to every phase (the tests/ directory is added unless one of them is an existing path).
+Extra arguments go to every phase (the tests/ directory is added unless one of them is an existing path); an
+extra ``-m EXPR`` narrows each phase's selection (``-m device``: "(device) and (not benchmark and ...)").
 """
 
 from __future__ import annotations
@@ -47,23 +48,44 @@ def _absolute(extra: list[str]) -> list[str]:
     return out
 
 
+def _split_marker(extra: list[str]) -> tuple[str | None, list[str]]:
+    """``(EXPR, rest)``: the last ``-m EXPR`` / ``-mEXPR`` of the extra arguments (pytest keeps only the last,
+    which would replace a phase's own selection) and the other arguments."""
+    marker, rest, args = None, [], iter(extra)
+    for arg in args:
+        if arg == "-m":
+            marker = next(args, None)
+            if marker is None:
+                raise ValueError("run_tests: -m needs a marker expression")
+        elif arg.startswith("-m") and not arg.startswith("--"):
+            marker = arg[2:]
+        else:
+            rest.append(arg)
+    return marker, rest
+
+
 def phase_commands(workers: int, large_workers: int, devices: int, benchmarks: bool,
                    extra: list[str]) -> list[tuple[str, list[str]]]:
     base = [sys.executable, "-m", "pytest"]
+    user_marker, extra = _split_marker(extra)
     extra = _absolute(extra)
     if not any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in extra):
         extra = [str(TESTS), *extra]
     # loadgroup: tests of one xdist_group (e.g. one hidden size) share a worker and so its compiled kernels
     dist = ["--dist", "loadgroup"]
+
+    def select(marker: str) -> list[str]:
+        return ["-m", marker if user_marker is None else f"({user_marker}) and ({marker})"]
+
     phases = [
         ("phase 1: ordinary tests",
-         [*base, "-m", "not benchmark and not large_npu_mem", "-n", str(workers), *dist, *extra]),
+         [*base, *select("not benchmark and not large_npu_mem"), "-n", str(workers), *dist, *extra]),
         ("phase 2: large / unprofiled device memory",
-         [*base, "-m", "large_npu_mem and not benchmark", "-n", str(large_workers), *dist, *extra]),
+         [*base, *select("large_npu_mem and not benchmark"), "-n", str(large_workers), *dist, *extra]),
     ]
     if benchmarks:
         n = ["-n", str(devices)] if devices > 1 else []
-        phases.append(("phase 3: benchmarks, one worker per device", [*base, "-m", "benchmark", *n, *extra]))
+        phases.append(("phase 3: benchmarks, one worker per device", [*base, *select("benchmark"), *n, *extra]))
     return phases
 
 
@@ -80,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     workers = args.workers if args.workers is not None else (devices * 4 if devices else (os.cpu_count() or 1))
     large = args.large_workers if args.large_workers is not None else max(devices, 1)
+    try:
+        phases = phase_commands(workers, large, devices, args.benchmarks, extra)
+    except ValueError as exc:  # -m without an expression
+        parser.error(str(exc))
     failed = []
-    for title, cmd in phase_commands(workers, large, devices, args.benchmarks, extra):
+    for title, cmd in phases:
         print(f"=== {title}: {shlex.join(cmd)}", flush=True)
         if args.dry_run:
             continue

@@ -87,3 +87,23 @@ def test_relative_paths_are_resolved_where_the_command_runs(devices, monkeypatch
     cmds = _cmds(monkeypatch, ["--workers", "1", "test_limits.py::test_x", "-k", "y"])
     assert cmds[0][-3:] == [f"{TESTS_DIR / 'test_limits.py'}::test_x", "-k", "y"]
     assert str(TESTS_DIR) not in cmds[0][:-3]
+
+
+@pytest.mark.parametrize("marker", [["-m", "device"], ["-mdevice"]])
+def test_extra_marker_narrows_every_phase(devices, monkeypatch, marker):
+    """pytest keeps the last -m only: a user's marker is joined to each phase's selection, not left to replace
+    it (which would run the large-memory tests with the many workers of phase 1)."""
+    devices("cuda", 1)
+    cmds = _cmds(monkeypatch, ["--benchmarks", *marker, "-q"])
+    assert [c[:2] for c in cmds] == [["-m", "(device) and (not benchmark and not large_npu_mem)"],
+                                     ["-m", "(device) and (large_npu_mem and not benchmark)"],
+                                     ["-m", "(device) and (benchmark)"]]
+    assert all(c.count("-m") == 1 and c[-1] == "-q" for c in cmds)
+
+
+def test_marker_without_expression_is_an_error(devices, monkeypatch, capsys):
+    devices("none", 0)
+    monkeypatch.setattr(run_tests.subprocess, "call", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        run_tests.main(["-m"])
+    assert exc.value.code == 2 and "-m needs a marker expression" in capsys.readouterr().err
