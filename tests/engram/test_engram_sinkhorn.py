@@ -2,15 +2,21 @@
 
 CPU tier (the ops run their references, tests/engram/engram_ref.py): validation, the device-free CPU error,
 fakes, opcheck, torch.compile traces, the references against independent fp32/fp64 arithmetic, the optimizer
-against a plain PyTorch formulation of its update, determinism, zero rows, the state_dict round trip, and
-lowering of both backends at the widths the lowering suite skips. Device tier (skipped without a GPU/NPU):
+against a plain PyTorch formulation of its update, determinism, zero rows, the state_dict round trip, refused
+steps that change nothing (bitwise), the beta1/momentum alias under torch's schedulers, numpy numbers, bool-only
+flags and misuse named by function and argument, and lowering of both backends at the widths the lowering suite
+skips (DTensor tables: tests/test_dtensor.py). Device tier (skipped without a GPU/NPU):
 every op against its reference on the device and bitwise run to run, and the optimizer for a few steps.
 """
 
 import copy
 import io
 import math
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,7 +169,7 @@ def test_optimizer_takes_named_parameters_generators_and_keeps_the_callers_group
     opt = EngramSinkhorn(p for p in table.parameters())
     group = {"params": [torch.nn.Parameter(torch.randn(4, 64))], "momentum": 0.3}
     opt.add_param_group(group)
-    assert opt.param_groups[-1] is group and group["beta1"] == 0.3 and "momentum" not in group
+    assert opt.param_groups[-1] is group and group["beta1"] == group["momentum"] == 0.3
     assert len(opt.param_groups[0]["params"]) == 1
     with pytest.raises(ValueError, match="EngramSinkhorn: expected a table width"):
         EngramSinkhorn(torch.nn.Embedding(8, 100).named_parameters())
@@ -172,7 +178,7 @@ def test_optimizer_takes_named_parameters_generators_and_keeps_the_callers_group
 def test_optimizer_group_momentum_alias_and_gradient_kind():
     tables = [torch.nn.Parameter(torch.randn(4, 64)) for _ in range(2)]
     opt = EngramSinkhorn([{"params": [tables[0]], "momentum": 0.25}, {"params": [tables[1]]}], beta1=0.5)
-    assert [g["beta1"] for g in opt.param_groups] == [0.25, 0.5] and "momentum" not in opt.param_groups[0]
+    assert [(g["beta1"], g["momentum"]) for g in opt.param_groups] == [(0.25, 0.25), (0.5, 0.5)]
     tables[0].grad_dtype = None  # torch refuses a gradient of another dtype unless told
     tables[0].grad = torch.ones(4, 64, dtype=torch.int32)
     with pytest.raises(TypeError, match="EngramSinkhorn: expected a floating-point gradient, got torch.int32"):
@@ -553,6 +559,381 @@ def test_momentum_alias_and_defaults():
     assert group["alpha"] is None and group["weight_decay"] == 0.0
     opt.step()  # no gradient: nothing happens
     assert not opt.state
+
+
+# --- refusals change nothing; aliases, schedulers, numpy numbers, flags, misuse ----------------------------
+
+
+def _snapshot(opt):
+    """Everything a step may change, by value (bits) and identity: every table, every state entry, every group's
+    hyper-parameters (meta tensors by shape and dtype only)."""
+    def value(t):
+        if not isinstance(t, torch.Tensor):
+            return copy.deepcopy(t)
+        data = None if t.device.type == "meta" else bits(t.reshape(-1)).clone()
+        return (id(t), t.shape, t.dtype, str(t.device), data)
+
+    groups = [{k: (list(map(id, v)) if k == "params" and isinstance(v, list) else copy.deepcopy(v))
+               for k, v in g.items()} for g in opt.param_groups]
+    tables = [value(p) for g in opt.param_groups for p in (g.get("params") or []) if isinstance(p, torch.Tensor)]
+    state = {id(p): {k: value(v) for k, v in s.items()} for p, s in opt.state.items()}
+    return groups, tables, state
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b and type(a) is type(b)
+
+
+def _sparse_embedding_grad(opt, tables):
+    emb = torch.nn.Embedding(16, 64, sparse=True)
+    emb(torch.tensor([1, 5, 5])).sum().backward()
+    tables[1].grad = emb.weight.grad
+
+
+def _int_grad(opt, tables):
+    tables[1].grad_dtype = None  # torch refuses a gradient of another dtype unless told
+    tables[1].grad = torch.ones(16, 64, dtype=torch.int32)
+
+
+def _state(**entries):
+    def edit(opt, tables):
+        state = opt.state[tables[1]]
+        for key, make in entries.items():
+            if make is None:
+                del state[key]
+            else:
+                state[key] = make(tables[1])
+    return edit
+
+
+def _table_data(make):
+    def edit(opt, tables):
+        tables[1].data = make(tables[1])
+    return edit
+
+
+def _group(i, **values):
+    def edit(opt, tables):
+        opt.param_groups[i].update(values)
+    return edit
+
+
+# each: how the second table (param group 1, table 0) or its group goes wrong, the error, what it says. The first
+# table has a gradient and (after a first step) a momentum buffer and step count: both must stay as they were.
+_REFUSED_STEPS = {
+    "sparse gradient": (lambda opt, t: setattr(t[1], "grad", torch.randn(16, 64).to_sparse()), TypeError,
+                        r"expected a dense \(torch.strided\) gradient, got torch.sparse_coo "
+                        r".*\(param group 1, table 0\)"),
+    "nn.Embedding(sparse=True)": (_sparse_embedding_grad, TypeError, r"dense .* gradient, got torch.sparse_coo"),
+    "integer gradient": (_int_grad, TypeError, r"expected a floating-point gradient, got torch.int32 "
+                                               r"\(param group 1, table 0\)"),
+    "gradient of another shape": (_table_data(lambda p: torch.randn(8, 64)), ValueError,
+                                  r"gradient of the table's shape \(8, 64\), got \(16, 64\) "
+                                  r"\(param group 1, table 0\)"),
+    "buffer of another shape": (_state(momentum_buffer=lambda p: torch.zeros(8, 64)), ValueError,
+                                r"momentum_buffer of the table's shape \(16, 64\), got \(8, 64\)"),
+    "buffer of another dtype": (_state(momentum_buffer=lambda p: torch.zeros(16, 64, dtype=BF16)), TypeError,
+                                r"momentum_buffer of the table's dtype torch.float32, got torch.bfloat16"),
+    "buffer on another device": (_state(momentum_buffer=lambda p: torch.zeros(16, 64, device="meta")), ValueError,
+                                 r"momentum_buffer on the table's device cpu, got meta"),
+    "buffer not a tensor": (_state(momentum_buffer=lambda p: [0.0] * 64), TypeError,
+                            r"expected a tensor momentum_buffer, got list"),
+    "buffer not contiguous": (_state(momentum_buffer=lambda p: torch.zeros(64, 16).t()), ValueError,
+                              r"contiguous momentum_buffer"),
+    "buffer is the gradient": (_state(momentum_buffer=lambda p: p.grad), ValueError,
+                               r"momentum_buffer that shares no memory with the gradient"),
+    "buffer is the table": (_state(momentum_buffer=lambda p: p.detach()), ValueError,
+                            r"momentum_buffer that shares no memory with the table"),
+    "state without step": (_state(step=None), ValueError, r"state needs momentum_buffer and step, it has no step"),
+    "state without buffer": (_state(momentum_buffer=None), ValueError, r"it has no momentum_buffer"),
+    "step not a number": (_state(step=lambda p: "1"), TypeError, r"expected a step count .*, got str"),
+    "step of two elements": (_state(step=lambda p: torch.ones(2)), ValueError, r"one-element real step count"),
+    "table of another dtype": (_table_data(lambda p: p.detach().half()), TypeError,
+                               r"expected bf16 or fp32 tables, got torch.float16 \(param group 1, table 0\)"),
+    "table not contiguous": (_table_data(lambda p: torch.randn(64, 16).t()), ValueError, r"contiguous tables"),
+    "table misaligned": (_table_data(lambda p: torch.randn(16 * 64 + 1)[1:].view(16, 64)), ValueError,
+                         r"16-byte boundary"),
+    "a table twice": (lambda opt, t: opt.param_groups[1]["params"].append(t[0]), ValueError,
+                      r"a table appears twice .*\(param group 1, table 1\)"),
+    "params not tensors": (lambda opt, t: opt.param_groups[1]["params"].append("table"), TypeError,
+                           r"expected tensors \(tables\), got str 'table' \(param group 1, table 1\)"),
+    "params not a list": (_group(1, params=None), TypeError,
+                          r"list of tables under 'params', got None \(param group 1\)"),
+    "nesterov a numpy bool": (_group(1, nesterov=np.True_), TypeError,
+                              r"nesterov must be a bool, got numpy.bool .*\(param group 1\)"),
+    "nesterov an int": (_group(1, nesterov=1), TypeError, r"nesterov must be a bool, got int"),
+    "iters a numpy bool": (_group(1, sinkhorn_iters=np.True_), TypeError, r"sinkhorn_iters must be an int, got numpy"),
+    "lr a string": (_group(1, lr="0.1"), ValueError, r"lr must be .*got '0.1' \(param group 1\)"),
+    "momentum out of range": (_group(1, momentum=1.5), ValueError, r"momentum must be 0 or in .*, got 1.5"),
+    "beta1 and momentum both changed": (_group(1, beta1=0.5, momentum=0.4), ValueError,
+                                        r"beta1 0.5 and its alias momentum 0.4 differ \(param group 1\)"),
+    "eps missing": (lambda opt, t: opt.param_groups[1].pop("eps"), ValueError, r"eps is missing \(param group 1\)"),
+    "beta1 and momentum missing": (lambda opt, t: [opt.param_groups[1].pop(k) for k in ("beta1", "momentum")],
+                                   ValueError, r"beta1 \(or its alias momentum\) is missing"),
+}
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["with state", "first step"])
+@pytest.mark.parametrize("case", list(_REFUSED_STEPS))
+def test_a_refused_step_changes_nothing(case, fresh, seed):
+    """Every table, gradient, state and group is checked before the first op runs: whichever table is refused,
+    no table, momentum buffer, step count or group value changes (bitwise), the first table's included."""
+    edit, exc, match = _REFUSED_STEPS[case]
+    tables = [torch.nn.Parameter(table(16, 64, seed + k)) for k in range(2)]
+    opt = EngramSinkhorn([{"params": [tables[0]]}, {"params": [tables[1]]}], lr=0.1, sinkhorn_iters=2)
+    if not fresh:
+        for k, t in enumerate(tables):
+            t.grad = table(16, 64, seed + 10 + k)
+        opt.step()
+    elif "buffer" in case or "state" in case or "step" in case:
+        opt.state[tables[1]].update(momentum_buffer=torch.zeros(16, 64), step=torch.tensor(3.0))  # a loaded state
+    for k, t in enumerate(tables):
+        t.grad = table(16, 64, seed + 20 + k)
+    edit(opt, tables)
+    before = _snapshot(opt)
+    with pytest.raises(exc, match=rf"^EngramSinkhorn: .*{match}"):
+        opt.step()
+    assert _same(_snapshot(opt), before)
+
+
+def test_a_refused_step_on_a_device_without_kernels_changes_nothing():
+    """The package itself (no CPU references, a fresh process): a table on the meta device (its fake kernels
+    run) next to one on the CPU (no kernels) is refused before the meta table's state is registered."""
+    code = ("import torch\nfrom cann_ops_tilelang.optim import EngramSinkhorn\n"
+            "a = torch.nn.Parameter(torch.empty(4, 64, device='meta')); a.grad = torch.empty(4, 64, device='meta')\n"
+            "b = torch.nn.Parameter(torch.randn(4, 64)); b.grad = torch.randn(4, 64)\n"
+            "before = b.detach().clone()\nopt = EngramSinkhorn([a, b])\n"
+            "try:\n    opt.step()\nexcept RuntimeError as e:\n    print(repr(str(e)))\n"
+            "print(len(opt.state), torch.equal(b.detach(), before))\n"
+            "opt = EngramSinkhorn([a]); opt.step(); print(float(opt.state[a]['step']))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(ops.__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    message, unchanged, meta_alone = done.stdout.strip().splitlines()[-3:]
+    assert "EngramSinkhorn: no kernel for tensors on device 'cpu' (param group 0, table 1)" in message
+    assert unchanged == "0 True"  # no state registered for the meta table, the CPU table untouched
+    assert meta_alone == "1.0"  # the meta table alone goes through: the refusal was the CPU table's
+
+
+def _steps(opt, p, grads, before_each=None):
+    for k, g in enumerate(grads):
+        if before_each is not None:
+            before_each(k)
+        p.grad = g.clone()
+        opt.step()
+
+
+def test_momentum_set_on_a_group_is_used_and_kept_in_sync_with_beta1(seed):
+    """beta1 and its alias momentum: the one set since the last step wins (either), and the group holds the value
+    under both keys again after the step; both set to different values is refused; alike is fine."""
+    w, grads = table(32, 64, seed), [table(32, 64, seed + k) for k in range(1, 4)]
+    schedule = [0.5, 0.7, 0.2]
+    p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt, ref = EngramSinkhorn([p], lr=0.05), EngramSinkhorn([q], lr=0.05)
+    group = opt.param_groups[0]
+
+    def drive(k):  # step 0 through momentum, 1 through beta1, 2 through both alike
+        group.update({0: {"momentum": 0.5}, 1: {"beta1": 0.7}, 2: {"beta1": 0.2, "momentum": 0.2}}[k])
+
+    def reference(k):
+        ref.param_groups[0]["beta1"] = schedule[k]
+
+    for k, g in enumerate(grads):
+        _steps(opt, p, [g], lambda _: drive(k))
+        _steps(ref, q, [g], lambda _: reference(k))
+        assert group["beta1"] == group["momentum"] == schedule[k]
+        assert torch.equal(bits(p), bits(q))
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+    m = torch.zeros(32, 64)  # the momentum of the plain PyTorch model at those betas: bitwise
+    for g, beta1 in zip(grads, schedule):
+        _, m = engram_sinkhorn_update_model(g, m, beta1, True, 5, 1e-8, 8.0)
+    assert torch.equal(opt.state[p]["momentum_buffer"], m)
+    # the alias is not ignored: a run at the constructor's beta1 ends elsewhere
+    assert not torch.equal(bits(run_optimizer(w, grads, lr=0.05)[0]), bits(p))
+    group.update(beta1=0.3, momentum=0.4)
+    before = _snapshot(opt)
+    p.grad = grads[0].clone()
+    with pytest.raises(ValueError, match=r"EngramSinkhorn: beta1 0.3 and its alias momentum 0.4 differ"):
+        opt.step()
+    assert _same(_snapshot(opt), before)
+
+
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_torch_schedulers_cycle_beta1_through_momentum(scheduler, seed):
+    """torch's schedulers with cycle_momentum (they need "momentum" in the defaults and write group["momentum"])
+    drive the beta1 of the step: the same steps as an optimizer given each step's lr and beta1 by hand."""
+    from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
+
+    w, grads = table(32, 128, seed), [table(32, 128, seed + k) for k in range(1, 7)]
+    p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt, ref = EngramSinkhorn([p], lr=0.01, sinkhorn_iters=2), EngramSinkhorn([q], lr=0.01, sinkhorn_iters=2)
+    if scheduler == "OneCycleLR":
+        sched = OneCycleLR(opt, max_lr=0.05, total_steps=len(grads), cycle_momentum=True, base_momentum=0.5,
+                           max_momentum=0.95)
+    else:
+        sched = CyclicLR(opt, base_lr=0.001, max_lr=0.05, step_size_up=2, cycle_momentum=True, base_momentum=0.5,
+                         max_momentum=0.95)
+    used = []
+    for g in grads:
+        lr, beta1 = opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]
+        used.append(beta1)
+        ref.param_groups[0].update(lr=lr, beta1=beta1)
+        _steps(opt, p, [g])
+        _steps(ref, q, [g])
+        assert opt.param_groups[0]["beta1"] == beta1
+        sched.step()
+    assert len(set(used)) >= 3 and min(used) < 0.8, used  # the schedule moved beta1 away from its default
+    assert torch.equal(bits(p), bits(q))
+    assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+    m = torch.zeros(32, 128)  # the momentum of the plain PyTorch model at the scheduled betas: bitwise
+    for g, beta1 in zip(grads, used):
+        _, m = engram_sinkhorn_update_model(g, m, beta1, True, 2, 1e-8, math.sqrt(128))
+    assert torch.equal(opt.state[p]["momentum_buffer"], m)
+    fixed = torch.nn.Parameter(w.clone())  # beta1 left at its default: another momentum
+    plain = EngramSinkhorn([fixed], lr=0.01, sinkhorn_iters=2)
+    _steps(plain, fixed, grads)
+    assert not torch.equal(plain.state[fixed]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_a_state_dict_with_beta1_only_gets_momentum_on_load(seed):
+    """A state_dict saved before groups held the alias (beta1 only) loads; a scheduler's momentum then wins."""
+    p = torch.nn.Parameter(table(16, 64, seed))
+    saved = EngramSinkhorn([p], beta1=0.8).state_dict()
+    for key in ("momentum", "beta1_synced"):
+        del saved["param_groups"][0][key]
+    opt = EngramSinkhorn([p])
+    opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert group["beta1"] == group["momentum"] == 0.8
+    group["momentum"] = 0.3
+    p.grad = table(16, 64, seed + 1)
+    opt.step()
+    assert group["beta1"] == group["momentum"] == 0.3
+
+
+def test_numpy_numbers_are_numbers(seed):
+    """numpy scalars are taken as the ops take them (numbers.Real / numbers.Integral), used as the Python numbers
+    they equal, and stored as Python numbers (a state_dict loads with weights_only)."""
+    w, grads = table(48, 64, seed), [table(48, 64, seed + k) for k in (1, 2)]
+    given = dict(lr=np.float32(0.1), beta1=np.float64(0.8), sinkhorn_iters=np.int64(3), eps=np.float32(1e-8),
+                 alpha=np.float64(6.0), weight_decay=np.float32(0.01))
+    got, opt = run_optimizer(w, grads, **given)
+    want, _ = run_optimizer(w, grads, **{k: (int(v) if k == "sinkhorn_iters" else float(v)) for k, v in given.items()})
+    assert torch.equal(bits(got), bits(want))
+    group = opt.param_groups[0]
+    assert all(type(group[k]) is (int if k == "sinkhorn_iters" else float) for k in given)
+    assert group["lr"] == float(np.float32(0.1)) and group["momentum"] == 0.8
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == group["lr"]
+    # set later on a group (by hand or a scheduler) alike
+    p = torch.nn.Parameter(w.clone())
+    later = EngramSinkhorn([p])
+    later.param_groups[0].update(given, momentum=np.float64(0.8))
+    _steps(later, p, grads)
+    assert torch.equal(bits(p), bits(want)) and type(later.param_groups[0]["lr"]) is float
+    # the decay in doubles, as from Python floats (float32 arithmetic would round 1 - lr * wd otherwise)
+    assert EngramSinkhorn._hyper(later.param_groups[0], "").decay == 1.0 - float(np.float32(0.1)) * float(
+        np.float32(0.01))
+
+
+@pytest.mark.parametrize("value,got", [(np.True_, "numpy.bool True"), (np.False_, "numpy.bool False"), (1, "int 1"),
+                                       ("True", "str 'True'"), (None, "None")])
+def test_flags_take_bools_only(value, got):
+    """Named as _checks.describe names them (the type, and the value of a scalar): the same wording as the ops'."""
+    p = torch.nn.Parameter(torch.randn(4, 64))
+    match = rf"EngramSinkhorn: nesterov must be a bool, got {got}( \(param group \d\))?$"
+    with pytest.raises(TypeError, match=match):
+        EngramSinkhorn([p], nesterov=value)
+    opt = EngramSinkhorn([p])
+    with pytest.raises(TypeError, match=match):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 64))], "nesterov": value})
+    assert len(opt.param_groups) == 1
+    saved = opt.state_dict()
+    saved["param_groups"][0]["nesterov"] = value
+    opt.load_state_dict(saved)  # load_state_dict takes any values; the next step refuses them
+    p.grad = torch.randn(4, 64)
+    before = p.detach().clone()
+    with pytest.raises(TypeError, match=match):
+        opt.step()
+    assert not opt.state and torch.equal(p.detach(), before)
+
+
+_MISUSE = {  # name: (call, error, what it says)
+    "sinkhorn_update 1-D matrix": (lambda: sinkhorn_update(torch.randn(64), 2, 1e-8, 8.0), ValueError,
+                                   r"sinkhorn_update: matrix must be 2-D \(R, D\), got shape \(64,\)"),
+    "sinkhorn_update 3-D matrix": (lambda: sinkhorn_update(torch.randn(2, 4, 64), 2, 1e-8, 8.0), ValueError,
+                                   r"sinkhorn_update: matrix must be 2-D"),
+    "sinkhorn_update list matrix": (lambda: sinkhorn_update([[0.0] * 64], 2, 1e-8, 8.0), TypeError,
+                                    r"sinkhorn_update: matrix must be a torch.Tensor, got list"),
+    "sinkhorn_update fp64 matrix": (lambda: sinkhorn_update(torch.randn(4, 64).double(), 2, 1e-8, 8.0), TypeError,
+                                    r"sinkhorn_update: matrix must be torch.float32, got torch.float64"),
+    "sinkhorn_update negative iters": (lambda: sinkhorn_update(torch.randn(4, 64), -1, 1e-8, 8.0), ValueError,
+                                       r"sinkhorn_update: iters must be >= 0"),
+    "sinkhorn_update numpy bool iters": (lambda: sinkhorn_update(torch.randn(4, 64), np.True_, 1e-8, 8.0), TypeError,
+                                         r"sinkhorn_update: iters must be an int, got numpy.bool"),
+    "sinkhorn_update string eps": (lambda: sinkhorn_update(torch.randn(4, 64), 2, "1e-8", 8.0), TypeError,
+                                   r"sinkhorn_update: eps must be a real number, got str"),
+    "sinkhorn_update negative eps": (lambda: sinkhorn_update(torch.randn(4, 64), 2, -1e-8, 8.0), ValueError,
+                                     r"sinkhorn_update: eps must be >= 0"),
+    "sinkhorn_update infinite alpha": (lambda: sinkhorn_update(torch.randn(4, 64), 2, 1e-8, float("inf")), ValueError,
+                                       r"sinkhorn_update: alpha must be finite in fp32"),
+    "sinkhorn_update None alpha": (lambda: sinkhorn_update(torch.randn(4, 64), 2, 1e-8, None), TypeError,
+                                   r"sinkhorn_update: alpha must be a real number, got None$"),
+    "params an int": (lambda: EngramSinkhorn(5), TypeError, r"EngramSinkhorn: params must be an iterable .*, got int"),
+    "params a tensor": (lambda: EngramSinkhorn(torch.nn.Parameter(torch.randn(4, 64))), TypeError,
+                        r"EngramSinkhorn: params must be an iterable .*\(pass a list"),
+    "params a dict": (lambda: EngramSinkhorn({"params": []}), TypeError,
+                      r"EngramSinkhorn: params must be an iterable .*got dict"),
+    "params empty": (lambda: EngramSinkhorn([]), ValueError, r"EngramSinkhorn: params is empty"),
+    "params floats": (lambda: EngramSinkhorn([1.0, 2.0]), TypeError,
+                      r"EngramSinkhorn: expected tensors \(tables\), got float 1.0 \(param group 0, table 0\)"),
+    "group without params": (lambda: EngramSinkhorn([{"lr": 0.1}]), ValueError,
+                             r"EngramSinkhorn: a param group needs 'params'"),
+    "group params an int": (lambda: EngramSinkhorn([{"params": 3}]), TypeError,
+                            r"EngramSinkhorn: a group's params must be an iterable of tables, got int"),
+    "a table twice": (lambda: EngramSinkhorn([torch.nn.Parameter(torch.randn(4, 64))] * 2), ValueError,
+                      r"EngramSinkhorn: a table appears twice .*\(param group 0, table 1\)"),
+    "group a list": (lambda: EngramSinkhorn([torch.nn.Parameter(torch.randn(4, 64))]).add_param_group([]), TypeError,
+                     r"EngramSinkhorn: a param group must be a dict, got list"),
+    "closure a float": (lambda: EngramSinkhorn([torch.nn.Parameter(torch.randn(4, 64))]).step(closure=1.0), TypeError,
+                        r"EngramSinkhorn.step: closure must be callable or None, got float"),
+    "sinkhorn_iters a float": (lambda: EngramSinkhorn([torch.nn.Parameter(torch.randn(4, 64))], sinkhorn_iters=2.0),
+                               TypeError, r"EngramSinkhorn: sinkhorn_iters must be an int, got float"),
+}
+
+
+@pytest.mark.parametrize("case", list(_MISUSE))
+def test_python_level_misuse_names_the_function_and_the_argument(case):
+    call, exc, match = _MISUSE[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_a_loaded_group_without_a_key_is_refused_at_step_by_name(seed):
+    p = torch.nn.Parameter(table(4, 64, seed))
+    opt = EngramSinkhorn([p])
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["eps"]
+    opt.load_state_dict(saved)
+    p.grad = table(4, 64, seed + 1)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"EngramSinkhorn: eps is missing \(param group 0\)"):
+        opt.step()
+    assert not opt.state and torch.equal(p.detach(), before)
+
+
+def test_sinkhorn_update_takes_numpy_ints_and_floats(seed):
+    x = table(40, 64, seed)
+    want = sinkhorn_update(x, 3, 1e-8, 8.0)
+    assert torch.equal(sinkhorn_update(x, np.int64(3), np.float64(1e-8), np.float32(8.0)), want)
 
 
 # --- lowering at the widths and dtypes the lowering suite does not cover ----------------------------------
