@@ -283,6 +283,216 @@ def check_modeling_variants(mesh, rank: int) -> dict:
             "one_token": check_modeling_step(mesh, rank, tokens=1)}
 
 
+def check_modeling_batch_dims(mesh, rank: int) -> dict:
+    """Embeddings ``(B, S, H)`` sharded on B or S, evenly or not, through the mHC modules (expand_from_embedding,
+    MHCSublayer with an element-wise sublayer, MHCHead) and through the functions (mhc_pre with the link and the
+    pre mix, mhc_post, mhc_head, mhc_recompute_chunk), against the same calls on plain tensors. Where the
+    sharding does not flatten into a Shard(0) of the tokens the modeling layer gathers and slices back."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cann_ops_tilelang.modeling import (MHCHead, MHCSublayer, expand_from_embedding, mhc_head, mhc_post, mhc_pre,
+                                            mhc_recompute_chunk)
+
+    def sublayer(x):
+        return torch.tanh(x.float() * 2).to(x.dtype)
+
+    found = {}
+    for batch, seq, dim in ((3, 5, 0), (1, 7, 0), (2, 7, 1), (4, 3, 0)):  # the last: even, no gather
+        torch.manual_seed(0)
+        sub, head = MHCSublayer(MHC_HIDDEN, sublayer, norm_weight=True), MHCHead(MHC_HIDDEN, norm_weight=True)
+        embedding = torch.randn(batch, seq, MHC_HIDDEN).bfloat16()
+
+        def step(x):
+            for module in (sub, head):
+                module.zero_grad(set_to_none=True)
+            x = x.detach().requires_grad_()
+            out = head(sub(expand_from_embedding(x)))
+            residual = expand_from_embedding(x.detach())  # the functions, by hand
+            li, (post, comb), link, pre = mhc_pre(residual, sub.fn, sub.scale, sub.base, return_residual=True,
+                                                  return_pre_mix=True)
+            y = sublayer(li)
+            out2 = mhc_head(mhc_post(y, link, post, comb), head.fn, head.scale, head.base)
+            (out.float().square().sum() + out2.float().sum()).backward()
+            with torch.no_grad():
+                inputs, residuals = mhc_recompute_chunk(residual, [pre], [y], [post], [comb])
+            grads = [p.grad for m in (sub, head) for p in m.parameters()]
+            return [out, out2, inputs[0], residuals[0]], x.grad, grads
+
+        ref_outs, ref_grad, ref_pgrads = step(embedding)
+        for module in (sub, head):
+            distribute_module(module, mesh)
+        d_embedding = distribute_tensor(embedding, mesh, [Shard(dim)])
+        try:
+            with CommDebugMode() as comm:
+                outs, grad, pgrads = step(d_embedding)
+        except Exception as exc:  # reported per case by the test
+            found[f"{batch}x{seq}/S{dim}"] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        found[f"{batch}x{seq}/S{dim}"] = {
+            "placements": sorted({str(t.placements) for t in (*outs, grad)}),
+            "equal": [bool(torch.equal(t.full_tensor(), r)) for t, r in zip((*outs, grad), (*ref_outs, ref_grad))],
+            "param_grads_close": all(torch.allclose(g.full_tensor(), r, rtol=1e-2, atol=1e-4)
+                                     for g, r in zip(pgrads, ref_pgrads)),
+            "collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
+        }
+    # a plain main_grad on a DTensor parameter: the backward's add_ could not mix them, so the forward refuses it
+    sub.fn.main_grad = torch.zeros(sub.fn.shape)
+    try:
+        sub(expand_from_embedding(distribute_tensor(embedding, mesh, [Shard(0)]).requires_grad_()))
+        found["plain_main_grad"] = "accepted"
+    except TypeError as exc:
+        found["plain_main_grad"] = str(exc)
+    # a sharded DTensor main_grad: mhc_fn_normw_merge_backward's rule keeps it next to norm_weight's fresh
+    # (replicated) gradient in no strategy, so the backward would fail under the op's name; refused at the forward
+    sub.fn.main_grad = distribute_tensor(torch.zeros(sub.fn.shape), mesh, [Shard(0)])
+    try:
+        sub(expand_from_embedding(distribute_tensor(embedding, mesh, [Shard(0)]).requires_grad_()))
+        found["sharded_main_grad"] = "accepted"
+    except ValueError as exc:
+        found["sharded_main_grad"] = str(exc)
+    return found
+
+
+def check_sinkhorn_optimizer(mesh, rank: int) -> dict:
+    """EngramSinkhorn on tables sharded Shard(0) as FSDP2 shards them: (1, 64), fewer rows than ranks (rank 1 holds
+    none), and (15, 64) split 8 + 7, two steps each against the same steps on plain tensors; then tables and
+    gradients placed otherwise, refused by name before anything changes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cann_ops_tilelang.optim import EngramSinkhorn
+
+    kwargs = dict(lr=0.1, sinkhorn_iters=3, weight_decay=0.01)
+    out = {}
+    for rows in (1, TOKENS):
+        gen = torch.Generator().manual_seed(rows)
+        w = torch.randn(rows, 64, generator=gen)
+        grads = [torch.randn(rows, 64, generator=gen) for _ in range(2)]
+        p = torch.nn.Parameter(w.clone())
+        opt = EngramSinkhorn([p], **kwargs)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        dp = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
+        dopt = EngramSinkhorn([dp], **kwargs)
+        dgrads = [distribute_tensor(g, mesh, [Shard(0)]) for g in grads]
+        with CommDebugMode() as comm:
+            for g in dgrads:
+                dp.grad = g
+                dopt.step()
+        got, buffer = dp.full_tensor(), dopt.state[dp]["momentum_buffer"]
+        local_rows = [None] * WORLD
+        dist.all_gather_object(local_rows, dp.to_local().shape[0])
+        out[f"rows{rows}"] = {
+            "local_rows": local_rows, "placement": str(dp.placements), "buffer_placement": str(buffer.placements),
+            "table_equal": bool(torch.equal(got, p.detach())),
+            "table_close": bool(torch.allclose(got, p.detach(), rtol=RTOL, atol=ATOL)),
+            "max_abs_diff": (got - p.detach()).abs().max().item(),
+            "buffer_equal": bool(torch.equal(buffer.full_tensor(), opt.state[p]["momentum_buffer"])),
+            "step": float(dopt.state[dp]["step"]),
+            "collectives": {str(k): v for k, v in comm.get_comm_counts().items()}}
+
+    def refused(make) -> dict:
+        """``make() -> (optimizer or None, tables)``; the step (or the constructor) must refuse and change nothing."""
+        tables = []
+        try:
+            opt, tables = make()
+            before = [t.to_local().clone() for t in tables]
+            opt.step()
+            return {"raised": None}
+        except (TypeError, ValueError) as exc:
+            unchanged = all(torch.equal(t.to_local(), b) for t, b in zip(tables, before)) if tables else True
+            return {"raised": type(exc).__name__, "message": str(exc), "unchanged": unchanged,
+                    "no_state": not tables or not opt.state}
+
+    def table(rows, placements, on=mesh):
+        return torch.nn.Parameter(distribute_tensor(torch.randn(rows, 64), on, placements))
+
+    def column_sharded():
+        EngramSinkhorn([table(4, [Shard(1)])])
+
+    def replicated_grad():  # the first table is fine: it must not be updated either
+        a, b = table(TOKENS, [Shard(0)]), table(4, [Shard(0)])
+        a.grad = distribute_tensor(torch.randn(TOKENS, 64), mesh, [Shard(0)])
+        b.grad = distribute_tensor(torch.randn(4, 64), mesh, [Replicate()])
+        return EngramSinkhorn([a, b]), [a, b]
+
+    def other_mesh_grad():
+        a = table(4, [Shard(0)])
+        a.grad = distribute_tensor(torch.randn(4, 64), DeviceMesh("cpu", [[0, 1]]), [Replicate(), Shard(0)])
+        return EngramSinkhorn([a]), [a]
+
+    out["refusals"] = {"column_sharded": refused(column_sharded), "replicated_grad": refused(replicated_grad),
+                       "other_mesh_grad": refused(other_mesh_grad)}
+    return out
+
+
+def check_engram_gate_gathers(mesh, rank: int) -> dict:
+    """EngramGate (forward and backward, a mask) on inputs whose sharding does not flatten into a Shard(0) of the
+    tokens: a kv sharded on its last dim (a column-parallel projection's output), (B, S) leading dims sharded on S
+    or on B unevenly; and (4, 3) on B, which flattens as it is. Against the same step on plain tensors; then the
+    refusals of main_grad buffers that DTensor weights cannot use (a plain tensor, one buffer for both weights)."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cann_ops_tilelang.modeling import EngramGate
+
+    found = {}
+    for name, lead, x_dim, kv_dim in (("kv_last_dim", (TOKENS,), 0, 1), ("seq_uneven", (2, 7), 1, 1),
+                                      ("batch_uneven", (3, 5), 0, 0), ("batch_even", (4, 3), 0, 0)):
+        torch.manual_seed(0)
+        gate = EngramGate(ENGRAM_HIDDEN)
+        with torch.no_grad():
+            gate.weight_hidden.copy_(torch.rand_like(gate.weight_hidden) + 0.5)
+        x = torch.randn(*lead, 4, ENGRAM_HIDDEN).bfloat16()
+        kv = torch.randn(*lead, 5 * ENGRAM_HIDDEN).bfloat16()
+        mask = (torch.arange(x[..., 0, 0].numel()) % 3 == 1).view(lead)
+
+        def step(x, kv, mask):
+            gate.zero_grad(set_to_none=True)
+            x, kv = x.detach().requires_grad_(), kv.detach().requires_grad_()
+            out = gate(x, kv, mask)
+            out.float().square().sum().backward()
+            return [out, x.grad, kv.grad], [gate.weight_hidden.grad, gate.weight_embed.grad]
+
+        ref, ref_pgrads = step(x, kv, mask)
+        distribute_module(gate, mesh)
+        d_x, d_kv, d_mask = (distribute_tensor(t, mesh, [Shard(d)]) for t, d in ((x, x_dim), (kv, kv_dim),
+                                                                                  (mask, x_dim)))
+        try:
+            with CommDebugMode() as comm:
+                got, pgrads = step(d_x, d_kv, d_mask)
+        except Exception as exc:  # reported per case by the test
+            found[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        found[name] = {
+            # output and hidden_states' gradient like hidden_states, kv's gradient like kv
+            "placements": [str(t.placements) for t in got], "want": [str(d_x.placements)] * 2 + [str(d_kv.placements)],
+            "equal": [bool(torch.equal(t.full_tensor(), r)) for t, r in zip(got, ref)],
+            "param_grads_close": all(torch.allclose(g.full_tensor().float(), r.float(), rtol=1e-2, atol=1e-4)
+                                     for g, r in zip(pgrads, ref_pgrads)),
+            "collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
+        }
+    # main_grad buffers refused at the forward, before anything runs
+    gate = EngramGate(ENGRAM_HIDDEN)
+    distribute_module(gate, mesh)
+    x = distribute_tensor(torch.randn(TOKENS, 4, ENGRAM_HIDDEN).bfloat16(), mesh, [Shard(0)])
+    kv = distribute_tensor(torch.randn(TOKENS, 5 * ENGRAM_HIDDEN).bfloat16(), mesh, [Shard(0)])
+    shared = torch.zeros_like(gate.weight_hidden, dtype=torch.float32)
+    sharded = distribute_tensor(torch.zeros(gate.weight_hidden.shape), mesh, [Shard(0)])
+    for name, mains in (("plain", (torch.zeros(gate.weight_hidden.shape), None)), ("shared", (shared, shared)),
+                        ("sharded", (sharded, None))):
+        gate.weight_hidden.main_grad, gate.weight_embed.main_grad = mains
+        try:
+            gate(x, kv)
+            found[f"refused_{name}"] = {"raised": False}
+        except (TypeError, ValueError) as exc:
+            found[f"refused_{name}"] = {"raised": True, "kind": type(exc).__name__, "message": str(exc)}
+    return found
+
+
 def worker(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh
@@ -305,7 +515,10 @@ def worker(rank: int, init: str, out: str) -> None:
             except Exception as exc:  # reported per op by the test, not fatal to the other ops
                 report["errors"][f"{name}/{index}"] = f"{type(exc).__name__}: {exc}"
     for key, check in (("fallback_refusal", check_fallback_and_refusal), ("modeling", check_modeling_step),
-                       ("modeling_variants", check_modeling_variants)):
+                       ("modeling_variants", check_modeling_variants),
+                       ("modeling_batch_dims", check_modeling_batch_dims),
+                       ("engram_gate_gathers", check_engram_gate_gathers),
+                       ("sinkhorn_optimizer", check_sinkhorn_optimizer)):
         try:
             report[key] = check(mesh, rank)
         except Exception as exc:
@@ -467,6 +680,76 @@ def test_modeling_step_with_main_grads_and_with_fewer_tokens_than_ranks(report):
         assert all(g["close"] for g in step["param_grads"].values()), (name, step["param_grads"])
         assert {g["placement"] for g in step["param_grads"].values()} == {"(Replicate(),)"}, name
     assert "c10d_functional.all_gather_into_tensor" not in report["modeling_variants"]["main_grad"]["collectives"]
+
+
+def test_modeling_with_batch_dims_sharded_unevenly(report):
+    """(B, S) leading dims sharded where DTensor cannot flatten them into a Shard(0) of the tokens (B = 3 or 1 on
+    2 ranks, or S sharded): the modules and functions gather those dims and slice the results back, so every
+    result keeps the input's placement and equals the unsharded call bit for bit (the same tokens, computed
+    whole on each rank). An even Shard(0) of B flattens as it is: no gather."""
+    assert "modeling_batch_dims" in report, report["errors"].get("modeling_batch_dims")
+    found = report["modeling_batch_dims"]
+    assert found.pop("plain_main_grad") == ("cann_ops_tilelang::modeling.mhc_pre: argument 'fn.main_grad': expected "
+                                            "a DTensor like the parameter, got a plain tensor")
+    assert found.pop("sharded_main_grad") == ("cann_ops_tilelang::modeling.mhc_pre: argument 'fn.main_grad': expected "
+                                              "a replicated DTensor (Replicate on every mesh dim), got placements "
+                                              "(Shard(dim=0),)")
+    assert sorted(found) == ["1x7/S0", "2x7/S1", "3x5/S0", "4x3/S0"], found
+    for case, result in found.items():
+        assert "error" not in result, (case, result)
+        assert result["placements"] == [f"(Shard(dim={case[-1]}),)"], (case, result)
+        assert all(result["equal"]) and result["param_grads_close"], (case, result)
+    for case in ("1x7/S0", "2x7/S1", "3x5/S0"):
+        assert found[case]["collectives"].get("c10d_functional.all_gather_into_tensor", 0) > 0, found[case]
+    assert "c10d_functional.all_gather_into_tensor" not in found["4x3/S0"]["collectives"], found["4x3/S0"]
+
+
+def test_sinkhorn_optimizer_on_row_sharded_tables(report):
+    """EngramSinkhorn on FSDP2-style Shard(0) tables (docs/ops/engram.md#sinkhorn): each rank updates its rows and
+    only the column sums of squares are all-reduced (once per Sinkhorn round, never a gather). With one row on two
+    ranks the other rank's sums are zeros, so the update is bitwise the unsharded one; 8 + 7 rows add the ranks'
+    sums in another order (fp32 tolerance). The momentum is element-wise: bitwise in both."""
+    assert "sinkhorn_optimizer" in report, report["errors"].get("sinkhorn_optimizer")
+    got = report["sinkhorn_optimizer"]
+    for key, local_rows in (("rows1", [1, 0]), (f"rows{TOKENS}", [8, 7])):
+        run = got[key]
+        assert run["local_rows"] == local_rows, run
+        assert run["placement"] == run["buffer_placement"] == "(Shard(dim=0),)", run
+        assert run["buffer_equal"] and run["step"] == 2.0, run
+        assert run["collectives"] == {"c10d_functional.all_reduce": 2 * 3}, run  # 2 steps of 3 rounds
+        assert run["table_close"], run
+    assert got["rows1"]["table_equal"], got["rows1"]
+    expected = {"column_sharded": "expected a DTensor table Replicate or Shard(0) on every mesh dim",
+                "replicated_grad": "expected a gradient placed as the table",
+                "other_mesh_grad": "expected a gradient placed as the table"}
+    for case, text in expected.items():
+        refusal = got["refusals"][case]
+        assert refusal["raised"] == "ValueError" and refusal["message"].startswith(f"EngramSinkhorn: {text}"), refusal
+        assert refusal["unchanged"] and refusal["no_state"], refusal
+
+
+def test_engram_gate_gathers_what_does_not_flatten(report):
+    """kv sharded on its last dim, (B, S) sharded on S or on B unevenly: gathered where needed (no DTensor error),
+    results equal to the unsharded step and in the inputs' placements; an even B flattens as it is (no gather)."""
+    assert "engram_gate_gathers" in report, report["errors"].get("engram_gate_gathers")
+    found = report["engram_gate_gathers"]
+    for name in ("kv_last_dim", "seq_uneven", "batch_uneven", "batch_even"):
+        case = found[name]
+        assert "error" not in case, (name, case)
+        assert case["equal"] == [True, True, True] and case["param_grads_close"], (name, case)
+        assert case["placements"] == case["want"], (name, case)
+    assert "c10d_functional.all_gather_into_tensor" not in found["batch_even"]["collectives"], found["batch_even"]
+    plain, shared, sharded = found["refused_plain"], found["refused_shared"], found["refused_sharded"]
+    assert plain["raised"] and plain["kind"] == "TypeError", plain
+    # one wording with mHC's (modeling._buffers.honoured_main_grad)
+    assert "modeling.engram_gate: argument 'weight_hidden.main_grad': expected a DTensor like the parameter" in \
+        plain["message"], plain
+    assert sharded["raised"] and sharded["kind"] == "ValueError", sharded
+    assert "modeling.engram_gate: argument 'weight_hidden.main_grad': expected a replicated DTensor" in \
+        sharded["message"], sharded
+    assert shared["raised"] and shared["kind"] == "ValueError", shared
+    assert "modeling.engram_gate: argument 'weight_embed'" in shared["message"] and \
+        "'weight_hidden'" in shared["message"], shared
 
 
 def test_the_distributed_run_is_quick(report):

@@ -206,6 +206,7 @@ def test_parameters_and_initialization(seed):
     assert module.conv.dilation == (3,) and module.conv.padding == (9,)
     assert module.offsets.tolist() == [sum(SIZES[:i]) for i in range(len(SIZES))]
     assert module.offsets.dtype == torch.int32
+    assert module.sizes.tolist() == SIZES and module.sizes.dtype == torch.int32
     for p in (module.gate.weight_hidden, module.gate.weight_embed, module.conv_norm_weight):
         assert torch.equal(p, torch.ones_like(p))
     assert all(p.dtype == torch.bfloat16 for p in module.parameters())
@@ -251,6 +252,8 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: Engram(HIDDEN, SIZES, conv_eps=float("nan"), **SMALL), ValueError, "'conv_eps': expected a number"),
         (lambda: Engram(HIDDEN, ["a"] * 8, **SMALL), TypeError, "'table_sizes': expected an int, got str"),
         (lambda: Engram(HIDDEN, 8, **SMALL), TypeError, "'table_sizes': expected a sequence of ints"),
+        # the n-gram windows of hash_ids are checked under the method's name (the caller called hash_ids)
+        (lambda: module.hash_ids(ids[..., 0], torch.tensor([3, 5, 7]), 0.5), TypeError, "'pad_id': expected an int"),
     ]
     for call, kind, match in cases:
         with pytest.raises(kind, match=f"{prefix} {match}"):
@@ -260,7 +263,6 @@ def test_bad_inputs_name_the_module_and_argument(seed):
         (lambda: ngram_token_ids(ids.float(), 3, 0), TypeError, "'token_ids'"),
         (lambda: ngram_token_ids(ids, "3", 0), TypeError, "'max_ngram_size': expected an int"),
         (lambda: ngram_token_ids(ids, 3, 2**40), ValueError, "'pad_id': expected an int32 token id"),
-        (lambda: module.hash_ids(ids[..., 0], torch.tensor([3, 5, 7]), 0.5), TypeError, "'pad_id': expected an int"),
     ]:
         with pytest.raises(kind, match=f"{prefix} {match}"):
             call()
@@ -274,6 +276,222 @@ def test_bad_inputs_name_the_module_and_argument(seed):
     ]:
         with pytest.raises(kind, match=f"{prefix} {match}"):
             call()
+
+
+# --- the modeling API's checks: the caller's names, before anything is built ----------------------------
+
+GATE = "cann_ops_tilelang::modeling.engram_gate: argument"
+
+
+def gate_leaves(tokens, seed):
+    """Inputs of ``modeling.engram_gate`` (kv flat per token) and its two weights as parameters."""
+    x, kv, wh, we, _ = make_inputs(tokens, HIDDEN, generator=gen(seed))
+    return x, kv.view(tokens, -1), torch.nn.Parameter(wh), torch.nn.Parameter(we)
+
+
+def test_gate_main_grads_that_overlap_are_refused_at_the_forward(seed):
+    """Two weights sharing a main_grad (one buffer, or overlapping views of one bucket), or a main_grad on the bytes
+    of an input: a ValueError at the forward naming engram_gate and the user's arguments; nothing is written. Views
+    of one bucket that do not intersect are fine and give what separate buffers give."""
+    x, kv, wh, we = gate_leaves(6, seed)
+    bucket = torch.zeros(12, HIDDEN)
+    on_kv = kv.view(torch.float32).reshape(-1)[: 4 * HIDDEN].view(4, HIDDEN)  # fp32 view of kv's bytes
+    for main_h, main_e, match in (
+        (bucket[0:4], bucket[0:4], "'weight_embed': expected a main_grad of its own, got one that overlaps the "
+                                   "main_grad of 'weight_hidden'"),
+        (bucket[0:4], bucket[3:7], "'weight_embed': expected a main_grad of its own, got one that overlaps the "
+                                   "main_grad of 'weight_hidden'"),
+        (on_kv, None, "'weight_hidden': expected a main_grad that shares no memory with the call's tensors, got one "
+                      "that overlaps 'kv'"),
+    ):
+        kv_before = kv.clone()
+        wh.main_grad = main_h
+        we.main_grad = main_e
+        with pytest.raises(ValueError, match=f"{GATE} {match}"):
+            engram_gate(x, kv, wh, we)
+        assert not bucket.any() and torch.equal(kv, kv_before) and wh.grad is None and we.grad is None
+    go = torch.randn(x.shape, generator=gen(seed + 1)).bfloat16()
+    results = []
+    for mains in ((bucket[0:4], bucket[4:8]), (torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN))):
+        wh.main_grad, we.main_grad = mains
+        engram_gate(x, kv, wh, we).backward(go)
+        results.append([m.clone() for m in mains])
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][0].any() and not bucket[8:].any()
+
+
+def test_gate_main_grad_of_the_wrong_kind_is_refused_at_the_forward(seed):
+    x, kv, wh, we = gate_leaves(6, seed)
+    for bad, kind, match in (
+        ([0.0] * 4, TypeError, "expected a torch.Tensor, got list"),
+        # one wording with the mHC parameters' (modeling._buffers.honoured_main_grad)
+        (torch.zeros(4, HIDDEN, dtype=torch.bfloat16), ValueError,
+         "expected a contiguous fp32 buffer of the parameter's shape"),
+        (torch.zeros(4, 2 * HIDDEN), ValueError,
+         r"expected a contiguous fp32 buffer of the parameter's shape \(4, 512\)"),
+        (torch.zeros(4, HIDDEN, device="meta"), ValueError,
+         "expected a contiguous fp32 buffer .* on cpu, got .* on meta"),
+        (torch.zeros(HIDDEN, 4).t(), ValueError,
+         r"expected a contiguous fp32 buffer .*, got torch.float32 \(4, 512\) on cpu, not contiguous "
+         r"\(strides \(1, 4\)\)"),
+    ):
+        we.main_grad = bad
+        with pytest.raises(kind, match=f"{GATE} 'weight_embed.main_grad': {match}"):
+            engram_gate(x, kv, wh, we)  # the forward, not the backward
+        assert wh.grad is None and we.grad is None
+
+
+def test_gate_flags_take_bools_only(seed):
+    import numpy as np
+
+    x, kv, wh, we = gate_leaves(4, seed)
+    for bad, got in ((np.bool_(True), "numpy.bool True"), (np.bool_(False), "numpy.bool False"), (1, "int 1"),
+                     ("True", "str 'True'"), (None, "None")):
+        with pytest.raises(TypeError, match=f"{GATE} 'residual': expected a bool, got {got}"):
+            engram_gate(x, kv, wh, we, residual=bad)
+    assert wh.grad is None
+    # the op's Python function: every flag, numpy bools named as such
+    x3, kv3, wf = x, kv.view(4, 5, HIDDEN), engram_fused_weight_ref(wh.detach(), we.detach())
+    for flags in ({"save_for_backward": np.bool_(True)}, {"inplace": np.bool_(False)}, {"residual": np.bool_(True)}):
+        (arg,) = flags
+        with pytest.raises(TypeError, match=f"engram_gate_fwd: argument '{arg}': expected a bool, got numpy.bool"):
+            ops.engram_gate_fwd(x3, kv3, wf, EPS, CLAMP, **flags)
+
+
+def test_gate_misuse_names_the_function_and_the_argument(seed):
+    """Every argument of ``modeling.engram_gate``: a TypeError or ValueError naming the function and the argument
+    the caller passed (never the fused weight or the flat views built from them, never an AttributeError)."""
+    x, kv, wh, we = gate_leaves(6, seed)
+    plain = torch.randn(2, 3, HIDDEN).bfloat16()  # (B, S, H): no stream dim
+    cases = [
+        ((x, kv, None, we), {}, TypeError, "'weight_hidden': expected a torch.Tensor"),
+        ((x, kv, wh, None), {}, TypeError, "'weight_embed': expected a torch.Tensor"),
+        ((x, kv, wh, [[1.0]]), {}, TypeError, "'weight_embed': expected a torch.Tensor"),
+        ((x, kv, wh.float(), we), {}, TypeError, "'weight_hidden': expected torch.bfloat16"),
+        ((x, kv, torch.ones(4, 2 * HIDDEN).bfloat16(), we), {}, ValueError,
+         r"'weight_hidden': expected shape \(4, 512\) \(m, H of hidden_states \(6, 4, 512\)\), got \(4, 1024\)"),
+        ((x, kv, wh, we.detach().t().contiguous().t()), {}, ValueError, "'weight_embed': expected a contiguous"),
+        ((x, kv, wh, we.detach().to("meta")), {}, ValueError, "'weight_embed': expected a tensor on cpu"),
+        ((None, kv, wh, we), {}, TypeError, "'hidden_states': expected a torch.Tensor"),
+        ((x.float(), kv, wh, we), {}, TypeError, "'hidden_states': expected torch.bfloat16"),
+        ((x[0, 0], kv, wh, we), {}, ValueError, r"'hidden_states': expected shape \(\*, m, H\)"),
+        ((plain, kv, wh, we), {}, ValueError,
+         r"'hidden_states': expected shape \(\*, m, H\) with m = hc_mult = 4 hidden streams \(those of the mHC "
+         r"residual\) in dim -2, got shape \(2, 3, 512\) \(m = 3\); .*expand_from_embedding"),
+        ((x[..., :256], kv, wh, we), {}, ValueError,
+         r"'hidden_states': expected shape \(\*, m, H\) with H a hidden size a multiple of 256 in \[512, 8192\]"),
+        ((x, None, wh, we), {}, TypeError, "'kv': expected a torch.Tensor"),
+        ((x, kv.float(), wh, we), {}, TypeError, "'kv': expected torch.bfloat16"),
+        ((x, kv.view(6, 5, HIDDEN), wh, we), {}, ValueError,
+         r"'kv': expected shape \(6, 2560\), i.e. \(\*, \(m \+ 1\)·H\): per token the m = 4 keys then the value, "
+         r"flat, .* got \(6, 5, 512\) \(a \(\*, m \+ 1, H\) kv: pass kv.flatten\(-2\)\)"),
+        ((x, kv[:3], wh, we), {}, ValueError, r"'kv': expected shape \(6, 2560\)"),
+        ((x, kv.to("meta"), wh, we), {}, ValueError, "'kv': expected a tensor on cpu"),
+        ((x, kv, wh, we), {"image_token_mask": [True] * 6}, TypeError, "'image_token_mask': expected a torch.Tensor"),
+        ((x, kv, wh, we), {"image_token_mask": torch.zeros(6)}, TypeError, "'image_token_mask': expected torch.bool"),
+        ((x, kv, wh, we), {"image_token_mask": torch.zeros(1, 6, dtype=torch.bool)}, ValueError,
+         r"'image_token_mask': expected shape \(6,\)"),
+        ((x, kv, wh, we), {"image_token_mask": torch.zeros(6, dtype=torch.bool, device="meta")}, ValueError,
+         "'image_token_mask': expected a tensor on cpu"),
+        ((x, kv, wh, we), {"clamp_value": "1e-6"}, TypeError, "'clamp_value': expected a float"),
+        ((x, kv, wh, we), {"clamp_value": 0.0}, ValueError, "'clamp_value': expected a number > 0"),
+        ((x, kv, wh, we), {"eps": None}, TypeError, "'eps': expected a float"),
+        ((x, kv, wh, we), {"eps": -1.0}, ValueError, "'eps': expected a number >= 0"),
+    ]
+    for args, kwargs, kind, match in cases:
+        with pytest.raises(kind, match=f"{GATE} {match}") as info:
+            engram_gate(*args, **kwargs)
+        assert "weight_fused" not in str(info.value)
+    assert wh.grad is None and we.grad is None
+
+
+def test_gate_module_checks_its_sizes_against_the_input(seed):
+    x, kv, _, _ = gate_leaves(6, seed)
+    module = EngramGate(HIDDEN)
+    wide = torch.randn(6, 4, 1024).bfloat16()
+    prefix = "cann_ops_tilelang::modeling.EngramGate: argument"
+    for args, kind, match in (
+        ((wide, torch.randn(6, 5 * 1024).bfloat16()), ValueError,
+         r"'hidden_states': expected shape \(\*, 4, 512\): the module's hc_mult = 4 hidden streams of its hidden "
+         r"size 512, got shape \(6, 4, 1024\) \(4 streams of hidden size 1024\)$"),
+        ((torch.randn(2, 3, HIDDEN).bfloat16(), kv), ValueError,
+         r"'hidden_states': expected shape \(\*, 4, 512\).*\(3 streams of hidden size 512\); .*expand_from_embedding"),
+        ((x, kv[:, :2048]), ValueError, r"'kv': expected shape \(\*, 2560\): per token the module's 4 keys then"),
+        ((x, kv.view(6, 5, HIDDEN)), ValueError, r"'kv': .* pass kv.flatten\(-2\)"),
+    ):
+        with pytest.raises(kind, match=f"{prefix} {match}"):
+            module(*args)
+    for device, kind in (("nope", ValueError), (1.5, TypeError)):
+        with pytest.raises(kind, match=f"{prefix} 'device'"):
+            EngramGate(HIDDEN, device=device)
+
+
+def test_layer_misuse_names_the_layer_and_the_argument(seed):
+    module = make_module(seed)
+    x, ids, _ = layer_inputs(module, (2,), 4, seed)
+    tokens = torch.zeros(2, 4, dtype=torch.int32)
+    mult = torch.tensor([3, 5, 7])
+    prefix = "cann_ops_tilelang::modeling.Engram: argument"
+    for call, kind, match in (
+        (lambda: Engram(HIDDEN, "abcdefgh", **SMALL), TypeError, "'table_sizes': expected a sequence of ints, got str"),
+        (lambda: Engram(HIDDEN, dict.fromkeys(SIZES, 1), **SMALL), TypeError,
+         "'table_sizes': expected a sequence of ints, got dict"),
+        (lambda: Engram(HIDDEN, torch.tensor(SIZES, dtype=torch.float32), **SMALL), TypeError,
+         "'table_sizes': expected a sequence of ints or a 1-D integer tensor, got a 1-D torch.float32 tensor"),
+        (lambda: Engram(HIDDEN, None, **SMALL), TypeError, "'table_sizes': expected a sequence of ints, got None$"),
+        (lambda: Engram(HIDDEN, SIZES, device="nope", **SMALL), ValueError, "'device'"),
+        (lambda: module.gated_value(x.float(), ids), TypeError, "'hidden_states': expected torch.bfloat16"),
+        (lambda: module.gated_value(x, None), TypeError, "'hash_ids': expected a torch.Tensor"),
+        (lambda: module.short_conv(None), TypeError, "'value': expected a torch.Tensor"),
+        (lambda: module.short_conv(x[..., :256]), ValueError, r"'value': expected shape \(\*, L, 4, 512\)"),
+        (lambda: module.hash_ids([[1, 2]], mult, 0), TypeError, "'token_ids': expected an int32 or int64"),
+        (lambda: module.hash_ids(tokens, mult, 2**40), ValueError, "'pad_id': expected an int32 token id"),
+        (lambda: module.hash_ids(tokens, mult, None), TypeError, "'pad_id': expected an int"),
+        (lambda: module.hash_ids(tokens, None, 0), TypeError, "'multipliers': expected a torch.Tensor"),
+        # the op's element limit, under the caller's argument (meta tensors: nothing is allocated)
+        (lambda: module.hash_ids(torch.zeros(2**28, dtype=torch.int32, device="meta"), mult.to("meta"), 0),
+         ValueError, r"'token_ids': expected fewer than 2\*\*31 rows in all"),
+    ):
+        with pytest.raises(kind, match=f"{prefix} {match}"):
+            call()
+    # a 1-D integer tensor of sizes is a sequence of ints
+    assert Engram(HIDDEN, torch.tensor(SIZES), **SMALL).table_sizes == tuple(SIZES)
+
+
+def test_numpy_scalars_are_taken_as_the_ops_take_them(seed):
+    """numpy numbers (numbers.Real / numbers.Integral) work wherever Python numbers do, with the same results, and
+    the modules keep Python numbers."""
+    import numpy as np
+
+    x, kv, wh, we = gate_leaves(6, seed)
+    go = torch.randn(x.shape, generator=gen(seed + 1)).bfloat16()
+    outs = []
+    for clamp, eps in ((np.float32(1e-6), np.float64(1e-5)), (float(np.float32(1e-6)), 1e-5)):
+        wh.grad = we.grad = None
+        xr = x.clone().requires_grad_()
+        out = engram_gate(xr, kv, wh, we, clamp, eps)
+        out.backward(go)
+        outs.append([out, xr.grad, wh.grad, we.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    gate = EngramGate(np.int64(HIDDEN), np.int64(4), np.float32(1e-6), np.float64(1e-6))
+    assert [type(v) for v in (gate.hidden_size, gate.hc_mult, gate.clamp_value, gate.eps)] == [int, int, float, float]
+    plain_gate = EngramGate(HIDDEN, 4, float(np.float32(1e-6)), 1e-6)
+    with torch.no_grad():
+        assert torch.equal(gate(x, kv), plain_gate(x, kv))
+    torch.manual_seed(seed)
+    layer = Engram(np.int64(HIDDEN), np.array(SIZES), hc_mult=np.int64(4), max_ngram_size=np.int64(3),
+                   n_embed_per_ngram=np.int64(64), n_head_per_ngram=np.int32(4), conv_kernel_size=np.int64(4),
+                   clamp_value=np.float32(1e-6), gate_eps=np.float32(1e-6), conv_eps=np.float64(1e-5))
+    assert "np." not in repr(layer) and type(layer.max_ngram_size) is int and type(layer.gate.eps) is float
+    torch.manual_seed(seed)
+    plain = Engram(HIDDEN, SIZES, **SMALL, clamp_value=float(np.float32(1e-6)), gate_eps=float(np.float32(1e-6)))
+    xs, ids, _ = layer_inputs(plain, (2,), 5, seed)
+    with torch.no_grad():
+        assert torch.equal(layer(xs, ids), plain(xs, ids))
+    tokens = torch.randint(0, 1000, (2, 7), generator=gen(seed), dtype=torch.int32)
+    mult = torch.tensor([3, 5, 7])
+    assert torch.equal(layer.hash_ids(tokens, mult, np.int64(2)), plain.hash_ids(tokens, mult, 2))
+    assert torch.equal(ngram_token_ids(tokens, np.int64(3), np.int32(-5)), ngram_token_ids(tokens, 3, -5))
 
 
 # --- n-gram windows and the hash helper ----------------------------------------------------------------
@@ -320,6 +538,26 @@ def test_hash_helper_matches_the_demo_hash(seed):
             j = (n - 2) * 4 + e
             want.append(torch.remainder(mix, SIZES[j]) + int(module.offsets[j]))
     assert rows.dtype == torch.int32 and torch.equal(rows.long(), torch.stack(want, -1))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_hash_ids_compiled_fullgraph_equals_eager(device, seed):
+    """:meth:`Engram.hash_ids` traced whole (``fullgraph=True``): the table sizes are a buffer made at construction,
+    not a tensor made in the traced call (a real meta tensor among the fake ones, which failed on meta). On meta
+    (a layer moved there by ``.to``) the eager result's shape and dtype; on the CPU (the test references) its bits.
+    The buffer is not in the ``state_dict`` (checkpoints keep their keys)."""
+    module = make_module(seed).to(device)
+    assert module.sizes.device.type == device and module.sizes.dtype == torch.int32
+    assert "sizes" not in module.state_dict() and "offsets" not in module.state_dict()
+    tokens = torch.randint(0, 129280, (2, 9), generator=gen(seed), dtype=torch.int32).to(device)
+    multipliers = (torch.randint(0, 2**20, (3,), generator=gen(seed + 1), dtype=torch.int64) * 2 + 1).to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(module.hash_ids, backend="aot_eager", fullgraph=True)
+    want, got = module.hash_ids(tokens, multipliers, pad_id=2), compiled(tokens, multipliers, pad_id=2)
+    assert got.shape == want.shape == (2, 9, len(SIZES)) and got.dtype == want.dtype == torch.int32
+    assert got.device.type == device
+    if device == "cpu":
+        assert torch.equal(got, want)
 
 
 # --- the gate without its residual ----------------------------------------------------------------------

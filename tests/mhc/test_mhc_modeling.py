@@ -457,3 +457,396 @@ def test_modules_check_their_arguments_and_inputs():
     with pytest.raises(TypeError, match=r"modeling.mhc_head: argument 'base_head.main_grad': expected a "
                                         r"torch.Tensor, got list"):
         head(residual)
+
+
+# --- main_grad buffers that overlap ------------------------------------------------------------------------------
+
+
+def _zero_main_grads(module):
+    for param in module.parameters():
+        param.main_grad = torch.zeros_like(param)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", ["two main_grads", "the parameter itself", "another parameter", "the residual"])
+def test_overlapping_main_grads_are_refused_at_the_forward(device, case):
+    """Two gradients added into one buffer (or into a tensor the graph saved) are refused before anything runs,
+    naming the parameters as the caller knows them; the buffers are left as they were (metadata only: on meta
+    too)."""
+    block = modeling.MHCSublayer(H, torch.nn.Identity(), norm_weight=True, device=device)
+    _zero_main_grads(block)
+    residual = residual_of(5, H, 0, "cpu").to(device).requires_grad_(True)
+    if case == "two main_grads":
+        block.base.main_grad = block.fn.main_grad.view(-1)[:M3]
+        match = r"modeling.mhc_pre: argument 'base': expected a main_grad of its own, got one that overlaps the " \
+                r"main_grad of 'fn'"
+    elif case == "the parameter itself":
+        block.norm_weight.main_grad = block.norm_weight.data
+        match = r"modeling.mhc_pre: argument 'norm_weight': expected a main_grad that shares no memory with the " \
+                r"call's tensors, got one that overlaps the parameter's own data"
+    elif case == "another parameter":
+        block.scale.main_grad = block.base.data[4:7]
+        match = r"modeling.mhc_pre: argument 'scale': expected a main_grad that shares no memory .* overlaps 'base'"
+    else:
+        storage = torch.zeros(5 * M * H, dtype=torch.bfloat16, device=device)
+        residual = storage.view(5, M, H).requires_grad_(True)
+        block.scale.main_grad = storage.detach().view(torch.float32)[:3]
+        match = r"modeling.mhc_pre: argument 'scale': expected a main_grad that shares no memory .* overlaps " \
+                r"'residual'"
+    before = {name: p.main_grad.clone() for name, p in block.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        block(residual)
+    with pytest.raises(ValueError, match=match):  # the function, with the same parameters
+        modeling.mhc_pre(residual, block.fn, block.scale, block.base, norm_weight=block.norm_weight)
+    if device == "cpu":
+        assert all(torch.equal(p.main_grad, before[n]) and p.grad is None for n, p in block.named_parameters())
+
+
+def test_overlapping_main_grads_of_the_head_are_named_as_mhc_head_names_them():
+    head = modeling.MHCHead(H, norm_weight=True)
+    _zero_main_grads(head)
+    head.norm_weight.main_grad = head.fn.main_grad.view(-1)[M * H:2 * M * H]
+    residual = residual_of(5, H, 0, "cpu")
+    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'norm_weight': expected a main_grad of its "
+                                         r"own, got one that overlaps the main_grad of 'fn_head'"):
+        head(residual)
+    head.norm_weight.main_grad = torch.zeros_like(head.norm_weight)
+    head.base.main_grad = head.scale.main_grad.expand(M)  # a stride-0 view of scale_head's: not contiguous
+    with pytest.raises(ValueError, match=r"modeling.mhc_head: argument 'base_head.main_grad': expected a contiguous"):
+        head(residual)
+    head.base.main_grad = torch.zeros(M + 1)[1:]  # a buffer of its own at an offset: fine
+    head(residual).float().sum().backward()
+    assert head.base.grad is None and head.base.main_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_main_grads_as_disjoint_views_of_one_flat_buffer(device, seed):
+    """Megatron's layout: every main_grad a view into one flat fp32 buffer, none overlapping; each gets its own
+    gradient, bitwise the .grad of the same step without main_grads. A frozen parameter's main_grad is not
+    written, so it may alias another one's."""
+    block = modeling.MHCSublayer(H, Sublayer(H, seed, device), norm_weight=True, device=device)
+    residual = residual_of(9, H, seed, device).requires_grad_(True)
+    block(residual).float().square().sum().backward()
+    params = [block.fn, block.scale, block.base, block.norm_weight]
+    plain = [p.grad.clone() for p in params]
+    flat = torch.zeros(sum(p.numel() for p in params), device=device)
+    offset = 0
+    for p in params:
+        p.grad = None
+        p.main_grad = flat[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    block(residual).float().square().sum().backward()
+    for p, want in zip(params, plain):
+        assert p.grad is None and torch.equal(p.main_grad, want)
+    block.scale.requires_grad_(False)
+    block.scale.main_grad = block.fn.main_grad.view(-1)[:3]  # never written: not refused
+    block(residual)
+
+
+# --- flags take bools ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,got", [("False", r"str 'False'"), (1, r"int 1"), (None, r"None"),
+                                       ("numpy", r"numpy\.bool_? True")])
+def test_flags_take_bools_only(value, got):
+    import numpy as np
+
+    value = np.bool_(True) if value == "numpy" else value
+    p = params(H, 0, "cpu")
+    residual = residual_of(3, H, 0, "cpu")
+    for call, where in [(lambda: modeling.MHCSublayer(H, torch.nn.Identity(), norm_weight=value),
+                         "MHCSublayer: argument 'norm_weight'"),
+                        (lambda: modeling.MHCHead(H, norm_weight=value), "MHCHead: argument 'norm_weight'"),
+                        (lambda: modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], return_residual=value),
+                         "mhc_pre: argument 'return_residual'"),
+                        (lambda: modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], return_pre_mix=value),
+                         "mhc_pre: argument 'return_pre_mix'")]:
+        with pytest.raises(TypeError, match=rf"modeling.{where}: expected a bool, got {got}"):
+            call()
+    assert modeling.MHCSublayer(H, torch.nn.Identity(), norm_weight=False).norm_weight is None
+    assert len(modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], return_pre_mix=False)) == 2
+
+
+# --- Python-level misuse -----------------------------------------------------------------------------------------
+
+
+def test_every_argument_of_the_modules_is_checked_at_construction():
+    identity = torch.nn.Identity()
+    for kwargs, exc, match in [
+        (dict(sublayer=None), TypeError, r"MHCSublayer: argument 'sublayer': expected an nn.Module or a callable, "
+                                         r"got None$"),
+        (dict(sublayer=3), TypeError, r"MHCSublayer: argument 'sublayer': expected an nn.Module or a callable"),
+        (dict(hidden_size="256"), TypeError, r"MHCSublayer: argument 'hidden_size': expected an int, got str"),
+        (dict(hidden_size=256.0), TypeError, r"MHCSublayer: argument 'hidden_size': expected an int, got float"),
+        (dict(hidden_size=None), TypeError, r"MHCSublayer: argument 'hidden_size': expected an int"),
+        (dict(hc_mult="4"), TypeError, r"MHCSublayer: argument 'hc_mult': expected an int"),
+        (dict(eps="1e-6"), TypeError, r"MHCSublayer: argument 'eps': expected a float"),
+        (dict(post_mult_value=None), TypeError, r"MHCSublayer: argument 'post_mult_value': expected a float"),
+        (dict(sinkhorn_repeat=20.0), TypeError, r"MHCSublayer: argument 'sinkhorn_repeat': expected an int"),
+        (dict(device=3.5), TypeError, r"MHCSublayer: argument 'device': expected a torch.device, a str, an int "
+                                      r"or None, got float"),
+        (dict(device="gpu0"), ValueError, r"MHCSublayer: argument 'device': expected a device such as 'cpu'"),
+    ]:
+        args = dict(hidden_size=H, sublayer=identity)
+        args.update(kwargs)
+        with pytest.raises(exc, match=rf"cann_ops_tilelang::modeling.{match}"):
+            modeling.MHCSublayer(args.pop("hidden_size"), args.pop("sublayer"), **args)
+    for kwargs, exc, match in [(dict(hidden_size="256"), TypeError, r"'hidden_size': expected an int, got str"),
+                               (dict(device=[0]), TypeError, r"'device': expected a torch.device"),
+                               (dict(eps=None), TypeError, r"'eps': expected a float")]:
+        args = dict(hidden_size=H)
+        args.update(kwargs)
+        with pytest.raises(exc, match=rf"modeling.MHCHead: argument {match}"):
+            modeling.MHCHead(args.pop("hidden_size"), **args)
+    # any callable is a sublayer (kept as it is, not registered as a submodule)
+    block = modeling.MHCSublayer(H, lambda x: x, device=torch.device("cpu"))
+    assert block(residual_of(3, H, 0, "cpu")).shape == (3, M, H)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda x: (x, x), TypeError, r"expected its output to be a torch.Tensor like its input \(2, 3, 256\) bf16, "
+                                  r"got tuple"),
+    (lambda x: None, TypeError, r"expected its output to be a torch.Tensor .* got None$"),
+    (lambda x: x[:1], ValueError, r"expected its output of its input's shape \(2, 3, 256\), got \(1, 3, 256\)"),
+    (lambda x: x.reshape(6, 256), ValueError, r"expected its output of its input's shape \(2, 3, 256\), got "
+                                              r"\(6, 256\)"),
+    (lambda x: x.float(), TypeError, r"expected its output in torch.bfloat16 \(its input's dtype\), got "
+                                     r"torch.float32"),
+    (lambda x: x.to("meta"), ValueError, r"expected its output on cpu \(its input's device\), got meta"),
+])
+def test_a_wrong_sublayer_output_is_named_as_the_sublayers(bad, exc, match):
+    block = modeling.MHCSublayer(H, bad)
+    with pytest.raises(exc, match=rf"modeling.MHCSublayer: argument 'sublayer': {match}"):
+        block(residual_of(6, H, 0, "cpu").view(2, 3, M, H))
+
+
+def test_wrong_kinds_of_arguments_get_clean_errors_naming_the_function_and_argument():
+    p = params(H, 0, "cpu")
+    residual = residual_of(3, H, 0, "cpu")
+    block, head = modeling.MHCSublayer(H, torch.nn.Identity()), modeling.MHCHead(H)
+    li, (post, comb), pre = modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], return_pre_mix=True)
+    for call, exc, match in [
+        (lambda: block(None), TypeError, r"MHCSublayer: argument 'residual': expected a torch.Tensor, got None$"),
+        (lambda: block(residual.tolist()), TypeError, r"MHCSublayer: argument 'residual': expected a torch.Tensor"),
+        (lambda: block(residual[0, 0]), ValueError, r"MHCSublayer: argument 'residual': expected \(\*, m, H\)"),
+        (lambda: block(residual.float()), TypeError, r"MHCSublayer: argument 'residual': expected bf16"),
+        (lambda: head(3.0), TypeError, r"MHCHead: argument 'residual': expected a torch.Tensor, got float"),
+        (lambda: head(residual[:, :2]), ValueError, r"MHCHead: argument 'residual': expected hc_mult 4"),
+        (lambda: modeling.mhc_head(None, head.fn, head.scale, head.base), TypeError,
+         r"mhc_head: argument 'residual': expected a torch.Tensor"),
+        (lambda: modeling.mhc_head(residual, head.fn, head.scale, head.base, norm_weight=1.0), TypeError,
+         r"mhc_head: argument 'norm_weight': expected a torch.Tensor, got float"),
+        (lambda: modeling.mhc_head(residual, head.fn, head.scale, head.base, n_splits="8"), TypeError,
+         r"mhc_head: argument 'n_splits': expected an int"),
+        (lambda: modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], sinkhorn_repeat=None), TypeError,
+         r"mhc_pre: argument 'sinkhorn_repeat': expected an int"),
+        (lambda: modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], norm_eps="0"), TypeError,
+         r"mhc_pre: argument 'norm_eps': expected a float"),
+        (lambda: modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], post_mult_value=None), TypeError,
+         r"mhc_pre: argument 'post_mult_value': expected a float"),
+        (lambda: modeling.mhc_post(li, None, post, comb), TypeError,
+         r"mhc_post: argument 'residual': expected a torch.Tensor"),
+        (lambda: modeling.mhc_post(li, residual, (post,), comb), TypeError,
+         r"mhc_post: argument 'post_mix': expected a torch.Tensor, got tuple"),
+        (lambda: modeling.expand_from_embedding(li, hc_mult=None), TypeError,
+         r"expand_from_embedding: argument 'hc_mult': expected an int"),
+        (lambda: modeling.mhc_recompute_chunk(None, [pre], [li], [post], [comb]), TypeError,
+         r"mhc_recompute_chunk: argument 'residual': expected a torch.Tensor"),
+        (lambda: modeling.mhc_recompute_chunk(residual, [pre], [li], [post], comb), TypeError,
+         r"mhc_recompute_chunk: argument 'comb_mixes': expected a list of tensors, got torch.Tensor$"),
+        (lambda: modeling.mhc_recompute_chunk(residual, [pre], [li], [post, post], [comb]), ValueError,
+         r"mhc_recompute_chunk: argument 'post_mixes': expected as many tensors as layer_outputs \(1\), got 2"),
+        (lambda: modeling.mhc_recompute_chunk(residual, [pre], [li], [post], []), ValueError,
+         r"mhc_recompute_chunk: argument 'comb_mixes': expected as many tensors as layer_outputs \(1\), got 0"),
+        (lambda: modeling.mhc_recompute_chunk(residual, [pre], [li, li], [post], [comb]), ValueError,
+         r"mhc_recompute_chunk: argument 'layer_outputs': expected L - 1 or L = 1 tensors \(L: pre_mixes\), got 2"),
+        (lambda: modeling.mhc_recompute_chunk(residual, [pre, None], [li], [post], [comb]), TypeError,
+         r"mhc_recompute_chunk: argument 'pre_mixes\[1\]': expected a torch.Tensor, got None$"),
+    ]:
+        with pytest.raises(exc, match=rf"cann_ops_tilelang::modeling.{match}"):
+            call()
+
+
+# --- errors name what the caller passed ------------------------------------------------------------------------
+
+
+def test_wrong_parameters_are_named_as_passed_never_as_the_merged_weight():
+    """With or without gradients, with a norm weight (merged into fn before any kernel): the argument named is
+    the caller's, and a width that disagrees with the residual's H says so with the residual's shape."""
+    p = params(H, 0, "cpu", norm_weight=True)
+    residual = residual_of(3, H, 0, "cpu")
+    wide = residual_of(3, 2 * H, 0, "cpu")
+    context = r"\(m\*H = 4\*256, from residual of shape \(3, 4, 256\)\)"
+    head = modeling.MHCHead(H, norm_weight=True)
+    for grad in (False, True):
+        fn = p["fn"].clone().requires_grad_(grad)
+        for kwargs, match in [
+            (dict(fn=fn[:, :512]), rf"'fn': expected shape \(24, 1024\) {context}, got \(24, 512\)"),
+            (dict(fn=fn[:20]), rf"'fn': expected shape \(24, 1024\) {context}, got \(20, 1024\)"),
+            (dict(scale=p["scale"][:2]), r"'scale': expected shape \(3,\), got \(2,\)"),
+            (dict(base=p["base"][:4]), r"'base': expected shape \(24,\), got \(4,\)"),
+            (dict(norm_weight=p["norm_weight"][:512]), rf"'norm_weight': expected shape \(1024,\) {context}, got "
+                                                       r"\(512,\)"),
+            (dict(residual=wide), r"'fn': expected shape \(24, 2048\) \(m\*H = 4\*512, from residual of shape "
+                                  r"\(3, 4, 512\)\), got \(24, 1024\)"),
+        ]:
+            args = dict(residual=residual, fn=fn, scale=p["scale"], base=p["base"], norm_weight=p["norm_weight"])
+            args.update(kwargs)
+            with pytest.raises(ValueError, match=rf"modeling.mhc_pre: argument {match}"):
+                modeling.mhc_pre(args.pop("residual"), args.pop("fn"), args.pop("scale"), args.pop("base"), **args)
+        for kwargs, match in [
+            (dict(fn_head=head.fn[:3]), rf"'fn_head': expected shape \(4, 1024\) {context}, got \(3, 1024\)"),
+            (dict(scale_head=head.base), r"'scale_head': expected shape \(1,\), got \(4,\)"),
+            (dict(base_head=head.scale), r"'base_head': expected shape \(4,\), got \(1,\)"),
+            (dict(norm_weight=head.fn), r"'norm_weight': expected shape \(1024,\), got \(4, 1024\)"),
+            (dict(residual=wide), r"'fn_head': expected shape \(4, 2048\) \(m\*H = 4\*512, from residual of shape "
+                                  r"\(3, 4, 512\)\), got \(4, 1024\)"),
+        ]:
+            args = dict(residual=residual.requires_grad_(grad), fn_head=head.fn, scale_head=head.scale,
+                        base_head=head.base, norm_weight=head.norm_weight)
+            args.update(kwargs)
+            with pytest.raises(ValueError, match=rf"modeling.mhc_head: argument {match}"):
+                modeling.mhc_head(args.pop("residual"), args.pop("fn_head"), args.pop("scale_head"),
+                                  args.pop("base_head"), **args)
+        residual = residual.detach()
+    # mhc_post's tensors against the residual they are checked with
+    li, (post, comb) = modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"])
+    with pytest.raises(ValueError, match=r"modeling.mhc_post: argument 'layer_output': expected shape \(3, 512\) "
+                                         r"\(from residual of shape \(3, 4, 512\)\), got \(3, 256\)"):
+        modeling.mhc_post(li, wide, post, comb)
+    # a module whose residual has another H names the residual and the module's hidden size
+    with pytest.raises(ValueError, match=r"modeling.MHCHead: argument 'residual': expected the module's hidden size "
+                                         r"256 in the last dim, got shape \(3, 4, 512\)"):
+        head(wide)
+
+
+# --- numpy scalars -------------------------------------------------------------------------------------------
+
+
+def test_numpy_scalars_are_numbers_as_for_the_ops(seed):
+    """numpy integers and floats are accepted where the ops accept them, with bitwise the results of the same
+    Python numbers; the modules keep Python numbers (so a compiled module sees constants); a numpy float is no
+    int, and a numpy bool no number."""
+    import numpy as np
+
+    p = params(H, seed, "cpu", norm_weight=True)
+    residual = residual_of(7, H, seed, "cpu")
+    plain = dict(norm_eps=1e-6, pre_eps=1e-5, sinkhorn_eps=1e-6, post_mult_value=2.0, sinkhorn_repeat=10, n_splits=8)
+    numpy = dict(norm_eps=np.float32(1e-6), pre_eps=np.float64(1e-5), sinkhorn_eps=np.float32(1e-6),
+                 post_mult_value=np.float32(2.0), sinkhorn_repeat=np.int32(10), n_splits=np.int64(8))
+    for grad in (False, True):
+        fn = p["fn"].clone().requires_grad_(grad)
+        want = modeling.mhc_pre(residual, fn, p["scale"], p["base"], norm_weight=p["norm_weight"], **plain)
+        got = modeling.mhc_pre(residual, fn, p["scale"], p["base"], norm_weight=p["norm_weight"], **numpy)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1][1], got[1][1])
+    head = modeling.MHCHead(H)
+    assert torch.equal(modeling.mhc_head(residual, head.fn, head.scale, head.base, norm_eps=1e-6, n_splits=8),
+                       modeling.mhc_head(residual, head.fn, head.scale, head.base, norm_eps=np.float32(1e-6),
+                                         n_splits=np.int64(8)))
+    block = modeling.MHCSublayer(np.int64(H), torch.nn.Identity(), np.int64(M), post_mult_value=np.float32(2.0),
+                                 sinkhorn_repeat=np.int32(10), eps=np.float32(1e-6), n_splits=np.int64(8))
+    values = (block.hidden_size, block.hc_mult, block.post_mult_value, block.sinkhorn_repeat, block.eps,
+              block.n_splits)
+    assert [type(v) for v in values] == [int, int, float, int, float, int]
+    head = modeling.MHCHead(np.int16(H), np.int64(M), eps=np.float32(1e-6), n_splits=np.uint8(8))
+    assert type(head.hidden_size) is int and type(head.eps) is float and type(head.n_splits) is int
+    assert modeling.expand_from_embedding(residual[:, 0], np.int64(M)).shape == (7, M, H)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(residual), block(residual))
+    with pytest.raises(TypeError, match=r"modeling.mhc_pre: argument 'n_splits': expected an int, got "
+                                        r"(numpy\.)?float64"):
+        modeling.mhc_pre(residual, p["fn"], p["scale"], p["base"], n_splits=np.float64(8))
+    with pytest.raises(TypeError, match=r"modeling.MHCSublayer: argument 'eps': expected a float, got (numpy\.)?bool"):
+        modeling.MHCSublayer(H, torch.nn.Identity(), eps=np.bool_(False))
+
+
+# --- extra arguments of the sublayer -------------------------------------------------------------------------------
+
+
+class MaskedSublayer(torch.nn.Module):
+    """A sublayer with the signature of an attention block: ``forward(x, mask, *, positions=None)``."""
+
+    def __init__(self, hidden, seed, device):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed + 4)
+        self.weight = torch.nn.Parameter((torch.randn(hidden, hidden, generator=gen) / hidden**0.5).to(device))
+
+    def forward(self, x, mask, *, positions=None):
+        y = torch.tanh(x.float() @ self.weight) * mask.unsqueeze(-1)
+        if positions is not None:
+            y = y + positions.unsqueeze(-1) * 1e-2
+        return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extra_arguments_reach_the_sublayer_eager_and_compiled(device, seed):
+    """``MHCSublayer.forward(residual, *args, **kwargs)`` calls ``sublayer(layer_input, *args, **kwargs)``: the
+    same result and gradients as mhc_pre → sublayer → mhc_post by hand, and the same under torch.compile
+    (aot_eager, fullgraph) with a tensor keyword argument."""
+    sub = MaskedSublayer(H, seed, device)
+    block = modeling.MHCSublayer(H, sub, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    residual = residual_of(10, H, seed, device).view(2, 5, M, H)
+    mask = (torch.rand(2, 5, generator=gen) > 0.3).float().to(device)
+    positions = torch.arange(10.0).view(2, 5).to(device)
+
+    def by_hand(r):
+        li, (post, comb), linked = modeling.mhc_pre(r, block.fn, block.scale, block.base, return_residual=True)
+        return modeling.mhc_post(sub(li, mask, positions=positions), linked, post, comb)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (by_hand, lambda r: block(r, mask, positions=positions),
+               lambda r: compiled(r, mask, positions=positions)):
+        for param in block.parameters():
+            param.grad = None
+        r = residual.clone().requires_grad_(True)
+        out = fn(r)
+        out.float().square().sum().backward()
+        results.append((out, r.grad, [param.grad for param in block.parameters()]))
+    for out, grad, grads in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(grad, results[0][1])
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0][2]))
+    # the arguments changed the result: the sublayer got them
+    assert not torch.equal(block(residual, mask), results[0][0])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'position'"):  # the sublayer's own error
+        block(residual, mask, position=positions)
+
+
+# --- errors under torch.compile ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_checks_under_torch_compile_raise_as_documented(device):
+    """docs/ops/mhc.md#modeling: a modeling-level check that fails while Dynamo traces (fullgraph=True) surfaces as
+    torch._dynamo.exc.Unsupported ("Observed exception"), its message holding the check's own; without fullgraph
+    Dynamo runs that frame eagerly and the TypeError/ValueError itself comes out."""
+    p = {k: v.to(device) for k, v in params(H, 0, "cpu").items()}
+    residual = residual_of(5, H, 0, "cpu").to(device)
+    block = modeling.MHCSublayer(H, lambda x: x[:1], device=device)
+    cases = [
+        (lambda r: modeling.mhc_pre(r, p["fn"], p["scale"][:2], p["base"]), ValueError,
+         r"modeling.mhc_pre: argument 'scale': expected shape \(3,\), got \(2,\)"),
+        (lambda r: modeling.mhc_pre(r, p["fn"], p["scale"], p["base"], return_pre_mix="False"), TypeError,
+         r"modeling.mhc_pre: argument 'return_pre_mix': expected a bool"),
+        (lambda r: modeling.mhc_post(r[:, 0].float(), r, r[..., :1].float(), r[..., :M].float()), TypeError,
+         r"modeling.mhc_post: argument 'layer_output': expected torch.bfloat16"),
+        (block, ValueError, r"modeling.MHCSublayer: argument 'sublayer': expected its output of its input's shape"),
+    ]
+    for fn, exc, match in cases:
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=match) as info:
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(residual)
+        assert "Observed exception" in str(info.value) and exc.__name__ in str(info.value)
+        torch._dynamo.reset()
+        with pytest.raises(exc, match=match):
+            torch.compile(fn, backend="aot_eager")(residual)
+    # a scalar the modeling layer leaves to the ops while traced: the op's fake raises, wrapped by torch (no
+    # gradient here: the fused op; with one, the reduce + RMSNorm forward names its rms_eps the same way)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match=r"mhc_pre_big_fuse: argument 'rms_eps': "
+                                                                  r"expected a number >= 0.0"):
+        torch.compile(lambda r: modeling.mhc_pre(r, p["fn"], p["scale"], p["base"], norm_eps=-1.0),
+                      backend="aot_eager", fullgraph=True)(residual)

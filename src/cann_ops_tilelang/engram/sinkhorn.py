@@ -14,7 +14,7 @@ from typing import Optional
 from torch import Tensor
 
 from .. import limits
-from .._checks import OpError, check_bool, check_float, check_int, check_same_device, check_tensor
+from .._checks import OpError, check_bool, check_float, check_int, check_same_device, check_tensor, describe
 from .._library import declare
 from ..chips import ASCEND_950, H200
 from ._common import BF16, F32
@@ -75,7 +75,7 @@ def engram_sinkhorn_momentum_update(grad: Tensor, momentum_buffer: Tensor, beta1
     err = OpError("engram_sinkhorn_momentum_update")
     for arg, value in (("grad", grad), ("momentum_buffer", momentum_buffer)):
         if not isinstance(value, Tensor):
-            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+            raise err.type(arg, f"expected a torch.Tensor, got {describe(value)}")
         if value.dtype not in (BF16, F32):
             raise err.type(arg, f"expected dtype torch.bfloat16 or torch.float32, got {value.dtype}")
         check_tensor(err, arg, value, dtype=value.dtype)
@@ -232,7 +232,7 @@ def engram_sinkhorn_finalize_apply(matrix: Tensor, row_scale: Tensor, col_scale:
     check_float(err, "eps", eps, minimum=0.0)
     check_float(err, "alpha", alpha, minimum=float("-inf"))
     if not isinstance(param, Tensor):
-        raise err.type("param", f"expected a torch.Tensor, got {type(param).__name__}")
+        raise err.type("param", f"expected a torch.Tensor, got {describe(param)}")
     if param.dtype not in (BF16, F32):
         raise err.type("param", f"expected dtype torch.bfloat16 or torch.float32, got {param.dtype}")
     check_tensor(err, "param", param, dtype=param.dtype, shape=(rows, cols))

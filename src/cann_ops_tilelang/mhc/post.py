@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from .._checks import OpError, check_tensor
+from .._checks import OpError, check_tensor, describe
 from .._library import declare
 from ._common import BF16, F32, HC_MULT, check_residual, same_device
 
@@ -85,7 +85,7 @@ def _flat(op: str, x, residual, post_layer_mix, comb_res_mix, **buffers):
     named = dict(x=x, residual=residual, post_layer_mix=post_layer_mix, comb_res_mix=comb_res_mix, **buffers)
     for arg, value in named.items():
         if not isinstance(value, Tensor):
-            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+            raise err.type(arg, f"expected a torch.Tensor, got {describe(value)}")
     if residual.dim() < 2:
         raise err.value("residual", f"expected (*, m, H), got shape {tuple(residual.shape)}")
     lead, (m, hidden) = tuple(residual.shape[:-2]), tuple(residual.shape[-2:])

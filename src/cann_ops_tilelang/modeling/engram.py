@@ -8,7 +8,7 @@ recovered by a bf16 subtraction. Embedding, projections, norms and convolution a
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import limits
-from .._checks import OpError, check_float, check_int
+from .._checks import OpError, check_float, check_int, describe
+from ._buffers import check_device
 from .engram_gate import EngramGate, check_gate_config, engram_gate
 
 __all__ = ["Engram", "ngram_token_ids"]
@@ -73,14 +74,26 @@ class _CausalDepthwiseConv(torch.autograd.Function):
 def ngram_token_ids(token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tensor:
     """The n-gram windows of every token: ``(*, L)`` token ids -> ``(*, L, N)`` with column ``k`` the token
     ``k`` positions back in the same sequence (the last dim of ``token_ids``) and ``pad_id`` before its start
-    (the demo's ``shift_k``). Same dtype as ``token_ids``; the columns ``engram_hash`` takes."""
-    err = OpError("modeling.ngram_token_ids")
+    (the demo's ``shift_k``). Same dtype as ``token_ids``; the columns ``engram_hash`` takes.
+
+    Args:
+        token_ids: ``(*, L)`` int32 or int64 tensor.
+        max_ngram_size: ``N``, an int >= 2 (numpy integers too).
+        pad_id: an int in int32's range (numpy integers too).
+    """
+    return _ngram_windows(OpError("modeling.ngram_token_ids"), token_ids, max_ngram_size, pad_id)
+
+
+def _ngram_windows(err: OpError, token_ids: Tensor, max_ngram_size: int, pad_id: int) -> Tensor:
+    """:func:`ngram_token_ids` with its errors built by ``err`` (the caller's name: ``Engram.hash_ids`` names
+    itself)."""
     if not isinstance(token_ids, Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
         raise err.type("token_ids", f"expected an int32 or int64 torch.Tensor, got "
-                                    f"{getattr(token_ids, 'dtype', type(token_ids).__name__)}")
+                                    f"{token_ids.dtype if isinstance(token_ids, Tensor) else describe(token_ids)}")
     if token_ids.dim() < 1:
         raise err.value("token_ids", "expected shape (*, L), got a 0-d tensor")
-    if check_int(err, "max_ngram_size", max_ngram_size) < 2:
+    max_ngram_size = check_int(err, "max_ngram_size", max_ngram_size)
+    if max_ngram_size < 2:
         raise err.value("max_ngram_size", f"expected an int >= 2, got {max_ngram_size!r}")
     pad_id = check_int(err, "pad_id", pad_id)
     # traced: a SymInt's range is the schema's to check (Dynamo cannot trace the range test)
@@ -116,8 +129,9 @@ class Engram(nn.Module):
     Initialization is the demo's (PyTorch's defaults): ``embedding`` N(0, 1); ``kv_proj`` (rows ``h·H ..`` the key
     projection of stream ``h``, the last ``H`` the value projection) and ``conv`` (``(m·H, 1, K)``) uniform
     ±1/sqrt(fan_in); the norm weights ``gate.weight_hidden``, ``gate.weight_embed``, ``conv_norm_weight`` ones.
-    The buffer ``offsets`` (int32) holds each table's first row. The gate's two weights accumulate into an fp32
-    ``main_grad`` when they have one (eager, :func:`engram_gate`); the other parameters get ``.grad``.
+    The buffers ``offsets`` and ``sizes`` (int32, not in the ``state_dict``) hold each table's first row and its
+    number of rows. The gate's two weights accumulate into an fp32 ``main_grad`` when they have one (eager,
+    :func:`engram_gate`); the other parameters get ``.grad``.
     """
 
     def __init__(self, hidden_size: int, table_sizes: Sequence[int], hc_mult: int = 4, max_ngram_size: int = 3,
@@ -126,23 +140,24 @@ class Engram(nn.Module):
                  conv_eps: float = 1e-5, device=None, dtype=torch.bfloat16):
         super().__init__()
         err = OpError(_OP)
+        ints = {}  # numpy integers become Python ints here, as the ops take them
         for arg, value, low in (("hidden_size", hidden_size, 1), ("hc_mult", hc_mult, 1),
                                 ("max_ngram_size", max_ngram_size, 2), ("n_embed_per_ngram", n_embed_per_ngram, 1),
                                 ("n_head_per_ngram", n_head_per_ngram, 1), ("conv_kernel_size", conv_kernel_size, 1)):
-            if check_int(err, arg, value) < low:
+            ints[arg] = check_int(err, arg, value)
+            if ints[arg] < low:
                 raise err.value(arg, f"expected an int >= {low}, got {value!r}")
-        check_gate_config(err, hidden_size, hc_mult, clamp_value, gate_eps, dtype, eps_arg="gate_eps")
-        check_float(err, "conv_eps", conv_eps, minimum=0.0)
+        hidden_size, hc_mult, max_ngram_size, n_embed_per_ngram, n_head_per_ngram, conv_kernel_size = ints.values()
+        hidden_size, hc_mult, clamp_value, gate_eps = check_gate_config(err, hidden_size, hc_mult, clamp_value,
+                                                                        gate_eps, dtype, eps_arg="gate_eps")
+        conv_eps = check_float(err, "conv_eps", conv_eps, minimum=0.0)
         if n_embed_per_ngram % n_head_per_ngram:
             raise err.value("n_head_per_ngram", f"expected a divisor of n_embed_per_ngram {n_embed_per_ngram}, "
                                                 f"got {n_head_per_ngram}")
-        try:
-            table_sizes = list(table_sizes)  # once: a generator is consumed by the checks
-        except TypeError:
-            raise err.type("table_sizes", f"expected a sequence of ints, got {type(table_sizes).__name__}") from None
-        sizes = [check_int(err, "table_sizes", s) for s in table_sizes]
+        device = check_device(err, device)
+        sizes = self._table_sizes(err, table_sizes)
         cols = (max_ngram_size - 1) * n_head_per_ngram
-        if len(sizes) != cols or min(sizes) < 1:
+        if len(sizes) != cols or min(sizes) < 1:  # min of [] is never reached: cols >= 1
             raise err.value("table_sizes", f"expected {cols} positive sizes ((max_ngram_size - 1) * "
                                            f"n_head_per_ngram), got {len(sizes)}: {sizes[:8]}")
         if sum(sizes) >= 2**31:
@@ -155,6 +170,9 @@ class Engram(nn.Module):
         factory = dict(device=device, dtype=dtype)
         starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).to(torch.int32)
         self.register_buffer("offsets", starts.to(device), persistent=False)
+        # the sizes engram_hash takes, made here and not in hash_ids: a tensor made in a traced call is a real one
+        # among fake ones (torch.compile on meta fails); not persistent, so checkpoints keep their keys
+        self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.int32, device=device), persistent=False)
         self.embedding = nn.Embedding(sum(sizes), n_embed_per_ngram // n_head_per_ngram, **factory)
         memory = (max_ngram_size - 1) * n_embed_per_ngram
         self.kv_proj = nn.Linear(memory, (hc_mult + 1) * hidden_size, **factory)
@@ -165,18 +183,30 @@ class Engram(nn.Module):
         self.conv = nn.Conv1d(channels, channels, conv_kernel_size, groups=channels, bias=False,
                               padding=(conv_kernel_size - 1) * max_ngram_size, dilation=max_ngram_size, **factory)
 
+    @staticmethod
+    def _table_sizes(err: OpError, table_sizes: object) -> list[int]:
+        """``table_sizes`` as a list of Python ints: a sequence or an iterable of ints (numpy integers, a numpy
+        array, a generator: read once) or a 1-D integer tensor; a str or a mapping is no sequence of sizes (it
+        would iterate characters or keys)."""
+        if isinstance(table_sizes, (str, bytes, Mapping)):
+            raise err.type("table_sizes", f"expected a sequence of ints, got {describe(table_sizes)}")
+        if isinstance(table_sizes, Tensor):
+            if table_sizes.dim() != 1 or table_sizes.dtype.is_floating_point or table_sizes.dtype.is_complex \
+                    or table_sizes.dtype == torch.bool:
+                raise err.type("table_sizes", f"expected a sequence of ints or a 1-D integer tensor, got a "
+                                              f"{table_sizes.dim()}-D {table_sizes.dtype} tensor")
+            return table_sizes.tolist()
+        try:
+            table_sizes = list(table_sizes)  # once: a generator is consumed by the checks
+        except TypeError:
+            raise err.type("table_sizes", f"expected a sequence of ints, got {describe(table_sizes)}") from None
+        return [check_int(err, "table_sizes", s) for s in table_sizes]
+
     def _check(self, hidden_states: Tensor, hash_ids: Tensor) -> None:
         err = OpError(_OP)
-        if not isinstance(hidden_states, Tensor):
-            raise err.type("hidden_states", f"expected a torch.Tensor, got {type(hidden_states).__name__}")
+        self._check_value("hidden_states", hidden_states)
         if not isinstance(hash_ids, Tensor):
-            raise err.type("hash_ids", f"expected a torch.Tensor, got {type(hash_ids).__name__}")
-        m, hidden = self.hc_mult, self.hidden_size
-        if hidden_states.dim() < 3 or tuple(hidden_states.shape[-2:]) != (m, hidden):
-            raise err.value("hidden_states", f"expected shape (*, L, {m}, {hidden}), got {tuple(hidden_states.shape)}")
-        if hidden_states.dtype != self.kv_proj.weight.dtype:
-            raise err.type("hidden_states", f"expected {self.kv_proj.weight.dtype} (the parameters' dtype), got "
-                                            f"{hidden_states.dtype}")
+            raise err.type("hash_ids", f"expected a torch.Tensor, got {describe(hash_ids)}")
         if hash_ids.dtype not in (torch.int32, torch.int64):
             raise err.type("hash_ids", f"expected int32 or int64, got {hash_ids.dtype}")
         cols = len(self.table_sizes)
@@ -187,19 +217,39 @@ class Engram(nn.Module):
         if hash_ids.device != hidden_states.device:
             raise err.value("hash_ids", f"expected a tensor on {hidden_states.device} (hidden_states'), got "
                                         f"{hash_ids.device}")
-        if hidden_states.device != self.kv_proj.weight.device:
-            raise err.value("hidden_states", f"expected a tensor on {self.kv_proj.weight.device} (the layer's "
-                                             f"parameters'), got {hidden_states.device}")
 
     def gated_value(self, hidden_states: Tensor, hash_ids: Tensor) -> Tensor:
-        """``g·v`` ``(*, L, m, H)`` (the lookup, the projections and the gate without its residual)."""
+        """``g·v`` ``(*, L, m, H)`` (the lookup, the projections and the gate without its residual); the arguments
+        as :meth:`forward`'s."""
+        self._check(hidden_states, hash_ids)
+        return self._gated_value(hidden_states, hash_ids)
+
+    def _gated_value(self, hidden_states: Tensor, hash_ids: Tensor) -> Tensor:
         memory = self.embedding(hash_ids).flatten(-2)
         kv = self.kv_proj(memory)
         return engram_gate(hidden_states, kv, self.gate.weight_hidden, self.gate.weight_embed, self.clamp_value,
                            self.gate_eps, None, residual=False)
 
     def short_conv(self, value: Tensor) -> Tensor:
-        """``SiLU(causal depthwise conv(RMSNorm_h(value)))`` over the sequence axis of ``value (*, L, m, H)``."""
+        """``SiLU(causal depthwise conv(RMSNorm_h(value)))`` over the sequence axis of ``value (*, L, m, H)`` (in the
+        parameters' dtype and on their device)."""
+        self._check_value("value", value)
+        return self._short_conv(value)
+
+    def _check_value(self, arg: str, value: object) -> None:
+        err, m, hidden = OpError(_OP), self.hc_mult, self.hidden_size
+        if not isinstance(value, Tensor):
+            raise err.type(arg, f"expected a torch.Tensor, got {describe(value)}")
+        if value.dim() < 3 or tuple(value.shape[-2:]) != (m, hidden):
+            raise err.value(arg, f"expected shape (*, L, {m}, {hidden}) (L tokens of the module's hc_mult = {m} "
+                                 f"streams of its hidden size {hidden}), got {tuple(value.shape)}")
+        if value.dtype != self.kv_proj.weight.dtype:
+            raise err.type(arg, f"expected {self.kv_proj.weight.dtype} (the parameters' dtype), got {value.dtype}")
+        if value.device != self.kv_proj.weight.device:
+            raise err.value(arg, f"expected a tensor on {self.kv_proj.weight.device} (the layer's parameters'), got "
+                                 f"{value.device}")
+
+    def _short_conv(self, value: Tensor) -> Tensor:
         lead, length = value.shape[:-3], value.shape[-3]
         normed = F.rms_norm(value, (self.hidden_size,), eps=self.conv_eps) * self.conv_norm_weight
         # the sequences counted, not -1 (ambiguous where L = 0)
@@ -221,16 +271,20 @@ class Engram(nn.Module):
             ``(*, L, m, H)``: ``hidden_states + (g·v + short_conv(g·v))``.
         """
         self._check(hidden_states, hash_ids)
-        value = self.gated_value(hidden_states, hash_ids)
-        return hidden_states + (value + self.short_conv(value))
+        value = self._gated_value(hidden_states, hash_ids)
+        return hidden_states + (value + self._short_conv(value))
 
     def hash_ids(self, token_ids: Tensor, multipliers: Tensor, pad_id: int) -> Tensor:
         """This layer's ``hash_ids`` from (compressed) token ids through the ``engram_hash`` op.
 
         Args:
-            token_ids: ``(*, L)`` int32 token ids after the demo's tokenizer compression.
+            token_ids: ``(*, L)`` int32 token ids after the demo's tokenizer compression (int64 ids are cast;
+                they must fit in int32, not checked: that would read them).
             multipliers: ``(N,)`` int64, this layer's hash multipliers (odd, per n-gram position).
-            pad_id: the id that fills the n-gram positions before a sequence's start.
+            pad_id: the int (numpy integers too) that fills the n-gram positions before a sequence's start.
+
+        Errors name ``modeling.Engram`` and the argument (``token_ids``, ``multipliers``, ``pad_id``; the op's
+        limits as ``max_ngram_size``, ``table_sizes`` or ``token_ids``).
 
         Returns:
             ``(*, L, (N-1)·n_head_per_ngram)`` int32 rows of this layer's table.
@@ -242,23 +296,32 @@ class Engram(nn.Module):
             from ..engram.hash import engram_hash as hash_op
         err = OpError(_OP)
         if not isinstance(multipliers, Tensor):
-            raise err.type("multipliers", f"expected a torch.Tensor, got {type(multipliers).__name__}")
+            raise err.type("multipliers", f"expected a torch.Tensor, got {describe(multipliers)}")
         if tuple(multipliers.shape) != (self.max_ngram_size,):
-            raise err.value("multipliers", f"expected a ({self.max_ngram_size},) int64 tensor, got "
-                                           f"{tuple(getattr(multipliers, 'shape', ()))}")
+            raise err.value("multipliers", f"expected a ({self.max_ngram_size},) int64 tensor (one per n-gram "
+                                           f"position, max_ngram_size), got shape {tuple(multipliers.shape)}")
         if multipliers.dtype != torch.int64:
             raise err.type("multipliers", f"expected int64, got {multipliers.dtype}")
-        windows = ngram_token_ids(token_ids, self.max_ngram_size, pad_id)  # checks token_ids and pad_id
+        # the windows checked under this method's name (token_ids, pad_id), not ngram_token_ids'
+        windows = _ngram_windows(err, token_ids, self.max_ngram_size, pad_id)
         if multipliers.device != token_ids.device:
             raise err.value("multipliers", f"expected a tensor on {token_ids.device} (token_ids'), got "
                                            f"{multipliers.device}")
-        lead = windows.shape[:-1]
-        sizes = torch.tensor(self.table_sizes, dtype=torch.int32, device=token_ids.device)
+        lead, cols = windows.shape[:-1], len(self.table_sizes)
+        if not torch.compiler.is_compiling():  # traced: the op checks them (Dynamo cannot trace the ranges)
+            # the op's limits under the names the caller gave (the op would name its internal tensors)
+            device = token_ids.device.type
+            limits.ENGRAM_HASH_NGRAM.of(device).check(err, "max_ngram_size", self.max_ngram_size)
+            limits.ENGRAM_HASH_COLUMNS.of(device).check(err, "table_sizes", cols)
+            tokens = math.prod(lead)
+            if tokens * cols not in limits.ENGRAM_HASH_ELEMENTS:
+                raise err.value("token_ids", f"expected fewer than 2**31 rows in all ({tokens} tokens of shape "
+                                             f"{tuple(token_ids.shape)} times {cols} tables), got {tokens * cols}")
         rows = hash_op(windows.reshape(-1, self.max_ngram_size).to(torch.int32).contiguous(),
                        multipliers.reshape(1, -1).contiguous(),
-                       sizes.view(1, self.max_ngram_size - 1, self.n_head_per_ngram),
+                       self.sizes.to(token_ids.device).view(1, self.max_ngram_size - 1, self.n_head_per_ngram),
                        self.offsets.to(token_ids.device).view(1, -1).contiguous())
-        return rows[0].view(*lead, len(self.table_sizes))
+        return rows[0].view(*lead, cols)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, hc_mult={self.hc_mult}, max_ngram_size={self.max_ngram_size}, "

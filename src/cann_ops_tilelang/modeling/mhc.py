@@ -20,7 +20,12 @@ Without the link (plain functional calls) or where no post follows (the head), t
 zeros and autograd adds the post's contribution afterwards (the same terms, rounded in another order).
 
 Parameters with an fp32 ``main_grad`` attribute (Megatron style) get their gradients accumulated there in
-eager mode (the parameter then gets no ``.grad``), as :mod:`.engram_gate` does.
+eager mode (the parameter then gets no ``.grad``), as :mod:`.engram_gate` does; buffers that overlap each other,
+a parameter or the residual are refused at the forward, and so is a DTensor parameter's buffer that is not a
+replicated DTensor (:func:`._buffers.honoured_main_grad`).
+
+DTensors whose leading dims do not flatten into a ``Shard(0)`` of the tokens are gathered on those dims and the
+results sliced back to the input's placements (:func:`._buffers.gather_lead`).
 """
 
 import math
@@ -30,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import limits
-from .._checks import OpError, check_float, check_int
+from .._checks import OpError, check_bool, check_float, check_int, describe
 from ..mhc import (
     expand_to_mhc_backward,
     expand_to_mhc_forward,
@@ -54,7 +59,10 @@ from ..mhc import (
     mhc_sinkhorn_forward,
 )
 from ..mhc._common import check_hc, check_hidden
-from ._buffers import grad_buffers, over_tokens, per_token, reduced
+from ._buffers import (check_main_grads, gather_lead, grad_buffers, honoured_main_grad, over_tokens, per_token,
+                       reduced, restore)
+from ._mhc_checks import (check_hyper, check_like_residual, check_module, check_params, check_residual,
+                          check_sublayer_output, flat_tokens)
 
 __all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
            "mhc_pre", "mhc_recompute_chunk"]
@@ -65,25 +73,6 @@ M3 = limits.MHC_MIX
 _HEAD_PARTIALS = 64
 
 
-def _main_grad(param: Optional[Tensor], op: str, arg: str) -> Optional[Tensor]:
-    """The fp32 ``main_grad`` of parameter ``arg``, honoured in eager mode only (a compiled graph sees tensors)
-    and only where the parameter requires a gradient (a frozen one gets none, there either)."""
-    if param is None or not param.requires_grad or torch.compiler.is_compiling():
-        return None
-    buffer = getattr(param, "main_grad", None)
-    if buffer is None:
-        return None
-    if not isinstance(buffer, Tensor):
-        raise OpError(op).type(f"{arg}.main_grad", f"expected a torch.Tensor, got {type(buffer).__name__}")
-    if buffer.dtype != torch.float32 or buffer.shape != param.shape or buffer.device != param.device \
-            or not buffer.is_contiguous():
-        got = f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}" + (
-            "" if buffer.is_contiguous() else ", not contiguous")
-        raise OpError(op).value(f"{arg}.main_grad", f"expected a contiguous fp32 buffer of the parameter's shape "
-                                                    f"{tuple(param.shape)} on {param.device}, got {got}")
-    return buffer
-
-
 def _grad_out(grad: Optional[Tensor], main: Optional[Tensor]) -> Optional[Tensor]:
     """Accumulates a parameter gradient into its ``main_grad`` (returning None) or returns it (reduced over the
     ranks on DTensors)."""
@@ -91,81 +80,6 @@ def _grad_out(grad: Optional[Tensor], main: Optional[Tensor]) -> Optional[Tensor
         return reduced(grad)
     main.add_(grad)
     return None
-
-
-def _check_hidden_size(op: str, residual: Tensor, hidden_size: int) -> None:
-    """A module's residual has its ``H`` (the rest is checked by the function the module calls)."""
-    if isinstance(residual, Tensor) and residual.dim() >= 2 and residual.shape[-1] != hidden_size:
-        raise OpError(op).value("residual", f"expected the module's hidden size {hidden_size} in the last dim, got "
-                                            f"shape {tuple(residual.shape)}")
-
-
-def _check_tensor(err: OpError, arg: str, value: object, dtype: torch.dtype, shapes: list[tuple[int, ...]],
-                  residual: Tensor) -> None:
-    """A tensor argument of the modeling API: its kind, ``dtype``, one of ``shapes`` and the residual's device
-    (any strides: the callers make their views contiguous)."""
-    if not isinstance(value, Tensor):
-        raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype != dtype:
-        raise err.type(arg, f"expected {dtype}, got {value.dtype}")
-    if tuple(value.shape) not in shapes:
-        raise err.value(arg, f"expected shape {' or '.join(map(str, shapes))}, got {tuple(value.shape)}")
-    if value.device != residual.device:
-        raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
-
-
-def _flat_residual(op: str, residual: Tensor) -> tuple[Tensor, tuple[int, ...], int, int]:
-    """``residual (*, m, H)`` bf16 viewed ``(T, m, H)`` contiguous, with ``(*)``, ``m`` and ``H``."""
-    err = OpError(op)
-    if not isinstance(residual, Tensor):
-        raise err.type("residual", f"expected a torch.Tensor, got {type(residual).__name__}")
-    if residual.dim() < 2:
-        raise err.value("residual", f"expected (*, m, H), got shape {tuple(residual.shape)}")
-    if residual.dtype != torch.bfloat16:
-        raise err.type("residual", f"expected bf16, got {residual.dtype}")
-    lead = tuple(residual.shape[:-2])
-    m, hidden = residual.shape[-2:]
-    if not torch.compiler.is_compiling():  # traced: the ops check the sizes (Dynamo cannot trace the ranges)
-        check_hc(err, "residual", m)
-        check_hidden(err, "residual", hidden)
-    return residual.reshape(-1, m, hidden).contiguous(), lead, m, hidden
-
-
-def _check_params(op: str, residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Optional[Tensor],
-                  rows: int, scales: int, bases: int, names: tuple[str, str, str] = ("fn", "scale", "base")) -> None:
-    """The parameters' kinds, dtypes, shapes and device (the residual's); ``names``: the caller's names of ``fn``,
-    ``scale``, ``base``."""
-    err = OpError(op)
-    k = M * residual.shape[-1]
-    for arg, value, shape in ((names[0], fn, (rows, k)), (names[1], scale, (scales,)), (names[2], base, (bases,)),
-                              ("norm_weight", norm_weight, (k,))):
-        if value is None and arg == "norm_weight":
-            continue
-        if not isinstance(value, Tensor):
-            raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
-        if value.dtype != torch.float32:
-            raise err.type(arg, f"expected torch.float32, got {value.dtype}")
-        if tuple(value.shape) != shape:
-            raise err.value(arg, f"expected shape {shape}, got {tuple(value.shape)}")
-        if value.device != residual.device:
-            raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
-
-
-def _check_hyper(op: str, residual: Tensor, eps: dict, n_splits: int, post_mult_value: Optional[float] = None,
-                 sinkhorn_repeat: Optional[int] = None) -> None:
-    """The scalars of :func:`mhc_pre` / :func:`mhc_head` under their public names, before any kernel runs (eager
-    only, as :func:`_flat_residual`'s ranges: traced, the ops check them)."""
-    if torch.compiler.is_compiling():
-        return
-    err = OpError(op)
-    for arg, value in eps.items():
-        check_float(err, arg, value, minimum=0.0)
-    limits.mhc_gemm_splits(M * residual.shape[-1]).check(err, "n_splits", check_int(err, "n_splits", n_splits))
-    if post_mult_value is not None:
-        check_float(err, "post_mult_value", post_mult_value, minimum=0.0, inclusive=False)
-    if sinkhorn_repeat is not None:
-        limits.MHC_SINKHORN_REPEAT.of(residual.device.type).check(
-            err, "sinkhorn_repeat", check_int(err, "sinkhorn_repeat", sinkhorn_repeat))
 
 
 # --- expand ------------------------------------------------------------------------------------------------
@@ -193,11 +107,12 @@ def expand_from_embedding(x: Tensor, hc_mult: int = M) -> Tensor:
         hc_mult: ``m`` (4, the only value with kernels).
 
     Returns:
-        ``(*, m, H)`` bf16; its gradient is the bf16 sum of the streams' gradients.
+        ``(*, m, H)`` bf16; its gradient is the bf16 sum of the streams' gradients. A DTensor ``x`` keeps its
+        placements (leading dims DTensor cannot flatten are gathered first, docs/distributed.md).
     """
     err = OpError("modeling.expand_from_embedding")
     if not isinstance(x, Tensor):
-        raise err.type("x", f"expected a torch.Tensor, got {type(x).__name__}")
+        raise err.type("x", f"expected a torch.Tensor, got {describe(x)}")
     check_hc(err, "hc_mult", check_int(err, "hc_mult", hc_mult))
     if x.dim() < 1:
         raise err.value("x", "expected (*, H), got a 0-D tensor")
@@ -205,8 +120,9 @@ def expand_from_embedding(x: Tensor, hc_mult: int = M) -> Tensor:
         raise err.type("x", f"expected torch.bfloat16, got {x.dtype}")
     if not torch.compiler.is_compiling():  # traced: the op checks it (Dynamo cannot trace the ranges)
         check_hidden(err, "x", x.shape[-1])
-    out = _Expand.apply(x.reshape(-1, x.shape[-1]).contiguous())
-    return out.view(*x.shape[:-1], M, x.shape[-1])
+    lead = tuple(x.shape[:-1])
+    flat, back = flat_tokens(x, lead, x.shape[-1])
+    return restore(_Expand.apply(flat).view(*lead, M, x.shape[-1]), back)
 
 
 # --- pre ---------------------------------------------------------------------------------------------------
@@ -332,10 +248,10 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
         post_mult_value: the post mix's multiplier (2.0).
         sinkhorn_repeat: Sinkhorn iterations (20).
         n_splits: split-K count of the pre-norm GEMM (in [1, m*H/64]).
-        return_residual: also return ``residual`` as an output of this node, to be passed to
+        return_residual: (a bool) also return ``residual`` as an output of this node, to be passed to
             :func:`mhc_post` so that the residual gradient is accumulated in one buffer (module docstring).
-        return_pre_mix: also return the pre mix ``(*, m)`` fp32 (no gradient), what :func:`mhc_recompute_chunk`
-            needs to regenerate this layer's input.
+        return_pre_mix: (a bool) also return the pre mix ``(*, m)`` fp32 (no gradient), what
+            :func:`mhc_recompute_chunk` needs to regenerate this layer's input.
 
     Returns:
         ``(layer_input (*, H) bf16, (post_mix (*, m, 1) fp32, comb_mix (*, m, m) fp32))``, then the linked
@@ -344,14 +260,23 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
         ``mhc_pre_big_fuse`` (or the unfused forwards where the pre mix is asked for) gives bitwise the same results.
     """
     op = "modeling.mhc_pre"
-    flat, lead, m, hidden = _flat_residual(op, residual)
-    _check_params(op, residual, fn, scale, base, norm_weight, M3, 3, M3)
-    _check_hyper(op, residual, {"norm_eps": norm_eps, "pre_eps": pre_eps, "sinkhorn_eps": sinkhorn_eps}, n_splits,
-                 post_mult_value, sinkhorn_repeat)
+    err = OpError(op)
+    lead, m, hidden = check_residual(op, residual)
+    check_params(op, residual, fn, scale, base, norm_weight, M3, 3, M3)
+    h = check_hyper(op, residual, {"norm_eps": norm_eps, "pre_eps": pre_eps, "sinkhorn_eps": sinkhorn_eps}, n_splits,
+                    post_mult_value, sinkhorn_repeat)
+    norm_eps, pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat, n_splits = (
+        h[k] for k in ("norm_eps", "pre_eps", "sinkhorn_eps", "post_mult_value", "sinkhorn_repeat", "n_splits"))
+    return_residual = check_bool(err, "return_residual", return_residual)
+    return_pre_mix = check_bool(err, "return_pre_mix", return_pre_mix)
     tensors = (residual, fn, scale, base) + (() if norm_weight is None else (norm_weight,))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        mains = tuple(_main_grad(p, op, name) for p, name in ((fn, "fn"), (scale, "scale"), (base, "base"),
-                                                                (norm_weight, "norm_weight")))
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if training:
+        params = (("fn", fn), ("scale", scale), ("base", base), ("norm_weight", norm_weight))
+        mains = tuple(honoured_main_grad(p, op, name) for name, p in params)
+        check_main_grads(op, params, mains, (("residual", residual),))
+    flat, back = flat_tokens(residual, lead, m, hidden)
+    if training:
         layer_input, post, comb, link, pre = _Pre.apply(flat, fn, scale, base, norm_weight, norm_eps,
                                                         post_mult_value, pre_eps, sinkhorn_eps, sinkhorn_repeat,
                                                         n_splits, mains)
@@ -369,10 +294,11 @@ def mhc_pre(residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, norm_w
         mhc_pre_big_fuse(parts, sq_parts, scale, base, flat, post, comb.view(tokens, m * m), layer_input, norm_eps,
                          pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat, n_splits)
         link = flat
-    result = (layer_input.view(*lead, hidden), (post.view(*lead, m, 1), comb.view(*lead, m, m)))
+    result = (restore(layer_input.view(*lead, hidden), back),
+              (restore(post.view(*lead, m, 1), back), restore(comb.view(*lead, m, m), back)))
     if return_residual:
-        result += (link.view(residual.shape),)
-    return result + (pre.view(*lead, m),) if return_pre_mix else result
+        result += (restore(link.view(residual.shape), back),)
+    return result + (restore(pre.view(*lead, m), back),) if return_pre_mix else result
 
 
 # --- post --------------------------------------------------------------------------------------------------
@@ -402,15 +328,18 @@ def mhc_post(layer_output: Tensor, residual: Tensor, post_mix: Tensor, comb_mix:
         ``(*, m, H)`` bf16.
     """
     op = "modeling.mhc_post"
-    flat, lead, m, hidden = _flat_residual(op, residual)
+    lead, m, hidden = check_residual(op, residual)
     err = OpError(op)
     for arg, value, shapes in (("layer_output", layer_output, [lead + (hidden,)]),
                                ("post_mix", post_mix, [lead + (m, 1), lead + (m,)]),
                                ("comb_mix", comb_mix, [lead + (m, m)])):
-        _check_tensor(err, arg, value, torch.bfloat16 if arg == "layer_output" else torch.float32, shapes, residual)
-    out = _Post.apply(layer_output.reshape(-1, hidden).contiguous(), flat, post_mix.reshape(-1, m).contiguous(),
-                      comb_mix.reshape(-1, m, m).contiguous())
-    return out.view(residual.shape)
+        dtype = torch.bfloat16 if arg == "layer_output" else torch.float32
+        check_like_residual(err, arg, value, dtype, shapes, residual)
+    flat, back = flat_tokens(residual, lead, m, hidden)
+    flat_output, output_back = flat_tokens(layer_output, lead, hidden)
+    out = _Post.apply(flat_output, flat, flat_tokens(post_mix, lead, m)[0], flat_tokens(comb_mix, lead, m, m)[0])
+    # the residual's placements, else the sublayer output's (a replicated residual with a sharded output)
+    return restore(out.view(residual.shape), back if back is not None else output_back)
 
 
 # --- head --------------------------------------------------------------------------------------------------
@@ -478,14 +407,17 @@ def mhc_head(residual: Tensor, fn_head: Tensor, scale_head: Tensor, base_head: T
         ``(*, H)`` bf16. The residual gradient starts from zeros (no post follows the head).
     """
     op = "modeling.mhc_head"
-    flat, lead, m, hidden = _flat_residual(op, residual)
+    lead, m, hidden = check_residual(op, residual)
     names = ("fn_head", "scale_head", "base_head")
-    _check_params(op, residual, fn_head, scale_head, base_head, norm_weight, m, 1, m, names)
-    _check_hyper(op, residual, {"norm_eps": norm_eps, "pre_eps": pre_eps}, n_splits)
-    mains = tuple(_main_grad(p, op, name) for p, name in zip((fn_head, scale_head, base_head, norm_weight),
-                                                             names + ("norm_weight",)))
+    check_params(op, residual, fn_head, scale_head, base_head, norm_weight, m, 1, m, names)
+    h = check_hyper(op, residual, {"norm_eps": norm_eps, "pre_eps": pre_eps}, n_splits)
+    norm_eps, pre_eps, n_splits = h["norm_eps"], h["pre_eps"], h["n_splits"]
+    params = tuple(zip(names + ("norm_weight",), (fn_head, scale_head, base_head, norm_weight)))
+    mains = tuple(honoured_main_grad(p, op, name) for name, p in params)
+    check_main_grads(op, params, mains, (("residual", residual),))
+    flat, back = flat_tokens(residual, lead, m, hidden)
     out = _Head.apply(flat, fn_head, scale_head, base_head, norm_weight, norm_eps, pre_eps, n_splits, mains)
-    return out.view(*lead, hidden)
+    return restore(out.view(*lead, hidden), back)
 
 
 # --- modules -----------------------------------------------------------------------------------------------
@@ -501,21 +433,14 @@ def _init_base(m: int) -> Tensor:
     return base
 
 
-def _check_module(err: OpError, hidden_size: int, hc_mult: int, eps: float, n_splits: int) -> None:
-    """The arguments the mHC modules share, checked at construction (as the ops would check them per call)."""
-    limits.MHC_HIDDEN.check(err, "hidden_size", check_int(err, "hidden_size", hidden_size))
-    if check_int(err, "hc_mult", hc_mult) not in limits.MHC_HC_MULT:
-        raise err.value("hc_mult", f"expected {limits.MHC_HC_MULT.describe()}, got {hc_mult!r}")
-    check_float(err, "eps", eps, minimum=0.0)
-    limits.mhc_gemm_splits(hc_mult * hidden_size).check(err, "n_splits", check_int(err, "n_splits", n_splits))
-
-
 class MHCSublayer(nn.Module):
     """One sublayer (attention, FFN...) wrapped in manifold-constrained hyper-connections.
 
-    ``forward(residual (*, m, H) bf16) -> (*, m, H) bf16``: ``layer_input, mixes = mhc_pre(residual)``,
-    ``y = sublayer(layer_input)``, ``mhc_post(y, residual, *mixes)``, with the residual gradient accumulated
-    in the order of the module docstring.
+    ``forward(residual (*, m, H) bf16, *args, **kwargs) -> (*, m, H) bf16``: ``layer_input, mixes =
+    mhc_pre(residual)``, ``y = sublayer(layer_input, *args, **kwargs)``, ``mhc_post(y, residual, *mixes)``, with
+    the residual gradient accumulated in the order of the module docstring. The extra arguments go to the
+    sublayer unchanged (an attention mask, positions...); ``y`` must be a tensor of ``layer_input``'s shape,
+    dtype and device.
 
     Parameters (fp32): ``fn (M3, m*H)`` initialized normal with std ``1e-4`` (small: the mixes start from the
     biases), ``scale (3,)`` ones, ``base (M3,)`` as :func:`_init_base` (a plain residual connection at start),
@@ -523,9 +448,10 @@ class MHCSublayer(nn.Module):
 
     Args:
         hidden_size: ``H`` (a multiple of 64 in [256, 8192]).
-        sublayer: maps ``(*, H)`` bf16 to ``(*, H)`` bf16.
+        sublayer: an ``nn.Module`` or any callable mapping ``(*, H)`` bf16 (and the extra arguments of
+            ``forward``) to ``(*, H)`` bf16.
         hc_mult: ``m`` (4).
-        norm_weight: keep an RMSNorm weight of the flattened residual.
+        norm_weight: a bool: keep an RMSNorm weight of the flattened residual.
         post_mult_value, sinkhorn_repeat, eps, n_splits: as :func:`mhc_pre` (DeepSeek-V4 defaults; ``eps``
             is its three epsilons).
         device: where the parameters are created.
@@ -536,11 +462,14 @@ class MHCSublayer(nn.Module):
                  device=None):
         super().__init__()
         err = OpError("modeling.MHCSublayer")
-        _check_module(err, hidden_size, hc_mult, eps, n_splits)
-        check_float(err, "post_mult_value", post_mult_value, minimum=0.0, inclusive=False)
+        hidden_size, hc_mult, eps, n_splits, norm_weight, device = check_module(
+            err, hidden_size, hc_mult, eps, n_splits, norm_weight, device)
+        if not callable(sublayer):
+            raise err.type("sublayer", f"expected an nn.Module or a callable, got {describe(sublayer)}")
+        post_mult_value = check_float(err, "post_mult_value", post_mult_value, minimum=0.0, inclusive=False)
         # the widest range of the backends: a device's own is checked by the ops
-        limits.MHC_SINKHORN_REPEAT.of("cpu").check(err, "sinkhorn_repeat",
-                                                   check_int(err, "sinkhorn_repeat", sinkhorn_repeat))
+        sinkhorn_repeat = limits.MHC_SINKHORN_REPEAT.of("cpu").check(
+            err, "sinkhorn_repeat", check_int(err, "sinkhorn_repeat", sinkhorn_repeat))
         self.sublayer = sublayer
         self.hidden_size, self.hc_mult = hidden_size, hc_mult
         self.post_mult_value, self.sinkhorn_repeat, self.eps, self.n_splits = post_mult_value, sinkhorn_repeat, eps, \
@@ -551,13 +480,19 @@ class MHCSublayer(nn.Module):
         self.base = nn.Parameter(_init_base(hc_mult).to(device))
         self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
 
-    def forward(self, residual: Tensor) -> Tensor:
-        _check_hidden_size("modeling.MHCSublayer", residual, self.hidden_size)
+    def forward(self, residual: Tensor, *args, **kwargs) -> Tensor:
+        op = "modeling.MHCSublayer"
+        check_residual(op, residual, self.hidden_size)
+        # a DTensor whose leading dims do not flatten is gathered once here, not again by mhc_post; the sublayer
+        # sees its input with the residual's placements
+        gathered, back = gather_lead(residual, residual.dim() - 2)
         layer_input, (post, comb), linked = mhc_pre(
-            residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
+            gathered, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
             post_mult_value=self.post_mult_value, pre_eps=self.eps, sinkhorn_eps=self.eps,
             sinkhorn_repeat=self.sinkhorn_repeat, n_splits=self.n_splits, return_residual=True)
-        return mhc_post(self.sublayer(layer_input), linked, post, comb)
+        layer_input = restore(layer_input, back)
+        output = check_sublayer_output(OpError(op), self.sublayer(layer_input, *args, **kwargs), layer_input)
+        return restore(mhc_post(output, linked, post, comb), back)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, hc_mult={self.hc_mult}, post_mult_value={self.post_mult_value}, "
@@ -573,7 +508,7 @@ class MHCHead(nn.Module):
     Args:
         hidden_size: ``H`` (a multiple of 64 in [256, 8192]).
         hc_mult: ``m`` (4).
-        norm_weight: keep an RMSNorm weight of the flattened residual.
+        norm_weight: a bool: keep an RMSNorm weight of the flattened residual.
         eps: ``norm_eps`` and ``pre_eps`` of :func:`mhc_head`; n_splits: its split-K count.
         device: where the parameters are created.
     """
@@ -581,7 +516,8 @@ class MHCHead(nn.Module):
     def __init__(self, hidden_size: int, hc_mult: int = M, *, norm_weight: bool = False, eps: float = 1e-6,
                  n_splits: int = 16, device=None):
         super().__init__()
-        _check_module(OpError("modeling.MHCHead"), hidden_size, hc_mult, eps, n_splits)
+        hidden_size, hc_mult, eps, n_splits, norm_weight, device = check_module(
+            OpError("modeling.MHCHead"), hidden_size, hc_mult, eps, n_splits, norm_weight, device)
         self.hidden_size = hidden_size
         k = hc_mult * hidden_size
         self.eps, self.n_splits = eps, n_splits
@@ -591,7 +527,7 @@ class MHCHead(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(k, device=device)) if norm_weight else None
 
     def forward(self, residual: Tensor) -> Tensor:
-        _check_hidden_size("modeling.MHCHead", residual, self.hidden_size)
+        check_residual("modeling.MHCHead", residual, self.hidden_size)
         return mhc_head(residual, self.fn, self.scale, self.base, norm_weight=self.norm_weight, norm_eps=self.eps,
                         pre_eps=self.eps, n_splits=self.n_splits)
 
@@ -618,29 +554,32 @@ def mhc_recompute_chunk(residual: Tensor, pre_mixes: list, layer_outputs: list, 
     """
     op = "modeling.mhc_recompute_chunk"
     err = OpError(op)
-    flat, lead, m, hidden = _flat_residual(op, residual)
+    lead, m, hidden = check_residual(op, residual)
     lists = {"pre_mixes": (pre_mixes, [lead + (m,)]), "layer_outputs": (layer_outputs, [lead + (hidden,)]),
              "post_mixes": (post_mixes, [lead + (m, 1), lead + (m,)]), "comb_mixes": (comb_mixes, [lead + (m, m)])}
     for arg, (items, shapes) in lists.items():
         if not isinstance(items, (list, tuple)):
-            raise err.type(arg, f"expected a list of tensors, got {type(items).__name__}")
+            raise err.type(arg, f"expected a list of tensors, got {describe(items)}")
         for index, item in enumerate(items):
-            _check_tensor(err, f"{arg}[{index}]", item, torch.bfloat16 if arg == "layer_outputs" else torch.float32,
-                          shapes, residual)
+            dtype = torch.bfloat16 if arg == "layer_outputs" else torch.float32
+            check_like_residual(err, f"{arg}[{index}]", item, dtype, shapes, residual)
     layers, kept = len(pre_mixes), len(layer_outputs)
     if not limits.MHC_RECOMPUTE_LAYERS.low <= layers <= limits.MHC_RECOMPUTE_LAYERS.high:
         raise err.value("pre_mixes", f"expected {limits.MHC_RECOMPUTE_LAYERS.describe()} tensors (one per sublayer), "
                                      f"got {layers}")
-    if kept not in (layers - 1, layers) or len(post_mixes) != kept or len(comb_mixes) != kept:
-        raise err.value("layer_outputs", f"expected L - 1 or L = {layers} tensors, and as many post_mixes and "
-                                         f"comb_mixes, got {kept}, {len(post_mixes)}, {len(comb_mixes)}")
-    tokens = flat.shape[0]
+    if kept not in (layers - 1, layers):
+        raise err.value("layer_outputs", f"expected L - 1 or L = {layers} tensors (L: pre_mixes), got {kept}")
+    for arg in ("post_mixes", "comb_mixes"):
+        if len(lists[arg][0]) != kept:
+            raise err.value(arg, f"expected as many tensors as layer_outputs ({kept}), got {len(lists[arg][0])}")
+    flat, back = flat_tokens(residual, lead, m, hidden)
     inputs = [per_token(flat, hidden) for _ in range(layers)]
     residuals = [torch.empty_like(flat) for _ in range(kept)]
     with torch.no_grad():
-        mhc_multilayer_recompute(flat, [t.reshape(tokens, m).contiguous() for t in pre_mixes],
-                                 [t.reshape(tokens, hidden).contiguous() for t in layer_outputs],
-                                 [t.reshape(tokens, m).contiguous() for t in post_mixes],
-                                 [t.reshape(tokens, m, m).contiguous() for t in comb_mixes], inputs, residuals)
-    return [t.view(*lead, hidden) for t in inputs], [t.view(residual.shape) for t in residuals]
+        mhc_multilayer_recompute(flat, [flat_tokens(t, lead, m)[0] for t in pre_mixes],
+                                 [flat_tokens(t, lead, hidden)[0] for t in layer_outputs],
+                                 [flat_tokens(t, lead, m)[0] for t in post_mixes],
+                                 [flat_tokens(t, lead, m, m)[0] for t in comb_mixes], inputs, residuals)
+    return ([restore(t.view(*lead, hidden), back) for t in inputs],
+            [restore(t.view(residual.shape), back) for t in residuals])
 
