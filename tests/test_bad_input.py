@@ -2,21 +2,25 @@
 anything is written.
 
 For every declared op a valid call is corrupted in one way (hypothesis picks the op, the argument and the
-corruption): a list, a wrong dtype or a wrong shape with the same element count where a tensor belongs;
-``True`` for an int or a float, a string for a bool; a scalar that does not survive fp32 (``1e300``, or
-``1e-50`` where the op needs a positive value) or that the schema cannot hold (``2**63``, ``10**400``); a
-written buffer that shares memory with another argument (the same tensor, or an overlapping view of one
-storage); a written buffer that is a leaf requiring grad.
+corruption): a list, a wrong dtype, a wrong shape with the same element count or one size too large where a
+tensor belongs; ``True`` (or a numpy bool) for an int or a float, a string or a numpy bool for a bool; a scalar
+that does not survive fp32 (``1e300``, or ``1e-50`` where the op needs a positive value) or that the schema
+cannot hold (``2**63``, ``10**400``); a written buffer that shares memory with another argument (the same
+tensor, or an overlapping view of one storage); a written buffer that is a leaf requiring grad.
 The package's own CPU behaviour runs (the CPU reference kernels are disabled), so the argument checks are
 the only thing between the call and the "no kernel for cpu" RuntimeError. Every tensor of the call is
-compared bit for bit before and after.
+compared bit for bit before and after. Every corruption of every op is also run once to check that its message
+reads right (:func:`message_problems`: no ``None`` in a shape, no doubled words or ranks, a received type named
+unlike the expected one).
 """
 
 import inspect
+import re
 import sys
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _plugins.references import without_cpu_references
@@ -81,14 +85,16 @@ def corruptions(name: str) -> list[tuple[str, str]]:
             out += [(arg, "list"), (arg, "dtype")]
             if value.dim() >= 1 and value.numel() > 1:
                 out.append((arg, "shape"))
+            if value.dim() >= 1:
+                out.append((arg, "size"))
         if kind is int:
-            out += [(arg, "bool"), (arg, "float"), (arg, "int64_overflow")]
+            out += [(arg, "bool"), (arg, "numpy_bool"), (arg, "float"), (arg, "int64_overflow")]
         if kind is float:
-            out += [(arg, "bool"), (arg, "huge"), (arg, "double_overflow")]
+            out += [(arg, "bool"), (arg, "numpy_bool"), (arg, "huge"), (arg, "double_overflow")]
             if call[arg] > 0:
                 out.append((arg, "tiny"))
         if kind is bool:
-            out.append((arg, "string"))
+            out += [(arg, "string"), (arg, "numpy_bool")]
         if isinstance(value, list):
             out += [(arg, "element_dtype"), (arg, "element_shape"), (arg, "tensor_for_list")]
     for arg in decl.mutates_args:
@@ -140,6 +146,10 @@ def corrupt(name: str, call: dict, arg: str, how: str) -> dict:
         call[arg] = value.to(torch.float64 if value.dtype != torch.float64 else torch.float32)
     elif how == "shape":
         call[arg] = value.reshape(-1) if value.dim() > 1 else value.reshape(1, -1)
+    elif how == "size":  # the same rank, the last dim one too large (every last dim is checked against another)
+        call[arg] = torch.zeros(*value.shape[:-1], value.shape[-1] + 1, dtype=value.dtype)
+    elif how == "numpy_bool":
+        call[arg] = np.bool_(True)
     elif how == "bool":
         call[arg] = True
     elif how == "float":
@@ -190,8 +200,8 @@ def _overlapping(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def test_every_op_has_corruptions_of_every_kind():
     kinds = {how for _, _, how in CASES}
-    assert kinds == {"list", "dtype", "shape", "bool", "float", "huge", "tiny", "string", "alias", "overlap",
-                     "requires_grad", "element_dtype", "element_shape", "tensor_for_list", "int64_overflow",
+    assert kinds == {"list", "dtype", "shape", "size", "bool", "numpy_bool", "float", "huge", "tiny", "string", "alias",
+                     "overlap", "requires_grad", "element_dtype", "element_shape", "tensor_for_list", "int64_overflow",
                      "double_overflow"}
     assert {name for name, _, _ in CASES} == set(OPS)
     for name in OPS:  # every op writing a buffer is probed for aliasing
@@ -212,19 +222,144 @@ def test_bad_calls_raise_before_anything_is_written(case, seed):
     message = str(info.value)
     assert f"cann_ops_tilelang::{name}: argument '" in message, message
     is_list = isinstance(valid_call(name)[arg], list)
-    if how in ("list", "dtype", "bool", "float", "huge", "tiny", "string", "requires_grad", "tensor_for_list",
-               "int64_overflow", "double_overflow"):
+    if how in ("list", "dtype", "bool", "numpy_bool", "float", "huge", "tiny", "string", "requires_grad",
+               "tensor_for_list", "int64_overflow", "double_overflow"):
         # the corrupted argument itself is named (a list's element by its index)
         named = f"{arg}[0]" if is_list and how == "requires_grad" else arg
         assert f"argument '{named}'" in message, (how, message)
     if how in ("element_dtype", "element_shape") and is_list:
         assert f"argument '{arg}[0]'" in message, (how, message)
-    expected = TypeError if how in ("list", "dtype", "bool", "float", "string", "element_dtype",
+    expected = TypeError if how in ("list", "dtype", "bool", "numpy_bool", "float", "string", "element_dtype",
                                     "tensor_for_list") else ValueError
     assert isinstance(info.value, expected), (how, message)
     after = dict(_all_tensors(call))
     for k, bits in before.items():
         assert torch.equal(_bits(after[k]), bits), f"{name}: argument {k} was written ({how} of {arg})"
+
+
+# --- the messages read right ------------------------------------------------------------------------------
+
+# "expected <what>, got <what>": the heads of both sides (articles and "dtype"/"shape" dropped)
+_EXPECTED_GOT = re.compile(r"expected (?:an? |dtype |shape )?(?P<want>[^,]+?)(?: of shape .*?)?, got (?:an? |shape )?"
+                           r"(?P<got>\S+)")
+
+
+def message_problems(message: str) -> list[str]:
+    """What reads wrong in an error message: ``None`` inside a shape, a word or a rank said twice in a row ("a
+    2-D tensor 2-D"), a received type named like the expected one ("expected a bool, got bool" for a numpy
+    bool), a Python type repr, an ``expected`` without a ``got``."""
+    problems = []
+    if re.search(r"\([^()]*\bNone\b[^()]*\)", message):
+        problems.append("None inside a shape")
+    ranks = re.findall(r"\b\d+-D\b", message)
+    if len(ranks) != len(set(ranks)):
+        problems.append(f"a rank said twice: {ranks}")
+    doubled = re.search(r"(?<![\w.(,])([A-Za-z][\w.-]*) \1\b", message)
+    if doubled:
+        problems.append(f"a doubled word: {doubled[0]!r}")
+    if "<class " in message or "torch._tensor" in message:
+        problems.append("a Python type repr")
+    match = _EXPECTED_GOT.search(message)
+    if "expected" in message and match is None and "got" not in message:
+        problems.append("expected without got")
+    # where a type was expected ("a bool", "a torch.Tensor or None", "a list of torch.Tensor"), the type received
+    # is named unlike it
+    is_type = match and re.fullmatch(r"(list of )?[\w.]+( or None)?", match["want"])
+    if is_type and match["want"].split()[0] == match["got"]:
+        problems.append(f"expected and got read alike: {match['want']!r} / {match['got']!r}")
+    return problems
+
+
+def test_message_problems_finds_the_known_defects():
+    """The checker itself: the messages of before the fix are caught, those of now pass."""
+    bad = ["cann_ops_tilelang::op: argument 'x': expected a 2-D tensor 2-D, got shape (3,)",
+           "cann_ops_tilelang::op: argument 'x': expected a 3-D tensor (2, 2, None), got shape (32,)",
+           "cann_ops_tilelang::op: argument 'x': expected shape (2, 2, None), got (2, 3, 8)",
+           "cann_ops_tilelang::op: argument 'flag': expected a bool, got bool",
+           "cann_ops_tilelang::op: argument 'n': expected an int, got <class 'numpy.bool'>"]
+    good = ["cann_ops_tilelang::op: argument 'x': expected a 2-D tensor, got shape (3,)",
+            "cann_ops_tilelang::op: argument 'x': expected a 3-D tensor of shape (2, 2, *), got shape (32,)",
+            "cann_ops_tilelang::op: argument 'x': expected shape (4, 4), got (4, 5)",
+            "cann_ops_tilelang::op: argument 'flag': expected a bool, got numpy.bool True",
+            ("cann_ops_tilelang::op: argument 'x': expected a torch.Tensor or None, got list whose element [0] is "
+             "bool False")]
+    assert all(message_problems(m) for m in bad), [m for m in bad if not message_problems(m)]
+    assert not any(message_problems(m) for m in good), [message_problems(m) for m in good]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_every_corruption_reads_right(name):
+    """Every corruption of the op, once each: the error names the op and an argument ('the argument' itself
+    where the corruption is of a kind the op checks on it alone), and its message reads right."""
+    public = ops.registered_ops()[name]
+    for arg, how in corruptions(name):
+        torch.manual_seed(0)
+        call = corrupt(name, valid_call(name), arg, how)
+        with without_cpu_references(), pytest.raises((TypeError, ValueError)) as info:
+            public(**call)
+        message = str(info.value)
+        assert message.startswith(f"cann_ops_tilelang::{name}: argument '"), (how, message)
+        if how in ("list", "dtype", "bool", "numpy_bool", "float", "string", "huge", "tiny", "int64_overflow",
+                   "double_overflow", "tensor_for_list"):
+            assert message.startswith(f"cann_ops_tilelang::{name}: argument '{arg}': expected "), (how, message)
+        assert not message_problems(message), (how, message, message_problems(message))
+        if how == "numpy_bool":
+            assert message.endswith(", got numpy.bool True"), message
+        if how == "double_overflow":
+            assert message.endswith("got int of 401 digits (100000...)"), message
+        if how in ("shape", "element_shape") and "-D tensor" in message:
+            assert re.search(r": expected a \d-D tensor(?: of shape \([^)]*\))?, got shape \(\d+(, \d+)*,?\)$",
+                             message), message
+
+
+def test_check_messages_exactly():
+    from cann_ops_tilelang._checks import OpError, check_bool, check_float, check_int, check_tensor
+
+    err = OpError("op")
+    f32 = torch.float32
+    cases = [
+        (lambda: check_tensor(err, "x", torch.zeros(3), dtype=f32, ndim=2), ValueError,
+         "expected a 2-D tensor, got shape (3,)"),
+        (lambda: check_tensor(err, "x", torch.zeros(3), dtype=f32, shape=(None, 4, 512)), ValueError,
+         "expected a 3-D tensor of shape (*, 4, 512), got shape (3,)"),
+        (lambda: check_tensor(err, "x", torch.zeros(3, 5, 512), dtype=f32, shape=("T", 4, 512)), ValueError,
+         "expected shape (T, 4, 512), got (3, 5, 512)"),
+        (lambda: check_tensor(err, "x", torch.zeros(2, 3), dtype=f32, shape=(2, None)), None, ""),
+        (lambda: check_tensor(err, "x", np.zeros(3), dtype=f32, ndim=1), TypeError,
+         "expected a torch.Tensor, got numpy.ndarray"),
+        (lambda: check_bool(err, "flag", np.bool_(True)), TypeError, "expected a bool, got numpy.bool True"),
+        (lambda: check_bool(err, "flag", 1), TypeError, "expected a bool, got int 1"),
+        (lambda: check_int(err, "n", np.bool_(False)), TypeError, "expected an int, got numpy.bool False"),
+        (lambda: check_int(err, "n", np.float32(1.5)), TypeError, "expected an int, got numpy.float32 1.5"),
+        (lambda: check_int(err, "n", True), TypeError, "expected an int, got bool True"),
+        (lambda: check_float(err, "eps", "1e-6", minimum=0.0), TypeError, "expected a float, got str '1e-6'"),
+        (lambda: check_float(err, "eps", torch.tensor(1.0), minimum=0.0), TypeError,
+         "expected a float, got torch.Tensor"),
+        (lambda: check_float(err, "eps", None, minimum=0.0), TypeError, "expected a float, got None"),
+    ]
+    for call, exc, text in cases:
+        if exc is None:
+            call()
+            continue
+        with pytest.raises(exc) as info:
+            call()
+        assert str(info.value) == f"cann_ops_tilelang::op: argument '{info.value.args[0].split(chr(39))[1]}': {text}"
+        assert not message_problems(str(info.value)), str(info.value)
+    assert check_int(err, "n", np.int64(3)) == 3 and type(check_int(err, "n", np.int64(3))) is int
+
+
+def test_public_kind_checks_name_numpy_and_list_elements():
+    """The public functions' kind checks (before the dispatcher) name the received type as the checks do."""
+    call = valid_call("engram_gate_fwd")
+    with pytest.raises(TypeError) as info:
+        ops.engram_gate_fwd(**{**call, "save_for_backward": np.bool_(False)})
+    assert str(info.value) == ("cann_ops_tilelang::engram_gate_fwd: argument 'save_for_backward': expected a bool, "
+                               "got numpy.bool False")
+    call = valid_call("mhc_multilayer_recompute")
+    with pytest.raises(TypeError) as info:
+        ops.mhc_multilayer_recompute(**{**call, "pre_mix_list": [1.0, *call["pre_mix_list"][1:]]})
+    assert str(info.value) == ("cann_ops_tilelang::mhc_multilayer_recompute: argument 'pre_mix_list': expected a "
+                               "list of torch.Tensor, got list whose element [0] is float 1.0")
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -243,10 +378,14 @@ def test_calls_that_do_not_bind_name_the_op(name):
 @pytest.mark.parametrize("name", OPS)
 def test_valid_calls_pass_every_check(name):
     """The uncorrupted calls are valid: they reach the 'no kernel for cpu' error (naming the op, the device and
-    the devices with kernels), so every error above comes from the corruption."""
-    with without_cpu_references(), pytest.raises(RuntimeError, match="no kernel for tensors on device 'cpu'") as info:
+    the devices with kernels, then, on a second line, what works without them), so every error above comes from
+    the corruption."""
+    with without_cpu_references(), pytest.raises(RuntimeError) as info:
         ops.registered_ops()[name](**valid_call(name))
-    assert f"cann_ops_tilelang::{name}" in str(info.value) and "cuda, npu" in str(info.value)
+    assert str(info.value) == (
+        f"cann_ops_tilelang::{name}: no kernel for tensors on device 'cpu'; supported devices: cuda, npu\n"
+        'without a GPU or NPU: device="meta" runs the modules forward and backward (shapes only) and '
+        'torch.compile(backend="aot_eager") traces a model on meta tensors (README.md, section "Without a GPU")')
 
 
 # --- the Python wrappers that reshape: leading dims are checked before any reshape --------------------------
@@ -284,7 +423,7 @@ def test_post_wrappers_refuse_what_a_flat_view_cannot_take():
                                       residual.view(1, *residual.shape).expand(2, -1, -1, -1), post.expand(2, -1, -1),
                                       comb.expand(2, -1, -1, -1)), ValueError, r"'x': expected a contiguous tensor"),
         (lambda: ops.mhc_post_forward(x, np.zeros(tuple(residual.shape)), post, comb), TypeError,
-         r"mhc_post_forward: argument 'residual': expected a torch.Tensor, got ndarray"),
+         r"mhc_post_forward: argument 'residual': expected a torch.Tensor, got numpy.ndarray"),
         (lambda: ops.mhc_post_backward(x, residual, post, comb, np.zeros(tuple(residual.shape))), TypeError,
          r"mhc_post_backward: argument 'd_o': expected a torch.Tensor"),
         (lambda: ops.mhc_post_forward(x, residual, post, comb, out=torch.empty(residual.shape, dtype=bf16,
@@ -321,12 +460,13 @@ def test_engram_gate_fwd_flags_are_bools():
 
 
 def test_main_grad_must_be_contiguous():
-    from cann_ops_tilelang.modeling.engram_gate import _main_grad
+    from cann_ops_tilelang.modeling._buffers import honoured_main_grad
 
     weight = torch.nn.Parameter(torch.ones(4, ENGRAM_HIDDEN, dtype=torch.bfloat16))
     weight.main_grad = torch.zeros(ENGRAM_HIDDEN, 4).t()
-    with pytest.raises(ValueError, match="modeling.engram_gate: argument 'main_grad': expected a contiguous"):
-        _main_grad(weight)
+    with pytest.raises(ValueError, match="modeling.engram_gate: argument 'weight_hidden.main_grad': expected a "
+                                         "contiguous fp32 buffer .*, not contiguous"):
+        honoured_main_grad(weight, "modeling.engram_gate", "weight_hidden")
 
 
 def test_scalars_that_do_not_survive_fp32():

@@ -2,20 +2,27 @@
 
 With a CUDA GPU or an Ascend NPU it runs the Engram gate's ops once at a model shape and trains a small model
 (mHC sublayers, an Engram gate, the mHC head) for a few steps, eager and compiled, with timings. Without one
-(or with ``--lower``) it
-instead lowers every kernel for both targets (AscendC source for Ascend 950, checked against the UB
-budget; an sm_90a cubin for CUDA, checked against the shared-memory budget, when nvcc is found) and ends
-with a summary, so the package can be seen working anywhere.
+(or with ``--lower``) it instead lowers kernels for both targets (AscendC source for Ascend 950, checked
+against the UB budget; an sm_90a cubin for CUDA, checked against the shared-memory budget, when nvcc is
+found) and ends with a summary, so the package can be seen working anywhere. By default it lowers a
+representative set, the first case each kernel module lists (one kernel per module and target, 32 in all),
+which takes well under two minutes on two cores; ``--all`` lowers every kernel variant (138 at H = 4096),
+``--match`` those whose name contains a text. The kernels are lowered on ``--jobs`` worker processes (default:
+one per core), a progress row printed as each finishes.
 
-The kernels are enumerated by the family aggregators ``cann_ops_tilelang.kernels.<backend>.<family>
-.lowering_cases(hidden_size)``; supported sizes come from :mod:`cann_ops_tilelang.limits`.
+The kernels are enumerated as the family aggregators ``cann_ops_tilelang.kernels.<backend>.<family>
+.lowering_cases(hidden_size)`` do it, one kernel module at a time (each module's ``lowering_cases``);
+supported sizes come from :mod:`cann_ops_tilelang.limits`.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
+import multiprocessing
 import os
 import platform
 import re
@@ -145,14 +152,18 @@ def _nvcc() -> tuple[str | None, str]:
 @dataclasses.dataclass
 class _Result:
     target: str
-    name: str  # <family>/<case>, or the family aggregator's call
-    kernel: bool = True  # False: the family aggregator (it gets a row only when it failed or printed)
+    name: str  # <family>/<op module>/<case>, or a kernel module's lowering_cases call
+    kernel: bool = True  # False: a kernel module's enumeration (it gets a row only when it failed or printed)
     ok: bool = False  # built, and within its budget
     built: bool = False  # lowered (AscendC), cubin built or CUDA source generated
     over_budget: bool = False
     what: str = ""
     seconds: float = 0.0
     messages: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "OVER BUDGET" if self.over_budget else "FAILED"
 
 
 def _lower_one(target: str, build, prim_func, nvcc: str | None, result: _Result) -> None:
@@ -173,71 +184,183 @@ def _lower_one(target: str, build, prim_func, nvcc: str | None, result: _Result)
         source = build.lower_source(prim_func, arch=CUDA_ARCH)
         result.built = True
         result.what = f"CUDA source {len(source):>7} chars (no cubin: nvcc not found)"
-    if result.over_budget:
-        result.what += "  OVER BUDGET"
     result.ok = result.built and not result.over_budget
 
 
-def _failed(exc: Exception) -> str:
+def _failed(exc: BaseException) -> str:
     text = str(exc).strip()
-    return f"FAILED: {type(exc).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+    return type(exc).__name__ + (f": {text.splitlines()[0]}" if text else "")
 
 
-def _report(result: _Result, width: int, verbose: bool) -> None:
+# The work runs in worker processes (``--jobs``; ``--jobs 1`` runs it in this process). A module is the unit of
+# enumeration: ``lowering_cases`` of one kernel module, cached per process so that lowering several of its
+# kernels in one worker builds them once.
+Module = tuple[str, str, str]  # (target, family, op module)
+
+
+def _kernel_modules(targets, families) -> list[Module]:
+    """Every kernel module of the selected targets and families, in a fixed order (target, family, module name):
+    the op modules each family aggregator discovers (importing them is left to the workers)."""
+    from .kernels import _family
+
+    modules = []
+    for target in targets:
+        for family in families:
+            package = importlib.import_module(f"{__package__}.kernels.{target}.{family}").__name__
+            modules += [(target, family, name) for name in _family.op_modules(package)]
+    return modules
+
+
+@functools.cache
+def _module_cases(target: str, family: str, module: str, hidden_size: int) -> dict:
+    """``{case: prim_func}`` of one kernel module at ``hidden_size`` (what its family aggregator collects)."""
+    return importlib.import_module(f"{__package__}.kernels.{target}.{family}.{module}").lowering_cases(hidden_size)
+
+
+def _enumerate(target: str, family: str, module: str, hidden_size: int) -> tuple[_Result, list[str]]:
+    """The case names of one kernel module, and the row of its ``lowering_cases`` call (shown when it failed or
+    printed something)."""
+    step = _Result(target, f"{family}/{module}: lowering_cases({hidden_size})", kernel=False, ok=True, built=True)
+    names: list[str] = []
+    start = time.perf_counter()
+    try:
+        with _captured_output() as step.messages:
+            names = list(_module_cases(target, family, module, hidden_size))
+    except Exception as exc:  # report and go on: the point is to show every kernel
+        step.ok = step.built = False
+        step.what = _failed(exc)
+    step.seconds = time.perf_counter() - start
+    step.what = step.what or f"{len(names)} kernels"
+    return step, names
+
+
+def _lower_case(target: str, family: str, module: str, case: str, hidden_size: int, nvcc: str | None) -> _Result:
+    """Lowers one kernel (``nvcc``: build a cubin with it; None: CUDA source only); its time is the lowering's."""
+    result = _Result(target, f"{family}/{module}/{case}")
+    try:
+        with _captured_output() as result.messages:
+            build = importlib.import_module(f"{__package__}.kernels.{target}._build")
+            prim_func = _module_cases(target, family, module, hidden_size)[case]
+            start = time.perf_counter()
+            try:
+                _lower_one(target, build, prim_func, nvcc, result)
+            finally:
+                result.seconds = time.perf_counter() - start
+    except Exception as exc:
+        result.ok = False
+        result.what = _failed(exc)
+    return result
+
+
+def _select(listing: dict[Module, list[str]], every: bool, match: str | None) -> list[tuple[Module, str]]:
+    """The kernels to lower, in listing order: with ``match``, every kernel whose name ``<family>/<module>/<case>``
+    contains it; with ``every``, every kernel; else the representative set: the first case each kernel module
+    lists (its primary variant; the modules list them in a fixed order), one per module and target."""
+    chosen = []
+    for (target, family, module), names in listing.items():
+        if match is not None:
+            names = [case for case in names if match in f"{family}/{module}/{case}"]
+        elif not every:
+            names = names[:1]
+        chosen += [((target, family, module), case) for case in names]
+    return chosen
+
+
+@contextlib.contextmanager
+def _workers(jobs: int, most: int):
+    """A pool of ``min(jobs, most)`` worker processes for :func:`_run_tasks`, shut down on leaving (None: run
+    in this process, for ``--jobs 1`` or a single task). One pool serves the enumeration and the lowering: a
+    worker imports TileLang once, and lowers the kernels of the modules it enumerated without building them
+    again."""
+    if min(jobs, most) <= 1:
+        yield None
+        return
+    # spawned, not forked: the workers import TileLang themselves, and this process (which holds torch's
+    # threads, or pytest's) is never copied
+    pool = concurrent.futures.ProcessPoolExecutor(min(jobs, most), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_tasks(pool, tasks: list[tuple], on_done) -> None:
+    """Runs ``fn(*args)`` for each ``(fn, *args)`` of ``tasks`` on the workers of ``pool`` (in this process when
+    it is None), and calls ``on_done(index, result)`` in this process as each finishes; an exception of the
+    machinery (a worker that died) is the result of its task."""
+    if pool is None:
+        for index, (fn, *args) in enumerate(tasks):
+            on_done(index, fn(*args))
+        return
+    # run as ``python -m``, this module is __main__, which spawned workers do not import: they get the functions
+    # by the module's own name
+    module = importlib.import_module(f"{__package__}.__main__")
+    futures = {pool.submit(getattr(module, fn.__name__), *args): index for index, (fn, *args) in enumerate(tasks)}
+    for future in concurrent.futures.as_completed(futures):
+        try:
+            result = future.result()
+        except Exception as exc:  # noqa: BLE001 - a broken pool fails its tasks, never the run
+            result = exc
+        on_done(futures[future], result)
+
+
+def _report(result: _Result, prefix: str, verbose: bool) -> None:
+    """A row: the fixed-width fields (target, status, time) first, then the kernel's name and what it built."""
     lines = len(result.messages)
     note = f"  [{lines} TileLang line{'s' if lines > 1 else ''}]" if lines else ""
-    print(f"  {result.target:6} {result.name:{width}}  {result.what}  ({result.seconds:.1f} s){note}", flush=True)
+    print(f"{prefix}{result.target:6} {result.status:11} {result.seconds:5.1f} s  {result.name}  {result.what}{note}",
+          flush=True)
     if verbose:
         for line in result.messages:
             print(f"           | {line}")
 
 
-def _lower_all(hidden_size: int, families, targets, match: str | None, verbose: bool) -> list[_Result]:
-    """Lowers every selected kernel and prints a row for each; returns the results: one per kernel, plus
-    one per family aggregator that failed or printed something."""
+def _lower_all(hidden_size: int, families, targets, match: str | None, every: bool, jobs: int,
+               verbose: bool) -> tuple[list[_Result], int]:
+    """Enumerates the kernel modules' cases, selects the kernels (:func:`_select`), lowers them on ``jobs``
+    workers and prints a progress row as each finishes. Returns the results (one per kernel, plus one per
+    module enumeration that failed or printed) and the number of kernels enumerated."""
     nvcc = _nvcc()[0]
-    work = []  # (result, build module, prim_func)
-    steps: list[_Result] = []  # the aggregators that failed or printed
-    for target in targets:
-        for family in families:
-            step = _Result(target, f"{family}: lowering_cases({hidden_size})", kernel=False, ok=True, built=True)
-            start = time.perf_counter()
-            try:
-                with _captured_output() as step.messages:
-                    build = importlib.import_module(f"{__package__}.kernels.{target}._build")
-                    kernels = importlib.import_module(f"{__package__}.kernels.{target}.{family}")
-                    cases = kernels.lowering_cases(hidden_size)
-            except Exception as exc:  # report and go on: the point is to show every kernel
-                step.ok = step.built = False
-                step.what = _failed(exc)
-                cases = {}
-            step.seconds = time.perf_counter() - start
-            if step.messages or not step.ok:
-                step.what = step.what or f"{len(cases)} kernels"
-                steps.append(step)
-            for case, prim_func in cases.items():
-                name = f"{family}/{case}"
-                if match is None or match in name:
-                    work.append((_Result(target, name), build, prim_func))
+    modules = _kernel_modules(targets, families)
+    listing: dict[Module, list[str]] = {}
+    steps: list[_Result] = []
 
-    width = max((len(result.name) for result, _, _ in work), default=0)
-    for step in steps:
-        _report(step, width, verbose)
-    for result, build, prim_func in work:
-        start = time.perf_counter()
-        try:
-            with _captured_output() as result.messages:
-                _lower_one(result.target, build, prim_func, nvcc, result)
-        except Exception as exc:
-            result.what = _failed(exc)
-        result.seconds = time.perf_counter() - start
-        _report(result, width, verbose)
-    return steps + [result for result, _, _ in work]
+    def listed(index: int, outcome) -> None:
+        if isinstance(outcome, BaseException):
+            target, family, module = modules[index]
+            outcome = _Result(target, f"{family}/{module}: lowering_cases", kernel=False, what=_failed(outcome)), []
+        step, names = outcome
+        listing[modules[index]] = names
+        if step.messages or not step.ok:
+            steps.append(step)
+
+    chosen: list[tuple[Module, str]] = []
+    results: list[_Result | None] = []
+    count = 0
+
+    def lowered(index: int, result) -> None:
+        nonlocal count
+        if isinstance(result, BaseException):
+            (target, family, module), case = chosen[index]
+            result = _Result(target, f"{family}/{module}/{case}", what=_failed(result))
+        results[index] = result
+        count += 1
+        _report(result, f"[{count:>{len(str(len(chosen)))}}/{len(chosen)}] ", verbose)
+
+    with _workers(jobs, len(modules)) as pool:
+        _run_tasks(pool, [(_enumerate, *module, hidden_size) for module in modules], listed)
+        listing = {module: listing[module] for module in modules}  # the fixed order, whatever finished first
+        for step in steps:
+            _report(step, "", verbose)
+        chosen = _select(listing, every, match)
+        results = [None] * len(chosen)
+        _run_tasks(pool, [(_lower_case, *module, case, hidden_size, nvcc) for module, case in chosen], lowered)
+    return steps + results, sum(len(names) for names in listing.values())
 
 
-def _summary(results: list[_Result], targets, hidden_size: int, seconds: float) -> list[str]:
+def _summary(results: list[_Result], targets, hidden_size: int, enumerated: int, seconds: float) -> list[str]:
     kernels = [r for r in results if r.kernel]
-    lines = [f"summary (H={hidden_size}):"]
+    lines = [f"summary (H={hidden_size}; {len(kernels)} of the {enumerated} kernels):"]
     nvcc, why = _nvcc()
     for target in TARGETS:
         name = TARGET_NAMES[target]
@@ -259,13 +382,14 @@ def _summary(results: list[_Result], targets, hidden_size: int, seconds: float) 
         lines.append("  no kernel was selected")
     failures = [r for r in results if not r.ok]
     lines.append(f"  failures: {len(failures)}")
-    lines.extend(f"    {r.target} {r.name}: {r.what.strip()}" for r in failures)
+    lines.extend(f"    {r.target} {r.name}: {r.status}: {r.what.strip()}" for r in failures)
     noisy = [r for r in results if r.messages]
     if noisy:
         count = sum(len(r.messages) for r in noisy)
         lines.append(f"  TileLang printed {count} line{'s' if count > 1 else ''} while lowering {len(noisy)} "
                      f"kernel{'s' if len(noisy) > 1 else ''} (counted on their rows; --verbose shows them)")
-    lines.append(f"  total time: {seconds:.1f} s")
+    busy = sum(r.seconds for r in kernels)
+    lines.append(f"  total time: {seconds:.1f} s (lowering {busy:.1f} s summed over the kernels)")
     return lines
 
 
@@ -334,6 +458,13 @@ def _run_on_device(device: str, tokens: int, hidden_size: int, steps: int) -> No
 # --- arguments --------------------------------------------------------------------------------------
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it, else the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -352,8 +483,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m cann_ops_tilelang",
         description="Prints versions, the device and the registered ops, then runs the Engram ops on a GPU or NPU, "
-        "or, without one, lowers every kernel for Ascend 950 and CUDA and checks each against its on-chip "
-        "memory budget.",
+        "or, without one, lowers kernels for Ascend 950 and CUDA (one per kernel module; --all: every one) and checks "
+        "each against its on-chip memory budget.",
         epilog="Without a GPU or NPU the kernels are lowered (AscendC, and sm_90a cubins when nvcc is found); "
         "the supported ranges are those of cann_ops_tilelang/limits.py.",
     )
@@ -365,12 +496,19 @@ def _parser() -> argparse.ArgumentParser:
                         help="training steps of the demonstration on a device (>= 0; default 5)")
     parser.add_argument("--lower", action="store_true",
                         help="lower the kernels instead of running the demonstration (what runs without a GPU or NPU)")
+    parser.add_argument("--all", action="store_true", dest="every",
+                        help="lower every kernel variant (default: the first case of each kernel module, one kernel "
+                        "per module and target)")
+    parser.add_argument("-j", "--jobs", type=_int_at_least(1), default=_cores(), metavar="N",
+                        help=f"worker processes that lower the kernels (>= 1; default: the cores, {_cores()} here; "
+                        "1 lowers in this process)")
     parser.add_argument("--family", action="append", choices=FAMILIES,
                         help="only this family (repeatable; default: all); the demonstration on a device runs engram")
     parser.add_argument("--target", action="append", choices=TARGETS,
                         help="lower only for this target (repeatable; default: both)")
     parser.add_argument("--match", metavar="TEXT",
-                        help="lower only the kernels whose name <family>/<case> contains TEXT")
+                        help="lower the kernels whose name <family>/<op module>/<case> contains TEXT (any variant, "
+                        "as with --all)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="print the op schemas and what TileLang printed while lowering each kernel")
     return parser
@@ -405,16 +543,23 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.lower:
         reason = "the demonstration runs the Engram ops (--family engram): "
     targets = " and ".join(TARGET_NAMES[t] for t in args.target)
-    selected = f" whose name contains {args.match!r}" if args.match else ""
-    print(f"{reason}lowering the {', '.join(args.family)} kernels{selected} at H={args.hidden_size} for {targets}")
-    results = _lower_all(args.hidden_size, args.family, args.target, args.match, args.verbose)
-    print("\n".join(_summary(results, args.target, args.hidden_size, time.perf_counter() - start)))
+    if args.match:
+        selected = f"the {', '.join(args.family)} kernels whose name contains {args.match!r}"
+    elif args.every:
+        selected = f"every {', '.join(args.family)} kernel"
+    else:
+        selected = f"the first kernel of each {', '.join(args.family)} kernel module (--all: every kernel)"
+    jobs = min(args.jobs, len(_kernel_modules(args.target, args.family)))  # the pool's size (_workers)
+    workers = "in this process" if jobs <= 1 else f"on {jobs} worker processes"
+    print(f"{reason}lowering {selected} at H={args.hidden_size} for {targets}, {workers}", flush=True)
+    results, enumerated = _lower_all(args.hidden_size, args.family, args.target, args.match, args.every, args.jobs,
+                                     args.verbose)
+    print("\n".join(_summary(results, args.target, args.hidden_size, enumerated, time.perf_counter() - start)))
     kernels = [r for r in results if r.kernel]
     if not kernels and args.match and all(r.ok for r in results):
         print(f"--match {args.match!r} selects no kernel of {', '.join(args.family)} (a usage error)", file=sys.stderr)
         return 2
     return 0 if kernels and all(r.ok for r in results) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

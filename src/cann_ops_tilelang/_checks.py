@@ -10,12 +10,13 @@ import math
 import numbers
 import operator
 import struct
+import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OpError", "check_bool", "check_float", "check_int", "check_same_device", "check_tensor", "misalignment",
-           "overlap"]
+__all__ = ["OpError", "check_bool", "check_float", "check_int", "check_same_device", "check_tensor", "describe",
+           "format_shape", "misalignment", "overlap", "type_name"]
 
 # the smallest positive normal fp32: kernels may flush smaller values to zero
 _FP32_TINY = 1.1754943508222875e-38
@@ -59,8 +60,48 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _fmt_shape(shape: Sequence[object]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+def type_name(value: object) -> str:
+    """The name of ``value``'s type as a message shows it: builtins bare (``str``), anything else qualified by its
+    package (``numpy.bool``, ``numpy.float32``, ``torch.Tensor``), so a numpy bool never reads as a bool."""
+    if value is None:
+        return "None"
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    # the shortest public path that reaches the type (torch.Tensor, not torch._tensor.Tensor; torch.nn.Parameter),
+    # else its full path
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = ".".join(parts[:end])
+        if getattr(sys.modules.get(module), cls.__name__, None) is cls:
+            return f"{module}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe(value: object) -> str:
+    """What a message says it got: the type name, and the value itself for a scalar or a string
+    (``numpy.bool True``, ``str 'False'``, ``float 0.5``; an int of more than 30 digits by its length)."""
+    name = type_name(value)
+    if value is None or isinstance(value, torch.Tensor):
+        return name
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = len(str(abs(int(value))))
+        if digits > 30:  # 10**400 would flood the message, and a truncated number would read as another one
+            return f"{name} of {digits} digits ({'-' if value < 0 else ''}{str(abs(int(value)))[:6]}...)"
+    if type(value) in (bool, int, float, complex, str, bytes):
+        text = repr(value)
+    elif isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        text = str(value)  # numpy and other scalars: str() is the bare value (repr would be np.True_)
+    else:
+        return name
+    return f"{name} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def format_shape(shape: Sequence[object]) -> str:
+    """A shape as messages write it: ``(3, 4, 512)``, ``(3,)``; a free dim (``None``) as ``*``, a named free dim
+    (a ``str``) by its name: ``(*, 4, 512)``, ``(T, 4, 512)``."""
+    parts = ["*" if s is None else str(s) for s in shape]
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
 
 def check_tensor(
@@ -73,25 +114,24 @@ def check_tensor(
     ndim: int | None = None,
 ) -> torch.Tensor:
     """Checks one tensor argument: a Tensor, of ``dtype``, of rank ``ndim`` or ``len(shape)``,
-    matching ``shape`` (entries that are ``None`` are free) and contiguous.
+    matching ``shape`` (entries that are ``None`` are free and print as ``*``; a ``str`` entry is a free dim
+    printed by that name) and contiguous.
 
     Returns:
         The tensor, for chaining.
     """
     if not isinstance(value, torch.Tensor):
-        raise err.type(arg, f"expected a torch.Tensor, got {type(value).__name__}")
+        raise err.type(arg, f"expected a torch.Tensor, got {describe(value)}")
     if value.dtype != dtype:
         raise err.type(arg, f"expected dtype {dtype}, got {value.dtype}")
     rank = len(shape) if shape is not None else ndim
     if rank is not None and value.dim() != rank:
-        want = _fmt_shape(shape) if shape is not None else f"{rank}-D"
-        raise err.value(arg, f"expected a {rank}-D tensor {want}, got shape {_fmt_shape(tuple(value.shape))}")
+        want = f" of shape {format_shape(shape)}" if shape is not None else ""
+        raise err.value(arg, f"expected a {rank}-D tensor{want}, got shape {format_shape(tuple(value.shape))}")
     if shape is not None:
-        for want, got in zip(shape, value.shape):
-            if want is not None and want != got:
-                raise err.value(
-                    arg, f"expected shape {_fmt_shape(shape)}, got {_fmt_shape(tuple(value.shape))}"
-                )
+        for want, size in zip(shape, value.shape):
+            if want is not None and want != size and not isinstance(want, str):  # ints and SymInts must match
+                raise err.value(arg, f"expected shape {format_shape(shape)}, got {format_shape(tuple(value.shape))}")
     if not value.is_contiguous():
         raise err.value(arg, f"expected a contiguous tensor, got strides {tuple(value.stride())}")
     return value
@@ -125,7 +165,7 @@ def check_float(err: OpError, arg: str, value: object, *, minimum: float, inclus
     fp32's smallest normal number in magnitude (``1e-50`` would become zero, or a subnormal that kernels may
     flush to zero: an ``eps`` or ``clamp_value`` silently lost)."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
-        raise err.type(arg, f"expected a float, got {type(value).__name__}")
+        raise err.type(arg, f"expected a float, got {describe(value)}")
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return value  # a traced value: checked when the graph runs with a real one
     number = float(value)
@@ -145,12 +185,12 @@ def check_int(err: OpError, arg: str, value: object) -> int:
     """An integer (not a bool; numpy integers become ints; a traced SymInt passes); ranges are checked with
     ``limits.IntRange.check``."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
-        raise err.type(arg, f"expected an int, got {type(value).__name__}")
+        raise err.type(arg, f"expected an int, got {describe(value)}")
     return value if isinstance(value, (int, torch.SymInt)) else operator.index(value)
 
 
 def check_bool(err: OpError, arg: str, value: object) -> bool:
-    """A bool (not a string or an int)."""
+    """A bool (not a string, an int or a numpy bool: the schema takes Python's bool only)."""
     if not isinstance(value, bool):
-        raise err.type(arg, f"expected a bool, got {type(value).__name__} {value!r}")
+        raise err.type(arg, f"expected a bool, got {describe(value)}")
     return value

@@ -13,7 +13,8 @@ outputs with ``new_empty``. :func:`declare` turns it into the custom op ``cann_o
   module ``cann_ops_tilelang.kernels.<backend>.<family>.<op module>``, imported on first use (TileLang is
   imported only there);
 * any other device (CPU, ...) runs the same checks, then gets a ``RuntimeError`` naming the op, the device
-  and the devices that have kernels;
+  and the devices that have kernels, and on a second line what works without them (meta tensors, the
+  ``aot_eager`` backend of ``torch.compile``, the README section "Without a GPU");
 * no backward formula (the modeling layer chains the backward ops): a backward through an op raises. The op
   is defined with the low-level ``torch.library`` API, not ``custom_op`` (host time, docs/perf 2026-12-04).
 
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from . import _sharding, config
-from ._checks import OpError, misalignment, overlap
+from ._checks import OpError, describe, misalignment, overlap, type_name
 
 __all__ = ["NAMESPACE", "OpDeclaration", "declare", "register_sharding_rules", "registered_ops"]
 
@@ -51,6 +52,10 @@ NAMESPACE = "cann_ops_tilelang"
 # dispatch key -> kernel backend package under cann_ops_tilelang.kernels
 _BACKENDS = {"CUDA": "cuda", "PrivateUse1": "ascend"}
 _SUPPORTED = "cuda, npu"
+# the second line of the no-kernel error: what does work without a GPU or NPU (README.md, "Without a GPU")
+_WITHOUT_KERNEL = ('without a GPU or NPU: device="meta" runs the modules forward and backward (shapes only) and '
+                   'torch.compile(backend="aot_eager") traces a model on meta tensors (README.md, section '
+                   '"Without a GPU")')
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # the device kernels' registrations
@@ -170,6 +175,16 @@ _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _got(value: Any) -> str:
+    """What a kind check got: :func:`describe`, and for a list or tuple its first element that is no tensor (a
+    list of floats where a list of tensors belongs reads ``list whose element [0] is float 1.0``)."""
+    if isinstance(value, (list, tuple)):
+        for i, element in enumerate(value):
+            if not isinstance(element, torch.Tensor):
+                return f"{type_name(value)} whose element [{i}] is {describe(element)}"
+    return describe(value)
+
+
 def _tensors(arguments: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Every tensor of the arguments, list elements named ``arg[i]``."""
     out = []
@@ -244,11 +259,11 @@ class _Op:
             if kind is not None:
                 check = kind[0]
                 if not check(value):
-                    raise OpError(self.decl.name).type(name, f"expected {kind[1]}, got {type(value).__name__}")
+                    raise OpError(self.decl.name).type(name, f"expected {kind[1]}, got {_got(value)}")
                 scalar = _SCALARS.get(check)
                 if scalar is not None and not scalar[0](value):
                     raise OpError(self.decl.name).value(name, f"expected {kind[1]} that fits the schema's "
-                                                              f"{scalar[1]}, got {value!r:.40}")
+                                                              f"{scalar[1]}, got {describe(value)}")
         if self.decl.mutates_args and torch.is_grad_enabled():
             for name, value in _tensors({k: v for k, v in given if k in self.decl.mutates_args}):
                 if value.requires_grad:
@@ -306,7 +321,7 @@ class _Op:
         self.check_alignment(arguments)
         raise RuntimeError(
             f"{NAMESPACE}::{self.decl.name}: no kernel for tensors on device "
-            f"'{_device_name(_first_device(args, kwargs))}'; supported devices: {_SUPPORTED}"
+            f"'{_device_name(_first_device(args, kwargs))}'; supported devices: {_SUPPORTED}\n{_WITHOUT_KERNEL}"
         )
 
     def bump_versions(self, args: Sequence[Any]) -> None:
