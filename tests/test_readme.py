@@ -1,20 +1,27 @@
 """README.md stays true: its benchmark table is the committed baselines' (``tools/bench_table.py``), every
 repository path it names exists (inline code, commands, links with their section anchors, the layout tree),
-its test command is the one CI runs, and its quickstart computes what it claims (run here on the CPU, where
-the test references stand in for the kernels)."""
+its test command is the one CI runs, its quickstarts and torch.compile code compute what they claim (run here on
+the CPU, where the test references stand in for the kernels), the code of its section "Without a GPU" runs as
+written on this CPU machine, and pyproject.toml declares the license of LICENSE. The device tier runs every
+Python block as written on the GPU (or the NPU for the NPU's block)."""
 
 import importlib.util
 import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _plugins.device import requires_cuda, requires_npu
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PACKAGE = ROOT / "src" / "cann_ops_tilelang"
-TOP_LEVEL = {"src", "tests", "docs", "tools", ".ci"}
+TOP_LEVEL = {"src", "tests", "docs", "tools", ".ci", "examples"}
 FILE_SUFFIXES = (".py", ".md", ".toml", ".jsonl", ".json", ".txt", ".cfg")
 
 
@@ -189,6 +196,15 @@ def test_readme_layout_tree_exists():
     assert not missing, f"README.md's layout tree names paths that do not exist: {missing}"
 
 
+def test_readme_anchors_within_the_readme_exist():
+    text = readme()
+    anchors = {_slug(h) for h in re.findall(r"^#{1,6} (.*)$", text, re.M)}
+    targets = re.findall(r"\]\(#([^)\s]+)\)", text)
+    assert targets, "the parser finds the README's own anchors"
+    missing = sorted(set(targets) - anchors)
+    assert not missing, f"README.md links to sections of its own that do not exist: {missing}"
+
+
 def test_path_extraction():
     text = ("See `docs/ops/mhc.md#sinkhorn`, `limits.py`, `true/false`, `1/0`, `tests/<family>/x.jsonl`, "
             "`python tools/run_tests.py --benchmarks` and [a](docs/ops/engram.md#gate) or [b](https://x.y/z).\n"
@@ -266,3 +282,190 @@ def test_engram_quickstart_runs_on_the_cpu_references():
     assert scope["y"].shape == (2, 6, 4, 512) and torch.isfinite(scope["x"].grad.float()).all()
     for p in scope["layer"].parameters():
         assert p.grad is not None and torch.isfinite(p.grad.float()).all()
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------------
+
+
+def python_blocks(heading: str) -> list[str]:
+    return [body for lang, body, h in fenced_blocks(readme()) if h == heading and lang == "python"]
+
+
+def test_compile_model_runs_on_the_cpu_references_without_recompiling():
+    """The section's first block on the CPU (``aot_eager``: inductor would generate C++ for the CPU) with three
+    small token counts: forward and backward of every count through one compilation, as the block says."""
+    code = python_blocks("torch.compile")[0]
+    for old, new in [('H, device = 1024, "cuda"', 'H, device = 1024, "cpu"'),
+                     ("torch.compile(model, fullgraph=True, dynamic=True)",
+                      'torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)'),
+                     ("for tokens in (512, 1000, 4096):", "for tokens in (5, 9, 14):")]:
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    torch._dynamo.reset()
+    scope = {}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        exec(compile(code, "README.md (torch.compile)", "exec"), scope)
+    assert scope["x"].shape == (14, 1024) and torch.isfinite(scope["x"].grad.float()).all()
+    assert all(p.grad is not None for p in scope["model"].parameters())
+
+
+def test_default_dynamic_compiles_the_second_token_count_once_more():
+    """The section's claim: with ``dynamic=None`` the second token count compiles once more, later ones reuse it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cann_ops_tilelang.modeling import MHCSublayer
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(MHCSublayer(256, torch.nn.Identity()), backend=counter, fullgraph=True)
+    frames = []
+    for tokens in (5, 9, 14, 20):
+        compiled(torch.randn(tokens, 4, 256, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+        frames.append(counter.frame_count)
+    assert frames == [1, 2, 2, 2]
+    assert "the second token count\nseen compiles once more" in section(readme(), "torch.compile")
+
+
+def test_main_grad_is_ignored_under_compile():
+    """The section's claim: compiled, the modules' parameters get ``.grad`` and their ``main_grad`` stays as it was
+    (eager: the reverse)."""
+    from cann_ops_tilelang.modeling import EngramGate, MHCSublayer
+
+    layer, gate = MHCSublayer(512, torch.nn.Identity()), EngramGate(512)
+    params = [*layer.parameters(), *gate.parameters()]
+
+    def run(fn_layer, fn_gate):
+        residual = torch.randn(3, 4, 512, dtype=torch.bfloat16)
+        kv = torch.randn(3, 5 * 512, dtype=torch.bfloat16)
+        fn_gate(fn_layer(residual), kv).float().square().sum().backward()
+
+    for p in params:
+        p.main_grad = torch.zeros(p.shape)
+    torch._dynamo.reset()
+    run(torch.compile(layer, backend="aot_eager", fullgraph=True), torch.compile(gate, backend="aot_eager",
+                                                                                   fullgraph=True))
+    assert all(p.grad is not None and not p.main_grad.any() for p in params)
+    for p in params:
+        p.grad = None
+    run(layer, gate)
+    assert all(p.grad is None and p.main_grad.any() for p in params)
+    assert "`main_grad` is ignored under compile" in section(readme(), "torch.compile")
+
+
+# --- without a GPU ---------------------------------------------------------------------------------------------
+
+
+def _environ() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_without_a_gpu_python_blocks_run_as_written():
+    """Each block of the section in a fresh interpreter from the repository root, verbatim; what it prints is
+    what it says."""
+    blocks = python_blocks("Without a GPU")
+    assert len(blocks) == 2
+    meta, refs = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                                 env=_environ(), timeout=600) for code in blocks)
+    assert meta.returncode == 0, meta.stderr[-4000:]
+    assert meta.stdout.splitlines() == ["eager: (2, 64, 512) torch.bfloat16 on meta",
+                                        "aot_eager: (2, 64, 512) torch.bfloat16 on meta"]
+    assert refs.returncode == 0, refs.stderr[-4000:]
+    assert refs.stdout.splitlines() == ["fused weight exact: True"]
+
+
+def _commands(heading: str) -> list[str]:
+    """The commands of the section's bash blocks, one a line, comments dropped."""
+    return [line.split("#", 1)[0].strip() for lang, body, h in fenced_blocks(readme()) if h == heading
+            and lang == "bash" for line in body.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def test_without_a_gpu_commands_run_as_written():
+    """Every command of the section, as written (``python`` is this interpreter), from the repository root: the
+    example on meta and on the references (its loss falls), the data-parallel tool on gloo (every mode checked
+    against one process), the main command's lowering (no failure)."""
+    commands = _commands("Without a GPU")
+    assert len(commands) == 4 and all(c.startswith("python ") for c in commands), commands
+    outputs = []
+    for command in commands:
+        argv = [sys.executable, *shlex.split(command)[1:]]
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=_environ(), timeout=600)
+        assert done.returncode == 0, (command, (done.stdout + done.stderr)[-4000:])
+        outputs.append(done.stdout)
+    meta, cpu, distributed, lowering = outputs
+    assert "on meta (shapes only)" in meta and "loss" not in meta.replace("loss ()", "")
+    first, last = map(float, re.search(r"^loss (\S+) -> (\S+)$", cpu, re.M).groups())
+    assert last < first, cpu
+    rows = re.findall(r"^(ddp|megatron|fsdp2) .* (True|False)$", distributed, re.M)
+    assert sorted(rows) == [("ddp", "True"), ("fsdp2", "True"), ("megatron", "True")], distributed
+    assert "failures: 0" in lowering and "lowered 1/1 within the UB budget" in lowering, lowering
+
+
+# --- pyproject and LICENSE -------------------------------------------------------------------------------------
+
+
+def test_pyproject_declares_the_license_file():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "MIT" and project["project"]["license-files"] == ["LICENSE"]
+    assert not any(c.startswith("License ::") for c in project["project"]["classifiers"])  # SPDX only
+    assert "setuptools>=77" in project["build-system"]["requires"]  # the first to read the SPDX form
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License\n")
+
+
+# --- device tier: every Python block as written ----------------------------------------------------------------
+
+
+def _device_blocks() -> list:
+    """Every Python block of the README as ``pytest.param(code, id=<index>-<heading>)``, split into those that
+    need torch_npu and the rest."""
+    npu, rest = [], []
+    for index, (lang, body, heading) in enumerate(b for b in fenced_blocks(readme()) if b[0] == "python"):
+        param = pytest.param(body, id=f"{index}-{_slug(heading)}")
+        (npu if "import torch_npu" in body else rest).append(param)
+    return npu, rest
+
+
+NPU_BLOCKS, OTHER_BLOCKS = _device_blocks()
+
+
+def _check_printed(out: str) -> None:
+    """The claims the blocks print hold."""
+    for line in out.splitlines():
+        if ": " in line and line.rsplit(": ", 1)[1] in ("True", "False"):
+            assert line.endswith(": True"), line
+    match = re.search(r"engram_gate_fwd matches PyTorch; max \|diff\| = (\S+)", out)
+    assert match is None or 0 <= float(match[1]) < 0.1, out
+
+
+@requires_cuda
+@pytest.mark.parametrize("code", OTHER_BLOCKS)
+def test_readme_python_block_runs_as_written_on_cuda(code, capsys):
+    """Each block verbatim (the device ones use "cuda"; those of "Without a GPU" run on meta and the CPU), in a
+    fresh scope of this process (the working directory: the repository root, as the README says)."""
+    torch._dynamo.reset()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    finally:
+        os.chdir(cwd)
+    torch.cuda.synchronize()
+    _check_printed(capsys.readouterr().out)
+
+
+@requires_npu
+@pytest.mark.parametrize("code", NPU_BLOCKS)
+def test_readme_python_block_runs_as_written_on_npu(code):
+    torch._dynamo.reset()
+    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_blocks_are_sorted_by_device():
+    """One block needs torch_npu (the npugraph_ex one); each of the others runs on "cuda" or is one of the section
+    "Without a GPU" (meta, the CPU)."""
+    assert [p.id for p in NPU_BLOCKS] == ["7-torchcompile"], [p.id for p in NPU_BLOCKS]
+    assert len(OTHER_BLOCKS) == 7
+    for param in OTHER_BLOCKS:
+        assert param.id.endswith("-without-a-gpu") or re.search(r'device = (\d+, )?"cuda"', param.values[0]), param.id
