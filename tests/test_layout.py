@@ -1,6 +1,7 @@
 """The layout the package keeps (docs/layout.md): one op module per forward/backward pair, its kernels in
-files of the same name under each backend, launch bindings that pass every launcher exactly its
-parameters by name, limits and chip facts declared once, no measurement diaries in the code."""
+files of the same name under each backend, launches that pass every launcher exactly its parameters by name
+(the default launch of declare(); a binding of its own only where an op's launch does more), limits and chip
+facts declared once, no measurement diaries in the code."""
 
 import ast
 import importlib
@@ -51,8 +52,9 @@ def _recorded_launch(public, backend: str, call: dict, monkeypatch) -> tuple[str
 @pytest.mark.parametrize("name", sorted(ops.registered_ops()))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_launch_binding_passes_the_launcher_its_parameters_by_name(name, backend, monkeypatch):
-    """The op's launch binding calls the launcher of its kernel module on each backend with keyword arguments
-    that are exactly the launcher's parameters (no positional order to keep in step)."""
+    """The op's launch (declare()'s default or the op's own binding) calls the launcher of its kernel module on
+    each backend with keyword arguments that are exactly the launcher's parameters (no positional order to keep
+    in step)."""
     pytest.importorskip("tilelang")
     sys.path.insert(0, str(Path(__file__).parent))
     from test_bad_input import valid_call
@@ -68,6 +70,60 @@ def test_launch_binding_passes_the_launcher_its_parameters_by_name(name, backend
     assert required <= set(kwargs) <= set(params), (backend, name, sorted(kwargs), list(params))
     for arg in decl.mutates_args:  # every written buffer reaches the launcher, itself
         assert any(value is call[arg] for value in kwargs.values()), (name, arg)
+
+
+def pass_through_bindings(source: str) -> list[int]:
+    """Lines of the launch bindings (``@<op>.launch``) in ``source`` that only call one launcher with their own
+    arguments and outputs, each under its own name (the outputs unpacked first or not): what declare()'s
+    default launch does, so such a binding is not written."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef) or not any(
+                isinstance(d, ast.Attribute) and d.attr == "launch" for d in node.decorator_list):
+            continue
+        params = [a.arg for a in node.args.args]
+        body, names = list(node.body), set(params[1:])
+        first = body[0] if body else None
+        if isinstance(first, ast.Assign) and isinstance(first.value, ast.Name) and first.value.id == params[1]:
+            target = first.targets[0]
+            unpacked = target.elts if isinstance(target, ast.Tuple) else [target]
+            if all(isinstance(e, ast.Name) for e in unpacked):
+                names |= {e.id for e in unpacked}
+                body = body[1:]
+        if len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call):
+            continue
+        call = body[0].value
+        on_kernels = isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
+            and call.func.value.id == params[0]
+        if on_kernels and not call.args and all(isinstance(k.value, ast.Name) and k.arg == k.value.id in names
+                                                for k in call.keywords):
+            found.append(node.lineno)
+    return found
+
+
+def test_pass_through_bindings_are_found():
+    """The rule below, on a binding of each kind: pass-through ones (outputs unpacked or not) and ones that do
+    more (a buffer under another name, a condition, a constant)."""
+    bindings = {
+        "def _(kernels, outs, x, n):\n    a, b = outs\n    kernels.f(x=x, n=n, a=a, b=b)": True,
+        "def _(kernels, out, x):\n    kernels.f(x=x, out=out)": True,
+        "def _(kernels, _none, x, out):\n    kernels.g(x=x, out=out)": True,
+        "def _(kernels, _none, x):\n    kernels.f(x=x, out=x)": False,
+        "def _(kernels, out, x):\n    if out.numel():\n        kernels.f(x=x, out=out)": False,
+        "def _(kernels, out, x):\n    kernels.f(x=x, out=out, dot=None)": False,
+    }
+    for body, passes in bindings.items():
+        assert bool(pass_through_bindings(f"@op.launch\n{body}\n")) is passes, body
+
+
+def test_no_op_module_writes_a_pass_through_binding():
+    """declare() launches ``kernels.<kernel>(**arguments, **{output name: output})`` itself (its ``outputs``): an
+    op module writes a binding only where the launch does more than hand over the arguments and outputs."""
+    found = [f"{path.relative_to(SRC)}:{line}" for family in FAMILIES for path in sorted((SRC / family).glob("*.py"))
+             for line in pass_through_bindings(path.read_text())]
+    assert not found, f"launch bindings that declare()'s default launch replaces (delete them): {found}"
+    own = [n for n, p in ops.registered_ops().items() if p.op_state.launch != p.op_state.default_launch]
+    assert len(own) < len(ops.registered_ops()) // 4, own  # the exceptions stay exceptions
 
 
 def _python_files():

@@ -154,6 +154,54 @@ def test_vector_args_name_arguments_of_the_op():
     assert "_test_vector_args" not in ops.registered_ops()
 
 
+@pytest.mark.parametrize("outputs,returns,match", [
+    ((), "one", r"outputs must name each of the 1 new outputs .*, got \(\)"),
+    (("out", "extra"), "one", r"outputs must name each of the 1 new outputs"),
+    (("a", "a"), "two", r"outputs must name each of the 2 new outputs .*, got \('a', 'a'\)"),
+    (("out",), "none", r"outputs must name each of the 0 new outputs"),
+    (("x", "b"), "two", r"outputs names arguments of the op: \['x'\]"),
+])
+def test_outputs_name_every_returned_tensor_once(outputs, returns, match):
+    """``outputs`` names the tensors the prepare function returns (its annotation), each once and none an argument
+    (the default launch passes them to the launcher by these names); refused before anything is registered."""
+    def one(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
+    def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    def none(x: torch.Tensor) -> None:
+        pass
+
+    prepare = {"one": one, "two": two, "none": none}[returns]
+    prepare.__module__ = "cann_ops_tilelang.engram.fused_weight"
+    with pytest.raises(ValueError, match=rf"cann_ops_tilelang::_test_outputs: {match}"):
+        _library.declare("_test_outputs", outputs=outputs)(prepare)
+    assert "_test_outputs" not in ops.registered_ops()
+
+
+def test_default_launch_passes_arguments_and_outputs_by_name(stub_backend):
+    """An op without a binding of its own launches ``kernels.<kernel>(**arguments, **{output name: output})``: one
+    output (mhc_pre_apply_mix_backward's mix_grad), several (mhc_post_backward's four), none (an ``out=`` variant
+    launching another op's launcher under its own argument names)."""
+    states = ops.registered_ops()
+    assert states["mhc_post_backward"].op_state.launch == states["mhc_post_backward"].op_state.default_launch
+    x, mix = torch.randn(3, 4, 256).bfloat16(), torch.softmax(torch.randn(3, 4), -1)
+    out_grad, x_grad = torch.randn(3, 256).bfloat16(), torch.empty(3, 4, 256, dtype=torch.bfloat16)
+    mix_grad = states["mhc_pre_apply_mix_backward"].backend_kernel("cuda")(out_grad, x, mix, x_grad)
+    residual, post, comb = torch.randn(3, 4, 256).bfloat16(), torch.rand(3, 4), torch.rand(3, 4, 4)
+    grads = states["mhc_post_backward"].backend_kernel("ascend")(out_grad, residual, post, comb, x)
+    out = torch.empty(3, 4, 256, dtype=torch.bfloat16)
+    assert states["mhc_post_forward_out"].backend_kernel("cuda")(out_grad, residual, post, comb, out) is None
+    (first, a), (second, b), (third, c) = stub_backend
+    assert first == "mhc_pre_apply_mix_backward" and a["mix_grad"] is mix_grad and a["x_grad"] is x_grad
+    assert list(a) == ["out_grad", "x", "mix", "x_grad", "mix_grad"]
+    assert second == "mhc_post_backward"
+    assert all(b[k] is g for k, g in zip(("d_x", "d_residual", "d_post", "d_comb"), grads, strict=True))
+    assert third == "mhc_post_forward" and c["out"] is out and list(c) == ["x", "residual", "post_layer_mix",
+                                                                          "comb_res_mix", "out"]
+
+
 def test_device_kernel_fills_the_defaults_the_dispatcher_leaves_out(stub_backend):
     """The dispatcher leaves out trailing arguments equal to their defaults: the device path fills them in, so the
     launcher gets the same arguments as for a call that names them all."""

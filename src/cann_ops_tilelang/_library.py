@@ -86,6 +86,7 @@ class OpDeclaration:
     tokens: str | None
     zero_when_empty: tuple[str, ...]
     kernel: str
+    outputs: tuple[str, ...] = ()
 
 
 def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device | None:
@@ -218,6 +219,7 @@ class _Op:
             if unknown:
                 raise ValueError(f"{NAMESPACE}::{decl.name}: {what} names no argument of the op: {unknown}")
         hints = typing.get_type_hints(prepare)
+        self.check_outputs(hints.get("return"), params)
         self.kinds = {name: _KINDS[hints[name]] for name in self.signature.parameters if hints.get(name) in _KINDS}
         self.names = tuple(self.signature.parameters)
         self.positions = {name: i for i, name in enumerate(self.names)}
@@ -228,8 +230,33 @@ class _Op:
         self.defaults = tuple(p.default for p in parameters)
         self.required = sum(p.default is p.empty for p in parameters)
         self.mutated = tuple(self.names.index(name) for name in decl.mutates_args)
-        self.launch: Callable[..., None] | None = None
+        self.launch: Callable[..., None] = self.default_launch
         self.sharding: _sharding.Rule | None = None
+
+    def check_outputs(self, returns: Any, params: set[str]) -> None:
+        """``outputs`` names each tensor the prepare function returns (its return annotation: None, a Tensor or a
+        tuple of them), once, and no argument."""
+        decl = self.decl
+        count = 0 if returns is type(None) else len(typing.get_args(returns)) if typing.get_origin(returns) is tuple \
+            else 1
+        if len(decl.outputs) != count or len(set(decl.outputs)) != count:
+            raise ValueError(f"{NAMESPACE}::{decl.name}: outputs must name each of the {count} new outputs the prepare "
+                             f"function returns, once (the launcher takes them by these names), got {decl.outputs}")
+        clash = sorted(set(decl.outputs) & params)
+        if clash:
+            raise ValueError(f"{NAMESPACE}::{decl.name}: outputs names arguments of the op: {clash}")
+
+    def default_launch(self, kernels: Any, outputs: Any, **arguments: Any) -> None:
+        """The launch of an op without a binding of its own: the launcher gets the arguments and the new outputs
+        by name (``outputs``), as the kernel modules name their parameters."""
+        launcher = getattr(kernels, self.decl.kernel)
+        names = self.decl.outputs
+        if not names:
+            launcher(**arguments)
+        elif len(names) == 1:
+            launcher(**arguments, **{names[0]: outputs})
+        else:
+            launcher(**arguments, **dict(zip(names, outputs)))
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(every argument in order, {name: argument})``, defaults filled. An all-positional call (how the
@@ -375,8 +402,6 @@ class _Op:
                 for buffer in (*new, *(arguments[a] for a in decl.zero_when_empty)):
                     buffer.zero_()
                 return outputs
-            if self.launch is None:
-                raise NotImplementedError(f"{NAMESPACE}::{decl.name} has no launch binding")
             with _on_their_device(arguments):
                 self.launch(_backend_module(backend, decl.family, decl.module), outputs, **arguments)
             return outputs
@@ -393,6 +418,7 @@ def declare(
     tokens: str | None = None,
     zero_when_empty: Sequence[str] = (),
     kernel: str | None = None,
+    outputs: Sequence[str] = (),
 ) -> Callable[[Callable[..., Any]], Any]:
     """Declares ``cann_ops_tilelang::<name>`` from its prepare function (see the module docstring).
 
@@ -411,11 +437,15 @@ def declare(
         zero_when_empty: written buffers that hold a defined result (zeros) for zero tokens.
         kernel: the launcher's name in the kernel module (default ``name``; an op that launches another
             op's kernel names it, e.g. an ``out=`` variant).
+        outputs: the names under which the launcher takes the new outputs the prepare function returns, in
+            order (one per returned tensor; none for an op that only writes its arguments).
 
     Returns:
-        A decorator; applied to the prepare function it returns the public Python function. Register the
-        launch binding with ``@public.launch``: it is called as ``launch(kernels, outputs, **arguments)``
-        with the backend's kernel module and the prepare function's result. Declare its DTensor sharding
+        A decorator; applied to the prepare function it returns the public Python function. The op launches
+        ``kernels.<kernel>(**arguments, **{output name: new output})``; an op whose launch must do more (pass
+        a buffer under another name, skip a launch, leave out an argument) registers its own binding with
+        ``@public.launch``, called as ``launch(kernels, outputs, **arguments)`` with the backend's kernel
+        module and the prepare function's result. Declare its DTensor sharding
         rule with ``public.sharding(strategy, ...)`` (each ``{argument: "R" | "S<d>" | "P", "returns": ...}``)
         or ``public.sharding(unsupported="why")`` for an op that cannot run sharded (it then raises).
     """
@@ -429,7 +459,8 @@ def declare(
                              f"not in {prepare.__module__}")
         decl = OpDeclaration(name=name, family=parts[1], module=parts[2], mutates_args=tuple(mutates_args),
                              vector_args=dict(vector_args or {}), tokens=tokens,
-                             zero_when_empty=tuple(zero_when_empty), kernel=kernel or name)
+                             zero_when_empty=tuple(zero_when_empty), kernel=kernel or name,
+                             outputs=tuple(outputs))
         op = _Op(decl, prepare)
 
         def default(*args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,8 @@ def _check_forward(op: str, hidden_states, kv, weight_fused, eps, clamp_value, i
     check_same_device(err, [("hidden_states", x), ("kv", kv_t), ("weight_fused", wf), ("image_token_mask", mask)])
 
 
-@declare("engram_gate_fwd", vector_args=_GATE_VECTORS, tokens="hidden_states")
+@declare("engram_gate_fwd", vector_args=_GATE_VECTORS, tokens="hidden_states",
+         outputs=("out", "dot", "gate_score", "rstd_x", "rstd_k"))
 def _engram_gate_fwd(
     hidden_states: Tensor,
     kv: Tensor,
@@ -63,6 +64,7 @@ def _engram_gate_fwd(
     return out, stats[0], stats[1], stats[2], stats[3]
 
 
+# its own binding: the kernel takes no save_for_backward; without it the statistics are None
 @_engram_gate_fwd.launch
 def _(kernels, outs, hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask,
       residual):
@@ -91,6 +93,7 @@ def engram_gate_fwd_inplace(
     _check_forward("engram_gate_fwd_inplace", hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
 
 
+# its own binding: hidden_states is also the kernel's out, and no statistics are written
 @engram_gate_fwd_inplace.launch
 def _(kernels, _none, hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask):
     kernels.engram_gate_fwd(hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
@@ -98,7 +101,8 @@ def _(kernels, _none, hidden_states, kv, weight_fused, eps, clamp_value, image_t
                             dot=None, gate_score=None, rstd_x=None, rstd_k=None)
 
 
-@declare("engram_gate_bwd", vector_args={"grad_out": 16, **_GATE_VECTORS}, tokens="grad_out")
+@declare("engram_gate_bwd", vector_args={"grad_out": 16, **_GATE_VECTORS}, tokens="grad_out",
+         outputs=("grad_hidden_states", "grad_kv", "grad_w_partial"))
 def engram_gate_bwd(
     grad_out: Tensor,
     hidden_states: Tensor,
@@ -148,17 +152,6 @@ def engram_gate_bwd(
     partials = config.grad_w_partials(grad_out.device.type, hidden, m)
     return (grad_out.new_empty(grad_out.shape), kv.new_empty(kv.shape),
             weight_fused.new_empty((partials, *weight_fused.shape)))
-
-
-@engram_gate_bwd.launch
-def _(kernels, outs, grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value,
-      image_token_mask, residual):
-    grad_hidden_states, grad_kv, grad_w_partial = outs
-    kernels.engram_gate_bwd(grad_out=grad_out, hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
-                            dot=dot, gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k,
-                            image_token_mask=image_token_mask, clamp_value=clamp_value,
-                            grad_hidden_states=grad_hidden_states, grad_kv=grad_kv, grad_w_partial=grad_w_partial,
-                            residual=residual)
 
 
 def engram_gate_fwd(

@@ -47,13 +47,6 @@ def engram_grad_w_reduce(
     check_same_device(err, named)
 
 
-@engram_grad_w_reduce.launch
-def _(kernels, _none, grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed):
-    kernels.engram_grad_w_reduce(grad_w_partial=grad_w_partial, weight_hidden=weight_hidden,
-                                 weight_embed=weight_embed, grad_weight_hidden=grad_weight_hidden,
-                                 grad_weight_embed=grad_weight_embed)
-
-
 # DTensor sharding (docs/distributed.md): linear in grad_w_partial, so Partial partials (sums over each rank's
 # tokens) accumulate into Partial buffers with no communication. The op takes only whole (m, H) weights
 # (m = 4, H in range), so no weight dim is sharded; Replicate buffers take the fallback (partials all-reduced).

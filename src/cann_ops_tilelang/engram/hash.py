@@ -17,7 +17,7 @@ I32, I64 = torch.int32, torch.int64
 
 
 # every tensor is read element by element (the output, new and fresh, is stored in vectors)
-@declare("engram_hash", tokens="ngram_token_ids")
+@declare("engram_hash", tokens="ngram_token_ids", outputs=("output",))
 def engram_hash(
     ngram_token_ids: Tensor,
     multipliers: Tensor,
@@ -76,12 +76,6 @@ def engram_hash(
     check_same_device(err, [("ngram_token_ids", ids), ("multipliers", mult), ("vocab_sizes", vocab),
                             ("offsets", offs), ("image_token_mask", mask)])
     return ids.new_empty((layers, tokens, columns))
-
-
-@engram_hash.launch
-def _(kernels, output, ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask):
-    kernels.engram_hash(ngram_token_ids=ngram_token_ids, multipliers=multipliers, vocab_sizes=vocab_sizes,
-                        offsets=offsets, image_token_mask=image_token_mask, output=output)
 
 
 # DTensor sharding (docs/distributed.md): token-wise (the token dim is dim 1 of the output); the hash

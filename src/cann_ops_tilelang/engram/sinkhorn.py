@@ -53,7 +53,7 @@ def _check_scaled_matrix(op: str, matrix, row_scale, col_scale) -> tuple[OpError
 
 
 @declare("engram_sinkhorn_momentum_update", mutates_args=("momentum_buffer",),
-         vector_args={"grad": 16, "momentum_buffer": 16})
+         vector_args={"grad": 16, "momentum_buffer": 16}, outputs=("out",))
 def engram_sinkhorn_momentum_update(grad: Tensor, momentum_buffer: Tensor, beta1: float, nesterov: bool) -> Tensor:
     """Momentum update in place and the fp32 Sinkhorn input.
 
@@ -91,6 +91,7 @@ def engram_sinkhorn_momentum_update(grad: Tensor, momentum_buffer: Tensor, beta1
     return momentum_buffer.new_empty(momentum_buffer.shape, dtype=F32)
 
 
+# its own binding: an empty gradient (no tokens argument to skip on) launches nothing
 @engram_sinkhorn_momentum_update.launch
 def _(kernels, out, grad, momentum_buffer, beta1, nesterov):
     if out.numel():
@@ -99,7 +100,8 @@ def _(kernels, out, grad, momentum_buffer, beta1, nesterov):
 
 
 @declare("engram_sinkhorn_step", mutates_args=("row_scale",),
-         vector_args={"matrix": 16, "row_scale": 4, "col_scale": 16}, tokens="matrix")
+         vector_args={"matrix": 16, "row_scale": 4, "col_scale": 16}, tokens="matrix",
+         outputs=("row_norm", "col_sumsq_partial"))
 def engram_sinkhorn_step(matrix: Tensor, row_scale: Tensor, col_scale: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """One row-L2 normalization step of ``X = diag(row_scale) @ matrix @ diag(col_scale)``.
 
@@ -125,13 +127,6 @@ def engram_sinkhorn_step(matrix: Tensor, row_scale: Tensor, col_scale: Tensor, e
     check_float(err, "eps", eps, minimum=0.0)
     partials = sinkhorn_partials(matrix.device.type)
     return row_scale.new_empty((rows,)), matrix.new_empty((partials, cols))
-
-
-@engram_sinkhorn_step.launch
-def _(kernels, outputs, matrix, row_scale, col_scale, eps):
-    row_norm, col_sumsq_partial = outputs
-    kernels.engram_sinkhorn_step(matrix=matrix, row_scale=row_scale, col_scale=col_scale, eps=eps,
-                                 row_norm=row_norm, col_sumsq_partial=col_sumsq_partial)
 
 
 @declare("engram_sinkhorn_step_reduce", mutates_args=("col_sumsq", "col_scale"),
@@ -170,13 +165,7 @@ def engram_sinkhorn_step_reduce(col_sumsq_partial: Tensor, col_sumsq: Tensor, co
                             ("col_scale", col_scale)])
 
 
-@engram_sinkhorn_step_reduce.launch
-def _(kernels, _none, col_sumsq_partial, col_sumsq, col_scale, rows, eps):
-    kernels.engram_sinkhorn_step_reduce(col_sumsq_partial=col_sumsq_partial, col_sumsq=col_sumsq,
-                                        col_scale=col_scale, rows=rows, eps=eps)
-
-
-@declare("engram_sinkhorn_finalize", vector_args={"matrix": 16, "col_scale": 16}, tokens="matrix")
+@declare("engram_sinkhorn_finalize", vector_args={"matrix": 16, "col_scale": 16}, tokens="matrix", outputs=("out",))
 def _engram_sinkhorn_finalize(matrix: Tensor, row_scale: Tensor, col_scale: Tensor, eps: float,
                               alpha: float) -> Tensor:
     """The final matrix into a new ``(R, D)`` fp32 tensor (see :func:`engram_sinkhorn_finalize`)."""
@@ -184,12 +173,6 @@ def _engram_sinkhorn_finalize(matrix: Tensor, row_scale: Tensor, col_scale: Tens
     check_float(err, "eps", eps, minimum=0.0)
     check_float(err, "alpha", alpha, minimum=float("-inf"))
     return matrix.new_empty(matrix.shape)
-
-
-@_engram_sinkhorn_finalize.launch
-def _(kernels, out, matrix, row_scale, col_scale, eps, alpha):
-    kernels.engram_sinkhorn_finalize(matrix=matrix, row_scale=row_scale, col_scale=col_scale, eps=eps, alpha=alpha,
-                                     out=out)
 
 
 @declare("engram_sinkhorn_finalize_out", mutates_args=("out",), vector_args={"matrix": 16, "col_scale": 16, "out": 16},
@@ -202,12 +185,6 @@ def _engram_sinkhorn_finalize_out(matrix: Tensor, row_scale: Tensor, col_scale: 
     check_float(err, "alpha", alpha, minimum=float("-inf"))
     check_tensor(err, "out", out, dtype=F32, shape=(rows, cols))
     check_same_device(err, [("matrix", matrix), ("out", out)])
-
-
-@_engram_sinkhorn_finalize_out.launch
-def _(kernels, _none, matrix, row_scale, col_scale, eps, alpha, out):
-    kernels.engram_sinkhorn_finalize(matrix=matrix, row_scale=row_scale, col_scale=col_scale, eps=eps, alpha=alpha,
-                                     out=out)
 
 
 @declare("engram_sinkhorn_finalize_apply", mutates_args=("param",),
@@ -239,12 +216,6 @@ def engram_sinkhorn_finalize_apply(matrix: Tensor, row_scale: Tensor, col_scale:
     check_float(err, "lr", lr, minimum=float("-inf"))
     check_float(err, "decay", decay, minimum=float("-inf"))
     check_same_device(err, [("matrix", matrix), ("param", param)])
-
-
-@engram_sinkhorn_finalize_apply.launch
-def _(kernels, _none, matrix, row_scale, col_scale, eps, alpha, param, lr, decay):
-    kernels.engram_sinkhorn_finalize(matrix=matrix, row_scale=row_scale, col_scale=col_scale, eps=eps, alpha=alpha,
-                                     param=param, lr=lr, decay=decay)
 
 
 def engram_sinkhorn_finalize(matrix: Tensor, row_scale: Tensor, col_scale: Tensor, eps: float, alpha: float,

@@ -25,11 +25,6 @@ def expand_to_mhc_forward(x: Tensor, out: Tensor) -> None:
     same_device(err, x=x, out=out)
 
 
-@expand_to_mhc_forward.launch
-def _(kernels, _none, x, out):
-    kernels.expand_to_mhc_forward(x=x, out=out)
-
-
 @declare("expand_to_mhc_backward", mutates_args=("x_grad",), vector_args={"out_grad": 16, "x_grad": 16},
          tokens="out_grad")
 def expand_to_mhc_backward(out_grad: Tensor, x_grad: Tensor) -> None:
@@ -45,11 +40,6 @@ def expand_to_mhc_backward(out_grad: Tensor, x_grad: Tensor) -> None:
     check_hidden(err, "out_grad", hidden)
     check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, hidden))
     same_device(err, out_grad=out_grad, x_grad=x_grad)
-
-
-@expand_to_mhc_backward.launch
-def _(kernels, _none, out_grad, x_grad):
-    kernels.expand_to_mhc_backward(out_grad=out_grad, x_grad=x_grad)
 
 
 # DTensor sharding (docs/distributed.md): token-wise, so sequence parallel shards the token dim of both tensors.

@@ -27,11 +27,6 @@ def mhc_fn_normw_merge_forward(fn: Tensor, normw: Tensor, out_fn: Tensor) -> Non
     same_device(err, fn=fn, normw=normw, out_fn=out_fn)
 
 
-@mhc_fn_normw_merge_forward.launch
-def _(kernels, _none, fn, normw, out_fn):
-    kernels.mhc_fn_normw_merge_forward(fn=fn, normw=normw, out_fn=out_fn)
-
-
 @declare("mhc_fn_normw_merge_backward", mutates_args=("fn_grad", "normw_grad"),
          vector_args={"fn": 16, "normw": 16, "out_fn_grad": 16, "fn_grad": 16})
 def mhc_fn_normw_merge_backward(fn: Tensor, normw: Tensor, out_fn_grad: Tensor, fn_grad: Tensor,
@@ -51,12 +46,6 @@ def mhc_fn_normw_merge_backward(fn: Tensor, normw: Tensor, out_fn_grad: Tensor, 
     check_tensor(err, "fn_grad", fn_grad, dtype=F32, shape=tuple(fn.shape))
     check_tensor(err, "normw_grad", normw_grad, dtype=F32, shape=(k,))
     same_device(err, fn=fn, normw=normw, out_fn_grad=out_fn_grad, fn_grad=fn_grad, normw_grad=normw_grad)
-
-
-@mhc_fn_normw_merge_backward.launch
-def _(kernels, _none, fn, normw, out_fn_grad, fn_grad, normw_grad):
-    kernels.mhc_fn_normw_merge_backward(fn=fn, normw=normw, out_fn_grad=out_fn_grad, fn_grad=fn_grad,
-                                        normw_grad=normw_grad)
 
 
 # DTensor sharding (docs/distributed.md): no token dim, and the ops accept only the full (M3, K) shapes, so the

@@ -10,7 +10,8 @@ from ._common import BF16, F32, MIX, check_width, same_device
 __all__ = ["mhc_gemm_with_sqrsum_backward", "mhc_gemm_with_sqrsum_forward"]
 
 
-@declare("mhc_gemm_with_sqrsum_forward", vector_args={"x": 16, "fn": 16}, tokens="x")
+@declare("mhc_gemm_with_sqrsum_forward", vector_args={"x": 16, "fn": 16}, tokens="x",
+         outputs=("out_mul_part", "sqrsum_part"))
 def mhc_gemm_with_sqrsum_forward(x: Tensor, fn: Tensor, n_splits: int) -> tuple[Tensor, Tensor]:
     """Split-K pre-norm GEMM: ``out_mul_part[s] = x[:, K_s] @ tf32(fn[:, K_s]).T`` and
     ``sqrsum_part[s] = sum_{K_s} f32(x)^2``; the ``K_s`` are 64-column blocks, split ``s`` getting
@@ -34,16 +35,9 @@ def mhc_gemm_with_sqrsum_forward(x: Tensor, fn: Tensor, n_splits: int) -> tuple[
     return (x.new_empty((n_splits, tokens, fn.shape[0]), dtype=F32), x.new_empty((n_splits, tokens), dtype=F32))
 
 
-@mhc_gemm_with_sqrsum_forward.launch
-def _(kernels, outs, x, fn, n_splits):
-    out_mul_part, sqrsum_part = outs
-    kernels.mhc_gemm_with_sqrsum_forward(x=x, fn=fn, n_splits=n_splits, out_mul_part=out_mul_part,
-                                         sqrsum_part=sqrsum_part)
-
-
 @declare("mhc_gemm_with_sqrsum_backward", mutates_args=("x_grad",),
          vector_args={"out_mul_grad": 16, "sqrsum_grad": 4, "x": 16, "fn": 16, "x_grad": 16},
-         tokens="x")
+         tokens="x", outputs=("fn_grad",))
 def mhc_gemm_with_sqrsum_backward(out_mul_grad: Tensor, sqrsum_grad: Tensor, x: Tensor, fn: Tensor,
                                   x_grad: Tensor) -> Tensor:
     """Backward of the pre-norm GEMM: accumulates ``x_grad = bf16(f32(x_grad) + out_mul_grad @ fn +
@@ -68,12 +62,6 @@ def mhc_gemm_with_sqrsum_backward(out_mul_grad: Tensor, sqrsum_grad: Tensor, x: 
     check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, k))
     same_device(err, out_mul_grad=out_mul_grad, sqrsum_grad=sqrsum_grad, x=x, fn=fn, x_grad=x_grad)
     return fn.new_empty(fn.shape)
-
-
-@mhc_gemm_with_sqrsum_backward.launch
-def _(kernels, fn_grad, out_mul_grad, sqrsum_grad, x, fn, x_grad):
-    kernels.mhc_gemm_with_sqrsum_backward(out_mul_grad=out_mul_grad, sqrsum_grad=sqrsum_grad, x=x, fn=fn,
-                                          x_grad=x_grad, fn_grad=fn_grad)
 
 
 # DTensor sharding (docs/distributed.md): the token dim is dim 0 of x and dim 1 of the split partials;

@@ -36,12 +36,6 @@ def mhc_head_compute_mix_forward(input_mix: Tensor, mhc_scale: Tensor, mhc_base:
     same_device(err, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base, output_mix=output_mix)
 
 
-@mhc_head_compute_mix_forward.launch
-def _(kernels, _none, input_mix, mhc_scale, mhc_base, output_mix, pre_eps):
-    kernels.mhc_head_compute_mix_forward(input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
-                                         output_mix=output_mix, pre_eps=pre_eps)
-
-
 @declare("mhc_head_compute_mix_backward",
          mutates_args=("input_mix_grad", "mhc_scale_grad_partial", "mhc_base_grad_partial"),
          vector_args={"output_mix_grad": 16, "input_mix": 16, "input_mix_grad": 16}, tokens="input_mix",
@@ -75,15 +69,6 @@ def mhc_head_compute_mix_backward(output_mix_grad: Tensor, input_mix: Tensor, mh
     same_device(err, output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
                 input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,
                 mhc_base_grad_partial=mhc_base_grad_partial)
-
-
-@mhc_head_compute_mix_backward.launch
-def _(kernels, _none, output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial,
-      mhc_base_grad_partial):
-    kernels.mhc_head_compute_mix_backward(
-        output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
-        input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,
-        mhc_base_grad_partial=mhc_base_grad_partial)
 
 
 # DTensor sharding (docs/distributed.md): token-wise; the partial rows of the parameter gradients are

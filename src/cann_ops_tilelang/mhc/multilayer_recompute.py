@@ -68,15 +68,6 @@ def mhc_multilayer_recompute(initial_residual: Tensor, pre_mix_list: list[Tensor
     same_device(err, **named)
 
 
-@mhc_multilayer_recompute.launch
-def _(kernels, _none, initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list,
-      layer_input_list, residual_list):
-    kernels.mhc_multilayer_recompute(
-        initial_residual=initial_residual, pre_mix_list=pre_mix_list, layer_output_list=layer_output_list,
-        post_mix_list=post_mix_list, comb_mix_list=comb_mix_list, layer_input_list=layer_input_list,
-        residual_list=residual_list)
-
-
 # DTensor sharding (docs/distributed.md): every list element is token-wise; each code applies to every
 # element of a list argument.
 mhc_multilayer_recompute.sharding({"initial_residual": "S0", "pre_mix_list": "S0", "layer_output_list": "S0",

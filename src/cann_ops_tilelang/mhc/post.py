@@ -30,17 +30,11 @@ def _check_inputs(op: str, x, residual, post_layer_mix, comb_res_mix) -> tuple[O
     return err, tokens, hidden
 
 
-@declare("mhc_post_forward", vector_args=_INPUT_VECTORS, tokens="x")
+@declare("mhc_post_forward", vector_args=_INPUT_VECTORS, tokens="x", outputs=("out",))
 def _mhc_post_forward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor) -> Tensor:
     """The post mix into a new ``(T, m, H)`` bf16 tensor (see :func:`mhc_post_forward`)."""
     _check_inputs("mhc_post_forward", x, residual, post_layer_mix, comb_res_mix)
     return residual.new_empty(residual.shape)
-
-
-@_mhc_post_forward.launch
-def _(kernels, out, x, residual, post_layer_mix, comb_res_mix):
-    kernels.mhc_post_forward(x=x, residual=residual, post_layer_mix=post_layer_mix, comb_res_mix=comb_res_mix,
-                             out=out)
 
 
 @declare("mhc_post_forward_out", mutates_args=("out",), vector_args={**_INPUT_VECTORS, "out": 16}, tokens="x",
@@ -53,13 +47,8 @@ def _mhc_post_forward_out(x: Tensor, residual: Tensor, post_layer_mix: Tensor, c
     same_device(err, x=x, out=out)
 
 
-@_mhc_post_forward_out.launch
-def _(kernels, _none, x, residual, post_layer_mix, comb_res_mix, out):
-    kernels.mhc_post_forward(x=x, residual=residual, post_layer_mix=post_layer_mix, comb_res_mix=comb_res_mix,
-                             out=out)
-
-
-@declare("mhc_post_backward", vector_args={**_INPUT_VECTORS, "d_o": 16}, tokens="x")
+@declare("mhc_post_backward", vector_args={**_INPUT_VECTORS, "d_o": 16}, tokens="x",
+         outputs=("d_x", "d_residual", "d_post", "d_comb"))
 def _mhc_post_backward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor,
                        d_o: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of the post mix on flat tensors (see :func:`mhc_post_backward`)."""
@@ -68,13 +57,6 @@ def _mhc_post_backward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb
     same_device(err, x=x, d_o=d_o)
     return (x.new_empty(x.shape), residual.new_empty(residual.shape), post_layer_mix.new_empty(post_layer_mix.shape),
             comb_res_mix.new_empty(comb_res_mix.shape))
-
-
-@_mhc_post_backward.launch
-def _(kernels, outs, x, residual, post_layer_mix, comb_res_mix, d_o):
-    d_x, d_residual, d_post, d_comb = outs
-    kernels.mhc_post_backward(x=x, residual=residual, post_layer_mix=post_layer_mix, comb_res_mix=comb_res_mix,
-                              d_o=d_o, d_x=d_x, d_residual=d_residual, d_post=d_post, d_comb=d_comb)
 
 
 def _flat(op: str, x, residual, post_layer_mix, comb_res_mix, **buffers):

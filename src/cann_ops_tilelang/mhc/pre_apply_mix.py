@@ -26,13 +26,8 @@ def mhc_pre_apply_mix_forward(x: Tensor, mix: Tensor, out: Tensor) -> None:
     same_device(err, x=x, mix=mix, out=out)
 
 
-@mhc_pre_apply_mix_forward.launch
-def _(kernels, _none, x, mix, out):
-    kernels.mhc_pre_apply_mix_forward(x=x, mix=mix, out=out)
-
-
 @declare("mhc_pre_apply_mix_backward", mutates_args=("x_grad",),
-         vector_args={"out_grad": 16, "x": 16, "x_grad": 16}, tokens="x")
+         vector_args={"out_grad": 16, "x": 16, "x_grad": 16}, tokens="x", outputs=("mix_grad",))
 def mhc_pre_apply_mix_backward(out_grad: Tensor, x: Tensor, mix: Tensor, x_grad: Tensor) -> Tensor:
     """Accumulates ``x_grad = bf16(f32(x_grad) + mix * f32(out_grad))`` in place and returns
     ``mix_grad = sum_d f32(out_grad) * f32(x)``.
@@ -52,11 +47,6 @@ def mhc_pre_apply_mix_backward(out_grad: Tensor, x: Tensor, mix: Tensor, x_grad:
     check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, HC_MULT, hidden))
     same_device(err, out_grad=out_grad, x=x, mix=mix, x_grad=x_grad)
     return mix.new_empty(mix.shape)
-
-
-@mhc_pre_apply_mix_backward.launch
-def _(kernels, mix_grad, out_grad, x, mix, x_grad):
-    kernels.mhc_pre_apply_mix_backward(out_grad=out_grad, x=x, mix=mix, x_grad=x_grad, mix_grad=mix_grad)
 
 
 # DTensor sharding (docs/distributed.md): token-wise (mix_grad is per token).

@@ -61,16 +61,6 @@ def mhc_pre_big_fuse(gemm_out_mul: Tensor, gemm_out_sqrsum: Tensor, mhc_scale: T
                 mhc_base=mhc_base, residual=residual, post_mix=post_mix, comb_mix=comb_mix, layer_input=layer_input)
 
 
-@mhc_pre_big_fuse.launch
-def _(kernels, _none, gemm_out_mul, gemm_out_sqrsum, mhc_scale, mhc_base, residual, post_mix, comb_mix,
-      layer_input, rms_eps, pre_eps, sinkhorn_eps, post_mult_value, sinkhorn_repeat, n_splits):
-    kernels.mhc_pre_big_fuse(
-        gemm_out_mul=gemm_out_mul, gemm_out_sqrsum=gemm_out_sqrsum, mhc_scale=mhc_scale, mhc_base=mhc_base,
-        residual=residual, post_mix=post_mix, comb_mix=comb_mix, layer_input=layer_input, rms_eps=rms_eps,
-        pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult_value=post_mult_value,
-        sinkhorn_repeat=sinkhorn_repeat, n_splits=n_splits)
-
-
 # DTensor sharding (docs/distributed.md): token-wise (dim 1 of the GEMM partials).
 mhc_pre_big_fuse.sharding({"gemm_out_mul": "S1", "gemm_out_sqrsum": "S1", "residual": "S0", "post_mix": "S0",
                            "comb_mix": "S0", "layer_input": "S0"})

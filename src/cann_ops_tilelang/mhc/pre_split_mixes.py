@@ -39,12 +39,6 @@ def mhc_pre_split_mixes_forward(input_mixes: Tensor, mhc_scale: Tensor, mhc_base
     same_device(err, input_mixes=input_mixes, mhc_scale=mhc_scale, mhc_base=mhc_base, pre=pre, post=post, comb=comb)
 
 
-@mhc_pre_split_mixes_forward.launch
-def _(kernels, _none, input_mixes, mhc_scale, mhc_base, pre, post, comb, post_mult_value, pre_eps):
-    kernels.mhc_pre_split_mixes_forward(input_mixes=input_mixes, mhc_scale=mhc_scale, mhc_base=mhc_base, pre=pre,
-                                        post=post, comb=comb, post_mult_value=post_mult_value, pre_eps=pre_eps)
-
-
 @declare("mhc_pre_split_mixes_backward", mutates_args=("input_mixes_grad", "mhc_scale_grad", "mhc_base_grad"),
          vector_args={"pre_grad": 16, "post_grad": 16, "comb_grad": 16, "input_mixes": 16, "post": 16,
                       "mhc_base": 16, "input_mixes_grad": 16},
@@ -79,15 +73,6 @@ def mhc_pre_split_mixes_backward(pre_grad: Tensor, post_grad: Tensor, comb_grad:
     same_device(err, pre_grad=pre_grad, post_grad=post_grad, comb_grad=comb_grad, input_mixes=input_mixes, post=post,
                 mhc_scale=mhc_scale, mhc_base=mhc_base, input_mixes_grad=input_mixes_grad,
                 mhc_scale_grad=mhc_scale_grad, mhc_base_grad=mhc_base_grad)
-
-
-@mhc_pre_split_mixes_backward.launch
-def _(kernels, _none, pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base, input_mixes_grad,
-      mhc_scale_grad, mhc_base_grad, post_mult_value):
-    kernels.mhc_pre_split_mixes_backward(
-        pre_grad=pre_grad, post_grad=post_grad, comb_grad=comb_grad, input_mixes=input_mixes, post=post,
-        mhc_scale=mhc_scale, mhc_base=mhc_base, input_mixes_grad=input_mixes_grad, mhc_scale_grad=mhc_scale_grad,
-        mhc_base_grad=mhc_base_grad, post_mult_value=post_mult_value)
 
 
 # DTensor sharding (docs/distributed.md): token-wise; scale and base replicated. The two parameter

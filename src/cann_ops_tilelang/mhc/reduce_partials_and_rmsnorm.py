@@ -49,13 +49,6 @@ def mhc_reduce_partials_and_rmsnorm_forward(out_mul_splitted: Tensor, sqrsum_spl
                 sqrsum=sqrsum, out=out)
 
 
-@mhc_reduce_partials_and_rmsnorm_forward.launch
-def _(kernels, _none, out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, rms_group_size, rms_eps, n_splits):
-    kernels.mhc_reduce_partials_and_rmsnorm_forward(
-        out_mul_splitted=out_mul_splitted, sqrsum_splitted=sqrsum_splitted, out_mul=out_mul, sqrsum=sqrsum,
-        out=out, rms_group_size=rms_group_size, rms_eps=rms_eps, n_splits=n_splits)
-
-
 @declare("mhc_reduce_partials_and_rmsnorm_backward", mutates_args=("out_mul_grad", "sqrsum_grad"),
          vector_args={"out_grad": 16, "out_mul": 16, "out_mul_grad": 16}, tokens="out_grad")
 def mhc_reduce_partials_and_rmsnorm_backward(out_grad: Tensor, out_mul: Tensor, sqrsum: Tensor,
@@ -84,13 +77,6 @@ def mhc_reduce_partials_and_rmsnorm_backward(out_grad: Tensor, out_mul: Tensor, 
     check_float(err, "rms_eps", rms_eps, minimum=0.0)
     same_device(err, out_grad=out_grad, out_mul=out_mul, sqrsum=sqrsum, out_mul_grad=out_mul_grad,
                 sqrsum_grad=sqrsum_grad)
-
-
-@mhc_reduce_partials_and_rmsnorm_backward.launch
-def _(kernels, _none, out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_group_size, rms_eps):
-    kernels.mhc_reduce_partials_and_rmsnorm_backward(
-        out_grad=out_grad, out_mul=out_mul, sqrsum=sqrsum, out_mul_grad=out_mul_grad, sqrsum_grad=sqrsum_grad,
-        rms_group_size=rms_group_size, rms_eps=rms_eps)
 
 
 # DTensor sharding (docs/distributed.md): token-wise (dim 1 of the split partials).

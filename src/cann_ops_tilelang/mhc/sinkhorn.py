@@ -35,11 +35,6 @@ def mhc_sinkhorn_forward(comb: Tensor, comb_out: Tensor, repeat: int, eps: float
     same_device(err, comb=comb, comb_out=comb_out)
 
 
-@mhc_sinkhorn_forward.launch
-def _(kernels, _none, comb, comb_out, repeat, eps):
-    kernels.mhc_sinkhorn_forward(comb=comb, comb_out=comb_out, repeat=repeat, eps=eps)
-
-
 @declare("mhc_sinkhorn_backward", mutates_args=("grad_input",), tokens="x")
 def mhc_sinkhorn_backward(grad_output: Tensor, x: Tensor, grad_input: Tensor, repeat: int, eps: float) -> None:
     """Gradient of :func:`mhc_sinkhorn_forward` with respect to the logits ``x`` (recomputed from them).
@@ -57,11 +52,6 @@ def mhc_sinkhorn_backward(grad_output: Tensor, x: Tensor, grad_input: Tensor, re
     _check_repeat(err, repeat, x.device)
     check_float(err, "eps", eps, minimum=0.0)
     same_device(err, grad_output=grad_output, x=x, grad_input=grad_input)
-
-
-@mhc_sinkhorn_backward.launch
-def _(kernels, _none, grad_output, x, grad_input, repeat, eps):
-    kernels.mhc_sinkhorn_backward(grad_output=grad_output, x=x, grad_input=grad_input, repeat=repeat, eps=eps)
 
 
 # DTensor sharding (docs/distributed.md): per token.
