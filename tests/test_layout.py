@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cann_ops_tilelang as ops
-from cann_ops_tilelang import _library
+from cann_ops_tilelang import _library, limits
 
 SRC = Path(ops.__file__).resolve().parent
 ROOT = SRC.parent.parent
@@ -124,6 +124,23 @@ def test_no_op_module_writes_a_pass_through_binding():
     assert not found, f"launch bindings that declare()'s default launch replaces (delete them): {found}"
     own = [n for n, p in ops.registered_ops().items() if p.op_state.launch != p.op_state.default_launch]
     assert len(own) < len(ops.registered_ops()) // 4, own  # the exceptions stay exceptions
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_declares_its_hidden_sizes_in_limits(family):
+    """limits.py holds each family's hidden-size range and the sizes that matter (``<FAMILY>_HIDDEN`` and
+    ``<FAMILY>_HIDDEN_SIZES``, found by name): sorted, in the range, from its low edge. The main command, the kernel
+    manifest and the tests' example calls read them; nothing lists the families (they are the declared ops')."""
+    from cann_ops_tilelang import __main__ as main_module
+
+    name, allowed, sizes = limits.hidden_sizes(family)
+    assert name == f"{family.upper()}_HIDDEN" and getattr(limits, name) is allowed
+    assert sizes == tuple(sorted(set(sizes))) and sizes[0] == allowed.low and all(h in allowed for h in sizes)
+    assert main_module.FAMILIES == tuple(FAMILIES) and main_module.HIDDEN_RANGES[family] == (name, allowed)
+    sys.path.insert(0, str(ROOT / "tools"))
+    import kernel_manifest
+
+    assert kernel_manifest.HIDDEN[family] == sizes and list(kernel_manifest.HIDDEN) == FAMILIES
 
 
 def _python_files():

@@ -40,8 +40,8 @@ def lowers(backend: str, prim_func) -> None:
         assert 0 < lowered.ub_bytes <= lowered.budget_bytes, (lowered.ub_bytes, lowered.budget_bytes)
 
 
-HIDDEN_EDGES = [(family, h, backend) for family, rng in (("engram", limits.ENGRAM_HIDDEN), ("mhc", limits.MHC_HIDDEN))
-                for h in rng.edges() for backend in ("cuda", "ascend")]
+HIDDEN_EDGES = [(family, h, backend) for family in sorted({p.declaration.family for p in ops.registered_ops().values()})
+                for h in limits.hidden_sizes(family)[1].edges() for backend in ("cuda", "ascend")]
 
 
 @pytest.mark.parametrize("family,hidden,backend", HIDDEN_EDGES)

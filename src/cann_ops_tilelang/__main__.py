@@ -35,14 +35,16 @@ import time
 import torch
 
 from . import config, limits
-from ._library import registered_ops
+from ._library import registered_families, registered_ops
 from ._version import __version__
 
-FAMILIES = ("engram", "mhc")
+# the families of the registered ops (their declarations), not a list kept here: a new family's package is enough
+FAMILIES = tuple(registered_families())
 TARGETS = ("ascend", "cuda")
 CUDA_ARCH = "sm_90a"
-# the hidden-size range of each family's kernels (limits.py); the demonstration runs the Engram ops
-HIDDEN_RANGES = {"engram": ("ENGRAM_HIDDEN", limits.ENGRAM_HIDDEN), "mhc": ("MHC_HIDDEN", limits.MHC_HIDDEN)}
+# the hidden-size range of each family's kernels, (its name in limits.py, the range); the demonstration runs the
+# Engram ops
+HIDDEN_RANGES = {family: limits.hidden_sizes(family)[:2] for family in FAMILIES}
 TARGET_NAMES = {"ascend": "AscendC (Ascend 950)", "cuda": f"CUDA ({CUDA_ARCH})"}
 
 
@@ -80,12 +82,6 @@ def _device_line(device: str | None) -> str:
     return f"device: no GPU or NPU found ({'; '.join(why)})"
 
 
-def _family_of(name: str, public) -> str:
-    declaration = getattr(public, "declaration", None)
-    family = getattr(declaration, "family", None)
-    return family or ("engram" if name.startswith("engram") else "mhc")
-
-
 def _header(device: str | None, verbose: bool) -> str:
     lines = [
         f"cann_ops_tilelang {__version__} (python {platform.python_version()}, torch {torch.__version__}, "
@@ -95,7 +91,7 @@ def _header(device: str | None, verbose: bool) -> str:
     ops = registered_ops()
     by_family: dict[str, list[str]] = {}
     for name, public in ops.items():
-        by_family.setdefault(_family_of(name, public), []).append(name)
+        by_family.setdefault(public.declaration.family, []).append(name)
     lines.append(f"registered ops: {len(ops)} (torch.ops.cann_ops_tilelang.<name>)")
     for family, names in sorted(by_family.items()):
         text = f"{family} ({len(names)}): " + ", ".join(sorted(names))

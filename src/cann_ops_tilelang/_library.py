@@ -45,7 +45,7 @@ import torch
 from . import _sharding, config
 from ._checks import OpError, describe, misalignment, overlap, type_name
 
-__all__ = ["NAMESPACE", "OpDeclaration", "declare", "register_sharding_rules", "registered_ops"]
+__all__ = ["NAMESPACE", "OpDeclaration", "declare", "register_sharding_rules", "registered_families", "registered_ops"]
 
 NAMESPACE = "cann_ops_tilelang"
 
@@ -64,6 +64,12 @@ _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # the device kernels' r
 def registered_ops() -> dict[str, Callable[..., Any]]:
     """All operators declared so far, by short name (a copy)."""
     return dict(_REGISTRY)
+
+
+def registered_families() -> list[str]:
+    """The families of the declared ops (their ``declaration.family``: the package an op module is in), sorted; the
+    one list of families, so that a new family's package is all there is to add."""
+    return sorted({public.declaration.family for public in _REGISTRY.values()})
 
 
 def register_sharding_rules() -> list[str]:

@@ -18,11 +18,13 @@ __all__ = [
     "ENGRAM_HASH_NGRAM",
     "ENGRAM_HC_MULT",
     "ENGRAM_HIDDEN",
+    "ENGRAM_HIDDEN_SIZES",
     "ENGRAM_SINKHORN_COLS",
     "ENGRAM_SINKHORN_ELEMENTS",
     "MHC_HC_MULT",
     "MHC_HEAD_MIX_PARTIALS",
     "MHC_HIDDEN",
+    "MHC_HIDDEN_SIZES",
     "MHC_MIX",
     "MHC_RECOMPUTE_LAYERS",
     "MHC_RMS_GROUPS",
@@ -31,6 +33,7 @@ __all__ = [
     "LimitError",
     "PerBackend",
     "backend_of",
+    "hidden_sizes",
     "mhc_gemm_splits",
 ]
 
@@ -104,10 +107,25 @@ class PerBackend:
         return self.ranges[backend]
 
 
+def hidden_sizes(family: str) -> tuple[str, IntRange, tuple[int, ...]]:
+    """``(name, range, sizes)`` of a family's hidden sizes: ``<FAMILY>_HIDDEN`` of this module (its name and the
+    supported range) and ``<FAMILY>_HIDDEN_SIZES``, the sizes that matter, at which the kernel manifest
+    (tools/kernel_manifest.py) and the tests' example calls are drawn. Found by name, as the ops' families are
+    found by their packages, so that nothing lists the families: a new one declares its two names here."""
+    name = f"{family.upper()}_HIDDEN"
+    found = globals().get(name), globals().get(f"{name}_SIZES")
+    if not isinstance(found[0], IntRange) or not isinstance(found[1], tuple):
+        raise LookupError(f"limits.py declares no hidden sizes of the family {family!r} (expected {name}, an IntRange, "
+                          f"and {name}_SIZES, a tuple of sizes in it)")
+    return name, found[0], found[1]
+
+
 # Engram gate (both backends): m = 4 streams; H a multiple of 256 (the Ascend kernels' 64-lane vectors
 # times 4 accumulators; the CUDA layouts' 8-element vectors per thread) up to 8192.
 ENGRAM_HC_MULT = IntRange("hc_mult", 4, 4)
 ENGRAM_HIDDEN = IntRange("a hidden size", 512, 8192, multiple_of=256)
+# the hidden sizes that matter (see hidden_sizes): the range's low edge and the model sizes
+ENGRAM_HIDDEN_SIZES = (512, 2560, 4096, 7168)
 # engram_fused_weight takes any 2-D shape whose element count is a multiple of this
 ENGRAM_FUSED_WEIGHT_ALIGN = 256
 # rows P of the weight-gradient partials engram_grad_w_reduce sums: the Ascend kernel stages all P rows of a
@@ -121,6 +139,8 @@ MHC_HC_MULT = IntRange("hc_mult", 4, 4)
 MHC_MIX = 24
 MHC_RMS_GROUPS = IntRange("RMS groups", 1, 1)
 MHC_HIDDEN = IntRange("a hidden size", 256, 8192, multiple_of=64)
+# the hidden sizes that matter (see hidden_sizes): the range's edges and the model sizes
+MHC_HIDDEN_SIZES = (256, 1280, 2560, 4096, 7168, 8192)
 # Sinkhorn iterations: the Ascend backward keeps 2R - 1 normalization steps of a 64-token block in the UB
 # (R = 22: 243 KiB of 248); the CUDA backward keeps them in shared memory for 64.
 MHC_SINKHORN_REPEAT = PerBackend({"cuda": IntRange("repeat", 1, 64), "ascend": IntRange("repeat", 1, 22)})
