@@ -14,56 +14,27 @@ reads right (:func:`message_problems`: no ``None`` in a shape, no doubled words 
 unlike the expected one).
 """
 
-import inspect
 import re
-import sys
 import typing
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _plugins import cases
 from _plugins.references import without_cpu_references
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cann_ops_tilelang as ops
 
-sys.path.insert(0, str(Path(__file__).parent / "mhc"))
-from mhc_cases import make_args  # noqa: E402
-
-TOKENS, MHC_HIDDEN, ENGRAM_HIDDEN = 3, 256, 512
+TOKENS, MHC_HIDDEN, ENGRAM_HIDDEN = cases.TOKENS, cases.smallest_hidden("mhc"), cases.smallest_hidden("engram")
 OPS = sorted(ops.registered_ops())
 
 
 def valid_call(name: str) -> dict:
-    """A valid call of the op ``name`` on CPU tensors, by argument name."""
-    public = ops.registered_ops()[name]
-    params = list(inspect.signature(public.prepare).parameters)
-    if name.startswith("engram"):
-        t, m, h = TOKENS, 4, ENGRAM_HIDDEN
-        bf = dict(dtype=torch.bfloat16)
-        values = {
-            "weight_hidden": torch.randn(m, h, **bf), "weight_embed": torch.randn(m, h, **bf),
-            "hidden_states": torch.randn(t, m, h, **bf), "kv": torch.randn(t, m + 1, h, **bf),
-            "weight_fused": torch.randn(m, h), "eps": 1e-6, "clamp_value": 1e-6, "save_for_backward": True,
-            "residual": True,  # the Engram gate's residual mode
-            "image_token_mask": torch.zeros(t, dtype=torch.bool), "grad_out": torch.randn(t, m, h, **bf),
-            "dot": torch.randn(t, m), "gate_score": torch.rand(t, m), "rstd_x": torch.rand(t, m),
-            "rstd_k": torch.rand(t, m), "grad_w_partial": torch.randn(5, m, h),
-            "grad_weight_hidden": torch.zeros(m, h), "grad_weight_embed": torch.zeros(m, h),
-            # engram_hash: N = 3, E = 8, L = 2
-            "ngram_token_ids": torch.randint(0, 1000, (t, 3), dtype=torch.int32),
-            "multipliers": torch.randint(1, 1000, (2, 3)), "vocab_sizes": torch.full((2, 2, 8), 7, dtype=torch.int32),
-            "offsets": torch.zeros(2, 16, dtype=torch.int32),
-            # the Sinkhorn optimizer ops: a (T, 64) table, its scales and partials, an (8, 64) gradient
-            "grad": torch.randn(8, 64), "momentum_buffer": torch.randn(8, 64), "beta1": 0.9, "nesterov": True,
-            "matrix": torch.randn(t, 64), "row_scale": torch.rand(t) + 0.5, "col_scale": torch.rand(64) + 0.5,
-            "col_sumsq_partial": torch.rand(5, 64), "col_sumsq": torch.zeros(64), "alpha": 8.0,
-            "out": torch.empty(t, 64), "rows": t, "param": torch.randn(t, 64), "lr": 0.01, "decay": 0.999,
-        }
-        return {p: values[p] for p in params}
-    return dict(zip(params, make_args(name, TOKENS, MHC_HIDDEN)))
+    """A valid call of the op ``name`` on CPU tensors, by argument name: its example call (tests/<family>/
+    <family>_cases.py) at ``TOKENS`` tokens and the family's smallest hidden size."""
+    return cases.call(name, TOKENS)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -391,7 +362,7 @@ def test_valid_calls_pass_every_check(name):
 # --- the Python wrappers that reshape: leading dims are checked before any reshape --------------------------
 
 def test_post_wrappers_check_leading_dims_before_reshaping():
-    x, residual, post, comb = make_args("mhc_post_forward", TOKENS, MHC_HIDDEN)
+    x, residual, post, comb = valid_call("mhc_post_forward").values()
     with pytest.raises(ValueError, match=r"mhc_post_forward: argument 'x': expected shape \(3, 256\)"):
         ops.mhc_post_forward(x.reshape(6, 128), residual, post, comb)
     out = torch.empty(TOKENS, MHC_HIDDEN, 4, dtype=torch.bfloat16)
@@ -411,7 +382,7 @@ def test_post_wrappers_refuse_what_a_flat_view_cannot_take():
     (flattening is a view, never a silent copy) and ``out`` is on the inputs' device."""
     import numpy as np
 
-    x, residual, post, comb = make_args("mhc_post_forward", TOKENS, MHC_HIDDEN)
+    x, residual, post, comb = valid_call("mhc_post_forward").values()
     bf16 = torch.bfloat16
     cases = [
         (lambda: ops.mhc_post_forward(torch.empty(TOKENS, 0, dtype=bf16), torch.empty(TOKENS, 4, 0, dtype=bf16),

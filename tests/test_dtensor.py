@@ -1,7 +1,8 @@
 """DTensor sharding rules of every op (docs/distributed.md), checked on 2 CPU processes over gloo.
 
-Two worker processes (this file run as a script) call every op with the test references as CPU kernels
-(tests/_plugins/references.py, registered in each worker): for every strategy an op's rule declares, the
+Two worker processes (this file run as a script) call every op on its example call (tests/<family>/
+<family>_cases.py) with the test references as CPU kernels (tests/_plugins/references.py, registered in each
+worker): for every strategy an op's rule declares, the
 arguments are distributed as the strategy says (token dims ``Shard``, weights ``Replicate``, ``Partial``
 inputs split element by element between the ranks, which is exact), the op runs on the DTensors under
 ``CommDebugMode``, and ``full_tensor()`` of every result and written buffer is compared with one unsharded call.
@@ -15,7 +16,6 @@ sequence-sharded DTensors against the same step on plain tensors.
 """
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
@@ -35,7 +35,7 @@ WORLD = 2
 # uneven over 2 ranks (8 + 7 rows, DTensor's uneven Shard(0)); rank 0's 8 rows keep every rank's elements on
 # the same side of the CPU vector loops as in the unsharded call (a scalar tail rounds exp/sigmoid otherwise)
 TOKENS = 15
-MHC_HIDDEN, ENGRAM_HIDDEN = 256, 512
+MHC_HIDDEN, ENGRAM_HIDDEN = 256, 512  # the modeling checks' hidden sizes
 # Partial results: the all-reduce adds the 2 ranks' fp32 sums, a reassociation of the unsharded sum; the
 # values are O(1..100) sums of up to 9 * 1024 products, so 1e-5 relative is far above the rounding seen.
 RTOL, ATOL = 1e-5, 1e-5
@@ -48,69 +48,12 @@ ROW_SUM_RESULTS = {("engram_gate_bwd", "returns[2]"), ("mhc_head_compute_mix_bac
 # worker side (this file run as a script, one process per rank)
 
 
-def _engram_args(name: str, tokens: int, hidden: int) -> dict:
-    import engram_ref
-
-    gen = torch.Generator().manual_seed(1)
-    x, kv, wh, we, mask = engram_ref.make_inputs(tokens, hidden, masked=True, generator=gen)
-    wf = engram_ref.engram_fused_weight_ref(wh, we)
-    _, dot, gate, rstd_x, rstd_k = engram_ref.engram_gate_fwd_ref(x, kv, wf, 1e-6, 1e-6, True, mask)
-    values = {
-        "weight_hidden": wh, "weight_embed": we, "hidden_states": x, "kv": kv, "weight_fused": wf, "eps": 1e-6,
-        "clamp_value": 1e-6, "save_for_backward": True, "image_token_mask": mask, "residual": True,
-        "grad_out": torch.randn(tokens, 4, hidden, generator=gen).bfloat16(), "dot": dot, "gate_score": gate,
-        "rstd_x": rstd_x, "rstd_k": rstd_k, "grad_w_partial": torch.randn(6, 4, hidden, generator=gen),
-        "grad_weight_hidden": torch.randn(4, hidden, generator=gen),
-        "grad_weight_embed": torch.randn(4, hidden, generator=gen),
-    }
-    params = inspect.signature(ops.registered_ops()[name].prepare).parameters
-    return {p: values[p] for p in params if p in values}
-
-
-def _engram_table_args(name: str, tokens: int) -> dict:
-    """engram_hash (N = 3 n-gram positions, E = 8 tables, L = 2 layers) and the Sinkhorn optimizer ops on a
-    (tokens, 64) table."""
-    gen = torch.Generator().manual_seed(2)
-    values = {
-        "ngram_token_ids": torch.randint(-2**31, 2**31 - 1, (tokens, 3), generator=gen, dtype=torch.int32),
-        "multipliers": torch.randint(1, 2**40, (2, 3), generator=gen),
-        "vocab_sizes": torch.tensor([7, 11, 13, 17, 19, 23, 29, 31] * 4, dtype=torch.int32).view(2, 2, 8),
-        "offsets": torch.randint(0, 1000, (2, 16), generator=gen, dtype=torch.int32),
-        "image_token_mask": torch.arange(tokens) % 4 == 1,
-        "grad": torch.randn(16, 64, generator=gen).bfloat16(), "momentum_buffer": torch.randn(16, 64, generator=gen),
-        "beta1": 0.9, "nesterov": True, "matrix": torch.randn(tokens, 64, generator=gen),
-        "row_scale": torch.rand(tokens, generator=gen) + 0.5, "col_scale": torch.rand(64, generator=gen) + 0.5,
-        "eps": 1e-8, "col_sumsq_partial": torch.rand(6, 64, generator=gen), "col_sumsq": torch.rand(64, generator=gen),
-        "alpha": 8.0, "out": torch.empty(tokens, 64), "rows": max(tokens, 1),
-        "param": torch.randn(tokens, 64, generator=gen).bfloat16(), "lr": 0.01, "decay": 0.999,
-    }
-    params = inspect.signature(ops.registered_ops()[name].prepare).parameters
-    return {p: values[p] for p in params}
-
-
-_ENGRAM_GATE_OPS = ("engram_fused_weight", "engram_gate_fwd", "engram_gate_fwd_inplace", "engram_gate_bwd",
-                    "engram_grad_w_reduce")
-_ENGRAM_TABLE_OPS = ("engram_hash", "engram_sinkhorn_momentum_update", "engram_sinkhorn_step",
-                     "engram_sinkhorn_step_reduce", "engram_sinkhorn_finalize", "engram_sinkhorn_finalize_out",
-                     "engram_sinkhorn_finalize_apply")
-
-
 def make_call(name: str) -> dict:
-    """A valid call of ``name`` by argument name: mHC ops from tests/mhc/mhc_cases.py, the Engram ops here, any
-    other op from the valid call of tests/test_bad_input.py (which every op's author fills)."""
-    public = ops.registered_ops()[name]
-    params = list(inspect.signature(public.prepare).parameters)
-    if public.declaration.family == "mhc":
-        from mhc_cases import make_args
+    """A valid call of ``name`` by argument name: its example call (tests/<family>/<family>_cases.py) at ``TOKENS``
+    tokens and the family's smallest hidden size."""
+    from _plugins import cases
 
-        return dict(zip(params, make_args(name, TOKENS, MHC_HIDDEN)))
-    if name in _ENGRAM_GATE_OPS:
-        return _engram_args(name, TOKENS, ENGRAM_HIDDEN)
-    if name in _ENGRAM_TABLE_OPS:
-        return _engram_table_args(name, TOKENS)
-    import test_bad_input
-
-    return test_bad_input.valid_call(name)
+    return cases.call(name, TOKENS)
 
 
 def _clone(value):
@@ -497,8 +440,7 @@ def worker(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh
 
-    for path in (TESTS, TESTS / "mhc", TESTS / "engram"):
-        sys.path.insert(0, str(path))
+    sys.path.insert(0, str(TESTS))  # _plugins (the cases registries put their own directories on the path)
     from _plugins import references
 
     references.register()  # the conftest does this in the pytest process; a worker must do it itself

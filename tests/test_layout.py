@@ -40,6 +40,19 @@ def test_each_op_module_has_kernel_modules_of_its_name_on_both_backends(family):
         assert _public_modules(f"cann_ops_tilelang.kernels.{backend}.{family}") == declared, backend
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_has_a_cases_registry(family):
+    """tests/<family>/<family>_cases.py holds an example call ``<op>_call(tokens, hidden, ...)`` of each op of the
+    family and nothing else named so (found by name, as the references ``<op>_ref`` are): every cross-op test
+    draws its calls there (tests/_plugins/cases.py), so a new op or family adds its calls in that one place."""
+    from _plugins import cases
+
+    assert (ROOT / "tests" / family / f"{family}_cases.py").is_file()
+    assert [p for p in cases.registry_problems() if family in p] == []
+    declared = {n for n, p in ops.registered_ops().items() if p.declaration.family == family}
+    assert set(cases.builders(family)) == declared
+
+
 def _recorded_launch(public, backend: str, call: dict, monkeypatch) -> tuple[str, dict]:
     calls = []
     stub = types.SimpleNamespace(**{public.declaration.kernel: lambda **kw: calls.append(kw)})
@@ -56,12 +69,11 @@ def test_launch_binding_passes_the_launcher_its_parameters_by_name(name, backend
     each backend with keyword arguments that are exactly the launcher's parameters (no positional order to keep
     in step)."""
     pytest.importorskip("tilelang")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_bad_input import valid_call
+    from _plugins import cases
 
     public = ops.registered_ops()[name]
     decl = public.declaration
-    call = valid_call(name)
+    call = cases.call(name)
     launcher_name, kwargs = _recorded_launch(public, backend, call, monkeypatch)
     module = importlib.import_module(f"cann_ops_tilelang.kernels.{backend}.{decl.family}.{decl.module}")
     launcher = getattr(module, launcher_name)

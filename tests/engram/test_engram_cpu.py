@@ -3,6 +3,7 @@ against float64 autograd, and the autograd wrapper over the CPU reference kernel
 
 import pytest
 import torch
+from _plugins import cases
 from _plugins.levels import level_choice
 from engram_ref import (
     engram_fused_weight_ref,
@@ -40,27 +41,40 @@ def metadata(t):
 # --- fakes ----------------------------------------------------------------------------------------
 
 
+def gate_calls(tokens, masked, seed):
+    """The example calls (tests/engram/engram_cases.py) of the gate's ops: the fused weight, the forward saving the
+    statistics or not, in place, the backward (given the reference forward's statistics), the weight reduction."""
+    gate = dict(masked=masked)
+    variants = [("engram_fused_weight", {}), ("engram_gate_fwd", {**gate, "save_for_backward": True}),
+                ("engram_gate_fwd", {**gate, "save_for_backward": False}), ("engram_gate_fwd_inplace", gate),
+                ("engram_gate_bwd", gate), ("engram_grad_w_reduce", {})]
+    return [(name, cases.call(name, tokens, HIDDEN, seed=seed, **variant)) for name, variant in variants]
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("save", [False, True])
 def test_fakes_match_references(tokens, masked, save, seed):
-    x, kv, wh, we, wf, mask = all_args(tokens, masked, seed)
-    real = {
-        "fused": [engram_fused_weight_ref(wh, we)],
-        "fwd": list(engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, save, mask)),
-    }
-    stats = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    """The fakes on the example calls against the reference functions' own results."""
+    fused = cases.call("engram_fused_weight", tokens, HIDDEN, seed=seed)
+    fwd = cases.call("engram_gate_fwd", tokens, HIDDEN, seed=seed, masked=masked, save_for_backward=save)
+    bwd = cases.call("engram_gate_bwd", tokens, HIDDEN, seed=seed, masked=masked)
     partials = config.grad_w_partials("cpu", HIDDEN)
-    real["bwd"] = list(engram_gate_bwd_ref(x, x, kv, wf, *stats[1:], CLAMP, mask, partials=partials))
+    real = {
+        "fused": [engram_fused_weight_ref(**fused)],
+        "fwd": list(engram_gate_fwd_ref(**fwd)),
+        "bwd": list(engram_gate_bwd_ref(**bwd, partials=partials)),
+    }
     mode = FakeTensorMode()
+
+    def faked(call):
+        return {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+
     with mode:
-        fx, fkv, fwh, fwe, fwf = (mode.from_tensor(t) for t in (x, kv, wh, we, wf))
-        fmask = None if mask is None else mode.from_tensor(mask)
-        fstats = [mode.from_tensor(t) for t in stats[1:]]
         fake = {
-            "fused": [ops.engram_fused_weight(fwh, fwe)],
-            "fwd": list(torch.ops.cann_ops_tilelang.engram_gate_fwd(fx, fkv, fwf, EPS, CLAMP, save, fmask)),
-            "bwd": list(ops.engram_gate_bwd(fx, fx, fkv, fwf, *fstats, CLAMP, fmask)),
+            "fused": [ops.engram_fused_weight(**faked(fused))],
+            "fwd": list(torch.ops.cann_ops_tilelang.engram_gate_fwd(**faked(fwd))),
+            "bwd": list(ops.engram_gate_bwd(**faked(bwd))),
         }
     for key in real:
         assert [metadata(t) for t in fake[key]] == [metadata(t) for t in real[key]], key
@@ -72,19 +86,8 @@ def test_fakes_match_references(tokens, masked, save, seed):
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("masked", [False, True])
 def test_opcheck(tokens, masked, seed):
-    x, kv, wh, we, wf, mask = all_args(tokens, masked, seed)
-    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
-    cases = [
-        (torch.ops.cann_ops_tilelang.engram_fused_weight.default, (wh, we)),
-        (torch.ops.cann_ops_tilelang.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, True, mask)),
-        (torch.ops.cann_ops_tilelang.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, False, mask)),
-        (torch.ops.cann_ops_tilelang.engram_gate_fwd_inplace.default, (x.clone(), kv, wf, EPS, CLAMP, mask)),
-        (torch.ops.cann_ops_tilelang.engram_gate_bwd.default, (out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)),
-        (torch.ops.cann_ops_tilelang.engram_grad_w_reduce.default,
-         (torch.randn(5, 4, HIDDEN, generator=gen(seed)), wh, we, torch.zeros(4, HIDDEN), torch.ones(4, HIDDEN))),
-    ]
-    for op, args in cases:
-        torch.library.opcheck(op, args)
+    for name, call in gate_calls(tokens, masked, seed):
+        torch.library.opcheck(getattr(torch.ops.cann_ops_tilelang, name).default, tuple(call.values()))
 
 
 # --- torch.compile traces through the fakes --------------------------------------------------------

@@ -4,6 +4,7 @@ torch.compile (inductor and CUDA graphs on CUDA, npugraph_ex on NPU) and the aut
 
 import pytest
 import torch
+from _plugins import cases
 from _plugins.device import requires_cuda, requires_device, requires_npu
 from _plugins.levels import level_choice
 from engram_ref import (
@@ -277,22 +278,14 @@ def test_grad_w_reduce_schedules_agree_bitwise(partials, device, seed):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_opcheck_on_device(masked, device, seed):
-    x, kv, wh, we, mask = inputs(37, 512, masked, device, seed)
-    wf = ops.engram_fused_weight(wh, we)
-    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
-    namespace = torch.ops.cann_ops_tilelang
-    cases = [
-        (namespace.engram_fused_weight.default, (wh, we)),
-        (namespace.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, True, mask)),
-        (namespace.engram_gate_fwd.default, (x, kv, wf, EPS, CLAMP, False, mask)),
-        (namespace.engram_gate_fwd_inplace.default, (x.clone(), kv, wf, EPS, CLAMP, mask)),
-        (namespace.engram_gate_bwd.default, (out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)),
-        (namespace.engram_grad_w_reduce.default,
-         (torch.randn(7, 4, 512, device=device), wh, we, torch.zeros(4, 512, device=device),
-          torch.zeros(4, 512, device=device))),
-    ]
-    for op, args in cases:
-        torch.library.opcheck(op, args)
+    """The gate's ops on their example calls (tests/engram/engram_cases.py) at T = 37, H = 512, on the device."""
+    gate = dict(masked=masked)
+    variants = [("engram_fused_weight", {}), ("engram_gate_fwd", {**gate, "save_for_backward": True}),
+                ("engram_gate_fwd", {**gate, "save_for_backward": False}), ("engram_gate_fwd_inplace", gate),
+                ("engram_gate_bwd", gate), ("engram_grad_w_reduce", {"partials": 7})]
+    for name, variant in variants:
+        args = cases.call(name, 37, 512, seed=seed, device=device, **variant)
+        torch.library.opcheck(getattr(torch.ops.cann_ops_tilelang, name).default, tuple(args.values()))
 
 
 # --- autograd wrapper ---------------------------------------------------------------------------------

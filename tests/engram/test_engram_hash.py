@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from _plugins import cases
 from _plugins.device import requires_device
 from _plugins.references import without_cpu_references
 from engram_ref import engram_hash_ref, make_hash_inputs
@@ -208,8 +209,8 @@ def test_fake_matches_reference(tokens, masked, seed):
 @pytest.mark.parametrize("tokens", [0, 1, 7])
 @pytest.mark.parametrize("masked", [False, True])
 def test_opcheck(tokens, masked, seed):
-    args = make_hash_inputs(tokens, 3, 2, 8, masked=masked, generator=gen(seed), extreme=True)
-    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_hash.default, tuple(args))
+    args = cases.call("engram_hash", tokens, seed=seed, masked=masked, extreme=True)  # N = 3, L = 2, E = 8
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_hash.default, tuple(args.values()))
 
 
 def hash_model(ids, mult, sizes, offs, mask):

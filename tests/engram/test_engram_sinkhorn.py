@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _plugins import cases
 from _plugins.device import requires_cuda, requires_device
 from _plugins.references import without_cpu_references
 from engram_ref import (
@@ -197,23 +198,26 @@ def test_optimizer_refuses_tables_without_kernels(shape, dtype, exc):
 
 
 def _op_calls(rows, cols, seed):
-    a, r, c = table(rows, cols, seed), torch.rand(rows, generator=gen(seed)) + 0.5, torch.rand(cols) + 0.5
-    n = rows * cols + 5  # any element count
-    g, m = torch.randn(n, generator=gen(seed + 1)), torch.randn(n, generator=gen(seed + 2))
+    """The optimizer ops' example calls (tests/engram/engram_cases.py) on a ``(rows, cols)`` table, with the
+    variants that matter: the momentum's dtypes on a flat gradient of any element count, 7 partial rows whatever
+    the table's, the finalize's alphas and the applied table's dtypes and decays."""
+
+    def call(name, **variant):
+        args = cases.call(name, rows, seed=seed, cols=cols, **variant)
+        return getattr(torch.ops.cann_ops_tilelang, name).default, tuple(args.values())
+
+    flat = (rows * cols + 5,)  # any element count
+    momentum = "engram_sinkhorn_momentum_update"
     return [
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_momentum_update.default, (g.bfloat16(), m.bfloat16(), 0.9, True)),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_momentum_update.default, (g, m, 0.95, False)),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_momentum_update.default, (g.bfloat16(), m, 0.95, True)),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_step.default, (a, r, c, 1e-8)),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_step_reduce.default,
-         (torch.rand(7, cols), torch.zeros(cols), torch.rand(cols) + 0.5, max(rows, 1), 1e-8)),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_finalize.default, (a, r, c, 1e-8, math.sqrt(cols))),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_finalize_out.default,
-         (a, r, c, 1e-8, 2.0, torch.empty(rows, cols))),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_finalize_apply.default,
-         (a, r, c, 1e-8, 2.0, table(rows, cols, seed + 3, dtype=BF16), 0.01, 0.999)),
-        (torch.ops.cann_ops_tilelang.engram_sinkhorn_finalize_apply.default,
-         (a, r, c, 1e-8, 2.0, table(rows, cols, seed + 4), 0.01, 1.0)),
+        call(momentum, shape=flat, grad_dtype=BF16, buffer_dtype=BF16, beta1=0.9, nesterov=True),
+        call(momentum, shape=flat, grad_dtype=F32, buffer_dtype=F32, beta1=0.95, nesterov=False),
+        call(momentum, shape=flat, grad_dtype=BF16, buffer_dtype=F32, beta1=0.95, nesterov=True),
+        call("engram_sinkhorn_step"),
+        call("engram_sinkhorn_step_reduce", partials=7),
+        call("engram_sinkhorn_finalize", alpha=math.sqrt(cols)),
+        call("engram_sinkhorn_finalize_out", alpha=2.0),
+        call("engram_sinkhorn_finalize_apply", alpha=2.0, param_dtype=BF16, decay=0.999),
+        call("engram_sinkhorn_finalize_apply", alpha=2.0, param_dtype=F32, decay=1.0),
     ]
 
 
