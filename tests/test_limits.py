@@ -76,11 +76,11 @@ def test_gemm_forward_lowers_at_both_split_edges(hidden):
     k = M * hidden
     splits = limits.mhc_gemm_splits(k)
     cuda = kernels("cuda", "mhc", "gemm_with_sqrsum")
-    from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum.forward import _fwd_key
+    from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum.forward import forward_key
 
     ascend = kernels("ascend", "mhc", "gemm_with_sqrsum")
     for s in splits.edges():
-        lowers("cuda", cuda.build_mhc_gemm_with_sqrsum_forward_main(*_fwd_key(k, M3, s, chips.H200.sms)))
+        lowers("cuda", cuda.FORWARD.prim_func(forward_key(k, M3, s, chips.H200.sms)))
         lowers("ascend", ascend.build_mhc_gemm_with_sqrsum_forward(M3, k, s, CORES // 2))
 
 

@@ -83,8 +83,8 @@ def test_sinkhorn_repeat_outside_the_range_is_refused(repeat):
     calls = [
         lambda: sinkhorn.build_mhc_sinkhorn_forward(repeat, CORES),
         lambda: sinkhorn.build_mhc_sinkhorn_backward(repeat, CORES),
-        lambda: sinkhorn.mhc_sinkhorn_forward_key(comb, repeat, CORES),
-        lambda: sinkhorn.mhc_sinkhorn_backward_key(comb, repeat, CORES),
+        lambda: sinkhorn.FORWARD.key(comb, repeat),
+        lambda: sinkhorn.BACKWARD.key(comb, repeat),
     ]
     for call in calls:
         with pytest.raises(limits.LimitError, match=rf"mhc_sinkhorn_(forward|backward): repeat must be in \[1, {REPEAT.high}\]"):
@@ -102,11 +102,11 @@ OUT_OF_RANGE = {
     "reduce n_splits": lambda: reduce_partials_and_rmsnorm.build_mhc_reduce_partials_and_rmsnorm_forward(0, CORES),
     "reduce M3": lambda: reduce_partials_and_rmsnorm.build_mhc_reduce_partials_and_rmsnorm_backward(33, CORES),
     "split mixes hc_mult": lambda: pre_split_mixes.build_mhc_pre_split_mixes_forward(2, CORES),
-    "split mixes key": lambda: pre_split_mixes.mhc_pre_split_mixes_forward_key(torch.empty((8, 32)), CORES),
+    "split mixes key": lambda: pre_split_mixes.FORWARD.key(torch.empty((8, 32))),
     "split mixes partials": lambda: pre_split_mixes.build_mhc_pre_split_mixes_backward_reduce(0),
-    "head mix key": lambda: head_compute_mix.mhc_head_compute_mix_forward_key(torch.empty((8, 2)), CORES),
+    "head mix key": lambda: head_compute_mix.FORWARD.key(torch.empty((8, 2))),
     "head mix partials": lambda: head_compute_mix.build_mhc_head_compute_mix_backward(4, 0, CORES),
-    "sinkhorn m": lambda: sinkhorn.mhc_sinkhorn_backward_key(torch.empty((8, 3, 3)), 10, CORES),
+    "sinkhorn m": lambda: sinkhorn.BACKWARD.key(torch.empty((8, 3, 3)), 10),
 }
 
 

@@ -189,7 +189,8 @@ def test_recompute_launches_chain_to_the_unfused_result(layers, post_layers, mon
     through the kernel's parameter names) give the reference chain's every output bit for bit."""
     launches = []
 
-    def compiled(hidden, hc_mult, run, post_run, cores):
+    def compiled(key):
+        run, post_run = key.layers, key.post_layers
         names = multilayer_recompute.kernel_arguments(run, post_run)
 
         def kernel(*tensors):
@@ -203,15 +204,11 @@ def test_recompute_launches_chain_to_the_unfused_result(layers, post_layers, mon
         return kernel
 
     monkeypatch.setattr(multilayer_recompute, "PLAN", multilayer_recompute.RecomputePlan(stages=2, layers_per_kernel=3))
-    monkeypatch.setattr(multilayer_recompute, "_compiled", compiled)
+    monkeypatch.setattr(multilayer_recompute.KERNEL, "compiled", compiled)
     monkeypatch.setattr(multilayer_recompute, "num_vector_cores", lambda: CORES)
-    multilayer_recompute.get_mhc_multilayer_recompute_kernel.cache_clear()
-    try:
-        args = _recompute_args(5, 256, layers, post_layers)
-        expected = _recompute_args(5, 256, layers, post_layers)
-        multilayer_recompute.mhc_multilayer_recompute(**args)
-    finally:
-        multilayer_recompute.get_mhc_multilayer_recompute_kernel.cache_clear()
+    args = _recompute_args(5, 256, layers, post_layers)
+    expected = _recompute_args(5, 256, layers, post_layers)
+    multilayer_recompute.mhc_multilayer_recompute(**args)
     ref.mhc_multilayer_recompute_ref(**expected)
     assert launches == [(run, post_run) for _, run, post_run in multilayer_recompute.PLAN.chunks(layers, post_layers)]
     for name in ("layer_input_list", "residual_list"):
@@ -224,11 +221,11 @@ def test_pre_big_fuse_launcher_passes_the_unfused_scalars(monkeypatch):
     fp32(1/Rg) for Rg = m*H (a double rounded once to fp32 by the kernel's float parameter)."""
     tokens, hidden, splits = 7, 1280, 16
     calls = {}
-    recorder = lambda name: (lambda *key: (lambda *args: calls.setdefault(name, args)))  # noqa: E731
-    monkeypatch.setattr(pre_big_fuse, "get_mhc_pre_big_fuse_kernel", recorder("fused"))
+    recorder = lambda name: (lambda key: (lambda *args: calls.setdefault(name, args)))  # noqa: E731
+    monkeypatch.setattr(pre_big_fuse.KERNEL, "compiled", recorder("fused"))
     monkeypatch.setattr(pre_big_fuse, "num_vector_cores", lambda: CORES)
     red = reduce_partials_and_rmsnorm
-    monkeypatch.setattr(red, "get_mhc_reduce_partials_and_rmsnorm_forward_kernel", recorder("reduce"))
+    monkeypatch.setattr(red.FORWARD, "compiled", recorder("reduce"))
     monkeypatch.setattr(red, "num_vector_cores", lambda: CORES)
     gemm_out_mul, gemm_out_sqrsum = torch.zeros(splits, tokens, 24), torch.zeros(splits, tokens)
     tensors = dict(gemm_out_mul=gemm_out_mul, gemm_out_sqrsum=gemm_out_sqrsum, mhc_scale=torch.zeros(3),
@@ -277,16 +274,15 @@ OUT_OF_RANGE = {
     "fuse n_splits > K/64": lambda: pre_big_fuse.build_mhc_pre_big_fuse(1280, M, 4 * 1280 // 64 + 1, 20, CORES),
     "fuse repeat 0": lambda: pre_big_fuse.build_mhc_pre_big_fuse(1280, M, 16, 0, CORES),
     "fuse repeat": lambda: pre_big_fuse.build_mhc_pre_big_fuse(1280, M, 16, sinkhorn.REPEAT.high + 1, CORES),
-    "fuse key splits": lambda: pre_big_fuse.mhc_pre_big_fuse_key(
-        torch.empty(8, 2, 24), torch.empty(2, M, 1280), 20, 16, CORES),
+    "fuse key splits": lambda: pre_big_fuse.KERNEL.key(torch.empty(8, 2, 24), torch.empty(2, M, 1280), 20, 16),
     "recompute layers 0": lambda: multilayer_recompute.build_mhc_multilayer_recompute(1280, M, 0, 0, CORES),
     "recompute layers": lambda: multilayer_recompute.build_mhc_multilayer_recompute(
         1280, M, limits.MHC_RECOMPUTE_LAYERS.high + 1, limits.MHC_RECOMPUTE_LAYERS.high + 1, CORES),
     "recompute post layers": lambda: multilayer_recompute.build_mhc_multilayer_recompute(1280, M, 3, 1, CORES),
     "recompute hidden": lambda: multilayer_recompute.build_mhc_multilayer_recompute(200, M, 3, 3, CORES),
     "recompute hc_mult": lambda: multilayer_recompute.build_mhc_multilayer_recompute(1280, 2, 3, 3, CORES),
-    "recompute key lists": lambda: multilayer_recompute.mhc_multilayer_recompute_key(
-        torch.empty(2, M, 1280), [None] * 3, [None] * 2, [None] * 2, [None] * 2, [None] * 3, [None] * 3, CORES),
+    "recompute key lists": lambda: multilayer_recompute.KERNEL.key(
+        torch.empty(2, M, 1280), [None] * 3, [None] * 2, [None] * 2, [None] * 2, [None] * 3, [None] * 3),
 }
 
 

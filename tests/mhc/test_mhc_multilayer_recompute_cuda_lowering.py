@@ -109,11 +109,10 @@ def test_key_and_launch_order(monkeypatch):
         lists[name] = [torch.zeros(shape, dtype=dtype) for _ in range(layers if count == "L" else post_layers)]
         named.update({f"{name}_{l}": t for l, t in enumerate(lists[name])})
     calls = []
-    monkeypatch.setattr(mr, "get_mhc_multilayer_recompute_kernel",
-                        lambda *key: lambda *args: calls.append((key, args)))
+    monkeypatch.setattr(mr.KERNEL, "compiled", lambda key: lambda *args: calls.append((key, args)))
     mr.mhc_multilayer_recompute(named["initial_residual"], **lists)
     (key, args), = calls
-    assert key == (hidden, 4, layers, post_layers)
+    assert key == mr.RecomputeKey(hidden, 4, layers, post_layers)
     expected = [named[n] for n in mr.kernel_arguments(layers, post_layers)]
     assert len(args) == len(expected) and all(a is e for a, e in zip(args, expected))
 
