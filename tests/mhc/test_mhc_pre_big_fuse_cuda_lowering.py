@@ -1,9 +1,10 @@
 """CPU tier: the CUDA kernel of ``mhc_pre_big_fuse`` (kernels/cuda/mhc/pre_big_fuse.py).
 
-Every lowering case builds an sm_90a cubin within the CTA limits at H in {1280, 4096, 7168} and at the guarded and
-edge hidden sizes, the token count is a dynamic dimension and never part of the compile key, the 16-byte accesses
-are the ones the op declares, out-of-range builds raise ``LimitError``, and the launcher passes its tensors in the
-kernel's order with ``rms_group_size = m*H``. Bitwise equality with the unfused chain is a device test
+Every lowering case builds an sm_90a cubin within the CTA limits at the model sizes H in {4096, 7168} and lowers
+within them at the guarded and edge hidden sizes (which tests/test_limits.py leaves to this file), the token count
+is a dynamic dimension and never part of the compile key, the 16-byte accesses are the ones the op declares,
+out-of-range builds raise ``LimitError``, and the launcher passes its tensors in the kernel's order with
+``rms_group_size = m*H``. Bitwise equality with the unfused chain is a device test
 (tests/mhc/test_mhc_fused_device.py).
 """
 
@@ -21,8 +22,9 @@ from cann_ops_tilelang.kernels.cuda.mhc import pre_big_fuse as pbf  # noqa: E402
 from cann_ops_tilelang.limits import MHC_SINKHORN_REPEAT, LimitError  # noqa: E402
 
 HAVE_NVCC = shutil.which("nvcc") is not None
-HIDDEN = [1280, 4096, 7168]
-# the range's edges and a guarded layout (H / 8 = 40 vectors: 64 streaming threads, the last 24 slots guarded)
+# The sizes that matter: the model sizes (cubins) and the range's edges plus a guarded layout (H / 8 = 40 vectors:
+# 64 streaming threads, the last 24 slots guarded), lowered with the CTA limits; other sizes take the same paths.
+HIDDEN = [4096, 7168]
 EDGE_HIDDEN = [256, 320, 8192]
 PARAMS = ["gemm_out_mul", "gemm_out_sqrsum", "mhc_scale", "mhc_base", "residual", "post_mix", "comb_mix",
           "layer_input", "rms_group_size", "rms_eps", "pre_eps", "sinkhorn_eps", "post_mult_value"]
