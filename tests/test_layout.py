@@ -225,3 +225,107 @@ def test_the_operator_contracts_live_in_the_repository():
         for path in _python_files():
             for anchor in re.findall(rf"docs/ops/{family}\.md#(\w+)", path.read_text()):
                 assert anchor in headings, (str(path), anchor)
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: Path):
+    """``(line, module, name)`` of every ``from module import name`` in ``path`` (relative imports resolved), and
+    ``(line, module, None)`` of every ``import module``."""
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            source = ".".join(p for p in (base, node.module) if p)
+            for alias in node.names:
+                yield node.lineno, source, alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, None
+
+
+def _is_module(module: str) -> bool:
+    """Whether ``module`` (a dotted name in the package) is a module or package of the source tree."""
+    path = SRC.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def test_kernel_modules_import_no_private_names():
+    """A kernel module reads what it shares with other kernels from public names of private helper modules
+    (``kernels/_kernel.py``, the backend's ``_build``, its family's ``_common``, ``_streaming``, ...): it imports no
+    ``_name`` of another module, reads no ``module._name``, and imports nothing from another op's kernel module
+    (a fused kernel shares its stages with the unfused ones through the helper modules)."""
+    problems = []
+    for path in (p for p in _python_files() if "kernels" in p.relative_to(SRC).parts):
+        here = _module_of(path)
+        modules = set()  # names this file binds to modules of the package
+        for line, source, name in _imported(path):
+            where = f"{path.relative_to(SRC)}:{line}"
+            target = f"{source}.{name}" if name else source
+            if name and _is_module(target):
+                modules.add(name)
+                source, name = target, None
+            if name and name.startswith("_"):
+                problems.append(f"{where}: imports the private name {name} of {source}")
+            # another op's kernel module: kernels.<backend>.<family>.<public module> outside this file's own package
+            parts = source.split(".")
+            if (source.startswith("cann_ops_tilelang.kernels.") and len(parts) >= 5 and not parts[4].startswith("_")
+                    and not here.startswith(".".join(parts[:5]))):
+                problems.append(f"{where}: imports {source}, another op's kernel module")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                problems.append(f"{path.relative_to(SRC)}:{node.lineno}: reads {node.value.id}.{node.attr}")
+    assert not problems, "\n".join(dict.fromkeys(problems))
+
+
+# config.py, the device policy, chips and limits, and the op layer (what fakes run): none of them may reach a
+# backend's kernel package, whose modules build kernels (the device policy fakes need lives in policy.py)
+_FAKE_SIDE = ("config.py", "policy.py", "chips.py", "limits.py", "_checks.py", "_sharding.py", *FAMILIES)
+
+
+def test_config_and_op_layer_import_no_backend_kernel_module():
+    problems = []
+    for path in _python_files():
+        if path.relative_to(SRC).parts[0] not in _FAKE_SIDE:
+            continue
+        for line, source, name in _imported(path):
+            target = f"{source}.{name}" if name else source
+            if target.startswith(("cann_ops_tilelang.kernels.cuda", "cann_ops_tilelang.kernels.ascend")):
+                problems.append(f"{path.relative_to(SRC)}:{line}: imports {target}")
+    assert not problems, "\n".join(problems)
+
+
+_FAKES_PROBE = r"""
+import json, sys
+import torch
+import cann_ops_tilelang as ops
+sys.path.insert(0, sys.argv[1])
+from test_bad_input import valid_call
+
+for name, public in sorted(ops.registered_ops().items()):
+    call = {k: (v.to("meta") if isinstance(v, torch.Tensor) else
+                [t.to("meta") for t in v] if isinstance(v, list) else v) for k, v in valid_call(name).items()}
+    public.prepare(**call)  # the op's fake: validation and the new outputs' shapes
+for device_type in ("cuda", "npu", "meta"):
+    ops.config.grad_w_partials(device_type, 7168)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("cann_ops_tilelang.kernels"))))
+"""
+
+
+def test_fakes_import_no_kernel_module():
+    """Every op's fake (its prepare function, on meta tensors) and the partial-row counts of ``config`` run without
+    importing any kernel module: the counts they need are the device policy of ``policy.py``."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", _FAKES_PROBE, str(Path(__file__).parent)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

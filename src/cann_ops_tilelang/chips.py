@@ -58,7 +58,8 @@ class CudaChip:
 
 
 # The GPU every CUDA schedule is tuned and benchmarked on. Its SM count also fixes the partial-row counts
-# that fakes allocate without querying a device (config.grad_w_partials, the mHC split-mix partials).
+# that fakes allocate without querying a device (policy.py: the Engram gate and Sinkhorn step partials, the mHC
+# split-mix partials).
 H200 = CudaChip("H200", sms=132, arch=CUDA_ARCHS["sm_90a"])
 
 

@@ -18,10 +18,9 @@ import importlib.util
 import logging
 import os
 
-from . import chips
+from .policy import grad_w_partials
 
 __all__ = [
-    "GRAD_W_PARTIALS",
     "debug_enabled",
     "env_flag",
     "env_int",
@@ -36,26 +35,8 @@ __all__ = [
 
 logger = logging.getLogger("cann_ops_tilelang")
 
-# Workers behind the per-worker partial rows of `engram_gate_bwd`'s weight gradient, per device type. It
-# is a fixed number (not the device's core count) so that fake tensors, which never query a device,
-# get the same shape as the real kernel: the H200's SMs (one worker per SM, or per cluster where the CUDA
-# backward splits the columns, see `grad_w_partials`) and, on the Ascend 950, its vector cores over the
-# 4 streams (16 partial rows x 4 streams).
-_ASCEND_PARTIALS = chips.ASCEND_950.vector_cores // 4
-GRAD_W_PARTIALS = {"cuda": chips.H200.sms, "privateuseone": _ASCEND_PARTIALS, "npu": _ASCEND_PARTIALS}
-
-
-def grad_w_partials(device_type: str, hidden_size: int, hc_mult: int = 4) -> int:
-    """Rows ``P`` of the weight-gradient partials written by ``engram_gate_bwd`` on a device type at
-    ``(H, m)``: ``GRAD_W_PARTIALS`` of the type on Ascend; on CUDA (and any other type) the H200's 132 SMs
-    divided by the backward's cluster split at ``(H, m)`` (66 at H = 7168: one worker per 2-CTA cluster, 132
-    at H = 4096)."""
-    workers = GRAD_W_PARTIALS.get(device_type, GRAD_W_PARTIALS["cuda"])
-    if device_type in ("npu", "privateuseone"):
-        return workers
-    from .kernels.cuda.engram.gate import num_partials
-
-    return num_partials(hidden_size, hc_mult, workers)
+# `grad_w_partials` (rows of engram_gate_bwd's weight-gradient partials per device type, fixed so that fakes
+# need no device) is the device policy of policy.py, re-exported here.
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -214,9 +214,9 @@ def test_grad_w_reduce_sums_in_ascending_order(partials, device, seed):
     ones = torch.ones(4, 512, dtype=torch.bfloat16, device=device)
     gwh, gwe = torch.zeros(4, 512, device=device), torch.zeros(4, 512, device=device)
     want = torch.zeros(4, 512, device=device)
-    from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import engram_grad_w_reduce_key
+    from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import KERNEL as reduce_kernel
 
-    assert engram_grad_w_reduce_key(part, ones, ones, gwh, gwe)[-1] is (partials <= 66)  # fresh: aligned
+    assert reduce_kernel.key(part, ones, ones, gwh, gwe).vector is (partials <= 66)  # fresh: aligned
     engram_grad_w_reduce_ref(part, ones, ones, want, torch.zeros_like(want))
     ops.engram_grad_w_reduce(part, ones, ones, gwh, gwe)
     assert_equal(gwh, want)
@@ -248,7 +248,7 @@ def test_grad_w_reduce_into_main_grad_views_at_any_offset(partials, device, seed
 def test_grad_w_reduce_schedules_agree_bitwise(partials, device, seed):
     """Up to 66 rows the launcher takes the vector schedule for aligned buffers and TMA for views at odd
     offsets: the same values give bitwise the same update either way (same order, same fused multiply-add)."""
-    from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import engram_grad_w_reduce_key
+    from cann_ops_tilelang.kernels.cuda.engram.grad_w_reduce import KERNEL as reduce_kernel
 
     gen = torch.Generator().manual_seed(seed)
     hidden = 1024
@@ -261,8 +261,8 @@ def test_grad_w_reduce_schedules_agree_bitwise(partials, device, seed):
         return view.copy_(t)
 
     odd = [at_offset(wh, 1), at_offset(we, 3), at_offset(gwh, 1), at_offset(gwe, 2)]
-    assert engram_grad_w_reduce_key(part, wh, we, gwh, gwe)[-1] is True
-    assert engram_grad_w_reduce_key(part, *odd)[-1] is False
+    assert reduce_kernel.key(part, wh, we, gwh, gwe).vector is True
+    assert reduce_kernel.key(part, *odd).vector is False
     want_h, want_e = gwh.clone(), gwe.clone()
     engram_grad_w_reduce_ref(part, wh, we, want_h, want_e)
     ops.engram_grad_w_reduce(part, wh, we, gwh, gwe)

@@ -261,17 +261,19 @@ def test_both_backends_lower_at_the_ascend_range_edges():
             cuda_hash.build_engram_hash(*args)
 
 
-def test_launch_keys_ignore_the_token_count():
+def test_launch_keys_ignore_the_token_count(monkeypatch):
     pytest.importorskip("tilelang")
     from cann_ops_tilelang.kernels.ascend.engram import hash as ascend_hash
     from cann_ops_tilelang.kernels.cuda.engram import hash as cuda_hash
 
+    monkeypatch.setattr(ascend_hash, "num_vector_cores", lambda: 64)
     keys = []
     for tokens in (509, 8001):
         ids, _, sizes, _, mask = make_hash_inputs(tokens, 4, 3, 2, masked=True, generator=gen(0))
-        keys.append((cuda_hash.engram_hash_key(ids, sizes, mask), cuda_hash.engram_hash_key(ids, sizes, None),
-                     ascend_hash.engram_hash_key(ids, sizes, mask, 64)))
-    assert keys[0] == keys[1] == ((4, 3, 2, True), (4, 3, 2, False), (4, 3, 2, True, 64))
+        keys.append((cuda_hash.KERNEL.key(ids, sizes, mask), cuda_hash.KERNEL.key(ids, sizes, None),
+                     ascend_hash.KERNEL.key(ids, sizes, mask)))
+    assert keys[0] == keys[1] == (cuda_hash.HashKey(4, 3, 2, True), cuda_hash.HashKey(4, 3, 2, False),
+                                  ascend_hash.HashKey(4, 3, 2, True, 64))
 
 
 def test_cuda_kernel_stores_vectors_and_takes_no_int64_remainder():

@@ -966,8 +966,8 @@ def test_cuda_compiles_other_widths_and_mixed_dtypes():
     from cann_ops_tilelang.kernels.cuda import _build as cuda_build
     from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as cu
 
-    assert [cu.row_layout(d) for d in (64, 128, 192, 256, 1024)] == [
-        (16, 1, 16), (32, 1, 8), (16, 3, 16), (32, 2, 8), (32, 8, 8)]
+    assert [cu.row_layout(d) for d in (64, 128, 192, 256, 1024)] == [cu.RowLayout(*layout) for layout in (
+        (16, 1, 16), (32, 1, 8), (16, 3, 16), (32, 2, 8), (32, 8, 8))]
     funcs = [cu.build_engram_sinkhorn_momentum_update("bfloat16", "float32", True),
              cu.build_engram_sinkhorn_momentum_update("float32", "bfloat16", False),
              cu.build_engram_sinkhorn_step(192), cu.build_engram_sinkhorn_step(1024),
@@ -989,8 +989,8 @@ def test_cuda_compiles_other_widths_and_mixed_dtypes():
     assert cu.momentum_plan(cu.PLAN.momentum_small_numel) == cu.PLAN.momentum_large
     for plan in (cu.PLAN.momentum_small, cu.PLAN.momentum_large):
         for dtype, vector in (("float32", "*(float4*)"), ("bfloat16", "*(uint2*)")):
-            mom_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_momentum_update(dtype, dtype, True, *plan),
-                                               arch="sm_90a").source
+            mom_src = cuda_build.compile_cubin(cu.build_engram_sinkhorn_momentum_update(
+                dtype, dtype, True, plan.vectors, plan.threads), arch="sm_90a").source
             assert vector in mom_src and "< numel" in mom_src and "== (numel >> 2)" in mom_src
 
 
@@ -1002,8 +1002,8 @@ def test_cuda_step_splits_a_worker_where_four_pieces_of_the_least_rows_fit():
     edge = P_CUDA * (pieces * least - 1)  # the most rows at which a worker owns fewer than 4 * 448 rows
     rows = [0, 1, 300007, edge, edge + 1, 1000003, 10**7]
     assert [cu.step_split(r) for r in rows] == [1, 1, 1, 1, 4, 4, 4]
-    assert [cu.engram_sinkhorn_step_key(torch.empty(r, 64, device="meta")) for r in (edge, edge + 1)] == [
-        (64, False), (64, True)]
+    assert [cu.STEP.key(torch.empty(r, 64, device="meta")) for r in (edge, edge + 1)] == [
+        cu.StepKey(64, False), cu.StepKey(64, True)]
 
 
 @pytest.mark.parametrize("cols", [64, 128, 192, 256, 512])
@@ -1014,7 +1014,7 @@ def test_cuda_step_scattered_row_sums_are_the_butterfly_sums(cols, seed):
     pytest.importorskip("tilelang")
     from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as cu
 
-    lanes, rows = cu.row_layout(cols)[0], cu.rows_in_flight(cols)
+    lanes, rows = cu.row_layout(cols).lanes, cu.rows_in_flight(cols)
     part = (torch.randn(lanes, rows, generator=gen(seed)) * 10.0 ** torch.randint(-6, 7, (lanes, rows),
                                                                                    generator=gen(seed + 1)))
     xor = lambda v, mask: v[[lane ^ mask for lane in range(lanes)]]  # noqa: E731  (shfl_xor over the lanes)

@@ -127,18 +127,20 @@ def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
     up across a TF32 binade among the weights)."""
     from cann_ops_tilelang import config
     from cann_ops_tilelang.kernels.cuda._build import jit_compile
+    from cann_ops_tilelang.kernels.cuda.mhc._common import GemmWeightKey
     from cann_ops_tilelang.kernels.cuda.mhc.gemm_with_sqrsum import forward as gemm
 
     k, splits = 4 * hidden, 16
-    cols, rows, _, block_k, stages = gemm._fwd_key(k, 24, splits, config.num_sms())
-    assert stages > 0
-    resident = gemm.get_mhc_gemm_with_sqrsum_forward_kernel(cols, rows, splits, block_k, stages)
+    key = gemm.forward_key(k, 24, splits, config.num_sms())
+    cols, rows, block_k = key.cols, key.rows, key.block_k
+    assert key.resident_stages > 0
+    resident = gemm.FORWARD.compiled(key)
     streaming = jit_compile("streaming", (k,), gemm.build_mhc_gemm_with_sqrsum_forward(cols, rows, splits, block_k))
     gen = torch.Generator(device=device).manual_seed(seed)
     fn = torch.randn(rows, cols, generator=gen, device=device)
     fn[0, :6] = torch.tensor([0.0, -0.0, 1e-40, 3.0000002, -7.999999, 1.9999999], device=device)
     fhl = torch.empty(2 * rows, cols, dtype=torch.bfloat16, device=device)
-    gemm.get_mhc_gemm_fn_split_kernel(cols, rows)(fn, fhl)
+    gemm.FN_SPLIT.compiled(GemmWeightKey(cols, rows))(fn, fhl)
     for tokens in (1, 63, 509, 4097, 16384):
         x = torch.randn(tokens, cols, generator=gen, device=device).bfloat16()
         nan = float("nan")

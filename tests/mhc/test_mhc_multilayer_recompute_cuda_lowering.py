@@ -1,8 +1,9 @@
 """CPU tier: the CUDA kernel of ``mhc_multilayer_recompute`` (kernels/cuda/mhc/multilayer_recompute.py).
 
-Every lowering case builds an sm_90a cubin within the CTA limits at the edge and guarded hidden sizes (the
-family's lowering test covers the model sizes), its parameters are the list elements in the launcher's order
-with one dynamic token count, the 16-byte accesses are the ones the op declares, out-of-range builds raise
+Every lowering case builds an sm_90a cubin within the CTA limits at the edge, guarded and model hidden sizes (which
+tests/test_limits.py and the family's lowering test leave to this file), its parameters are the list elements in
+the launcher's order with one dynamic token count, the 16-byte accesses are the ones the op declares, out-of-range
+builds raise
 ``LimitError``, and the kernel's fp32 arithmetic has the contraction shape of the chain it replaces
 (``mhc_pre_apply_mix_forward`` then ``mhc_post_forward``), which is what makes it bitwise equal to it.
 """
@@ -26,7 +27,8 @@ from cann_ops_tilelang.limits import MHC_RECOMPUTE_LAYERS, LimitError  # noqa: E
 
 HAVE_NVCC = shutil.which("nvcc") is not None
 LAYERS = [(1, 1), (3, 2), (3, 3), (10, 9), (10, 10)]
-# the range's edges, a guarded layout (H / 8 = 40 vectors: 64 threads, the last 24 slots guarded) and model sizes
+# the sizes that matter: the range's edges, a guarded layout (H / 8 = 40 vectors: 64 threads, the last 24 slots
+# guarded) and the model sizes
 HIDDEN = [256, 320, 4096, 7168, 8192]
 
 
@@ -109,11 +111,10 @@ def test_key_and_launch_order(monkeypatch):
         lists[name] = [torch.zeros(shape, dtype=dtype) for _ in range(layers if count == "L" else post_layers)]
         named.update({f"{name}_{l}": t for l, t in enumerate(lists[name])})
     calls = []
-    monkeypatch.setattr(mr, "get_mhc_multilayer_recompute_kernel",
-                        lambda *key: lambda *args: calls.append((key, args)))
+    monkeypatch.setattr(mr.KERNEL, "compiled", lambda key: lambda *args: calls.append((key, args)))
     mr.mhc_multilayer_recompute(named["initial_residual"], **lists)
     (key, args), = calls
-    assert key == (hidden, 4, layers, post_layers)
+    assert key == mr.RecomputeKey(hidden, 4, layers, post_layers)
     expected = [named[n] for n in mr.kernel_arguments(layers, post_layers)]
     assert len(args) == len(expected) and all(a is e for a, e in zip(args, expected))
 

@@ -1,9 +1,10 @@
 """CPU tier: the CUDA kernel of ``mhc_pre_big_fuse`` (kernels/cuda/mhc/pre_big_fuse.py).
 
-Every lowering case builds an sm_90a cubin within the CTA limits at H in {1280, 4096, 7168} and at the guarded and
-edge hidden sizes, the token count is a dynamic dimension and never part of the compile key, the 16-byte accesses
-are the ones the op declares, out-of-range builds raise ``LimitError``, and the launcher passes its tensors in the
-kernel's order with ``rms_group_size = m*H``. Bitwise equality with the unfused chain is a device test
+Every lowering case builds an sm_90a cubin within the CTA limits at the model sizes H in {4096, 7168} and lowers
+within them at the guarded and edge hidden sizes (which tests/test_limits.py leaves to this file), the token count
+is a dynamic dimension and never part of the compile key, the 16-byte accesses are the ones the op declares,
+out-of-range builds raise ``LimitError``, and the launcher passes its tensors in the kernel's order with
+``rms_group_size = m*H``. Bitwise equality with the unfused chain is a device test
 (tests/mhc/test_mhc_fused_device.py).
 """
 
@@ -21,8 +22,9 @@ from cann_ops_tilelang.kernels.cuda.mhc import pre_big_fuse as pbf  # noqa: E402
 from cann_ops_tilelang.limits import MHC_SINKHORN_REPEAT, LimitError  # noqa: E402
 
 HAVE_NVCC = shutil.which("nvcc") is not None
-HIDDEN = [1280, 4096, 7168]
-# the range's edges and a guarded layout (H / 8 = 40 vectors: 64 streaming threads, the last 24 slots guarded)
+# The sizes that matter: the model sizes (cubins) and the range's edges plus a guarded layout (H / 8 = 40 vectors:
+# 64 streaming threads, the last 24 slots guarded), lowered with the CTA limits; other sizes take the same paths.
+HIDDEN = [4096, 7168]
 EDGE_HIDDEN = [256, 320, 8192]
 PARAMS = ["gemm_out_mul", "gemm_out_sqrsum", "mhc_scale", "mhc_base", "residual", "post_mix", "comb_mix",
           "layer_input", "rms_group_size", "rms_eps", "pre_eps", "sinkhorn_eps", "post_mult_value"]
@@ -88,9 +90,9 @@ def test_token_count_is_dynamic_and_never_in_the_key(hidden):
     def key(tokens):
         gemm_out_mul = torch.empty(16, tokens, 24, device="meta")
         residual = torch.empty(tokens, 4, hidden, dtype=torch.bfloat16, device="meta")
-        return pbf.mhc_pre_big_fuse_key(gemm_out_mul, residual, 10, 16)
+        return pbf.KERNEL.key(gemm_out_mul, residual, 10, 16)
 
-    assert key(1) == key(509) == key(8192) == (16, hidden, 4, 10)
+    assert key(1) == key(509) == key(8192) == pbf.BigFuseKey(n_splits=16, hidden_size=hidden, hc_mult=4, repeat=10)
 
 
 @pytest.mark.parametrize("args", [
@@ -112,7 +114,7 @@ def test_key_refuses_a_split_count_that_is_not_the_partials():
     gemm_out_mul = torch.empty(8, 3, 24, device="meta")
     residual = torch.empty(3, 4, 4096, dtype=torch.bfloat16, device="meta")
     with pytest.raises(LimitError):
-        pbf.mhc_pre_big_fuse_key(gemm_out_mul, residual, 10, 16)
+        pbf.KERNEL.key(gemm_out_mul, residual, 10, 16)
 
 
 def test_launch_order(monkeypatch):
@@ -125,11 +127,11 @@ def test_launch_order(monkeypatch):
                    residual=torch.zeros(tokens, 4, hidden, dtype=bf16), post_mix=torch.zeros(tokens, 4, dtype=f32),
                    comb_mix=torch.zeros(tokens, 16), layer_input=torch.zeros(tokens, hidden, dtype=bf16))
     calls = []
-    monkeypatch.setattr(pbf, "get_mhc_pre_big_fuse_kernel", lambda *key: lambda *args: calls.append((key, args)))
+    monkeypatch.setattr(pbf.KERNEL, "compiled", lambda key: lambda *args: calls.append((key, args)))
     pbf.mhc_pre_big_fuse(**tensors, rms_eps=1e-6, pre_eps=1e-2, sinkhorn_eps=1e-6, post_mult_value=2,
                          sinkhorn_repeat=20, n_splits=splits)
     (key, args), = calls
-    assert key == (splits, hidden, 4, 20)
+    assert key == pbf.BigFuseKey(n_splits=splits, hidden_size=hidden, hc_mult=4, repeat=20)
     assert len(args) == len(PARAMS)
     for name, arg in zip(PARAMS[:8], args[:8]):
         assert arg.data_ptr() == tensors[name].data_ptr() and arg.shape == tensors[name].shape, name

@@ -16,11 +16,10 @@ from torch import Tensor
 from .. import limits
 from .._checks import OpError, check_bool, check_float, check_int, check_same_device, check_tensor, describe
 from .._library import declare
-from ..chips import ASCEND_950, H200
+from ..policy import SINKHORN_STEP_PARTIALS, per_backend
 from ._common import BF16, F32
 
 __all__ = [
-    "SINKHORN_PARTIALS",
     "engram_sinkhorn_finalize",
     "engram_sinkhorn_finalize_apply",
     "engram_sinkhorn_momentum_update",
@@ -29,15 +28,11 @@ __all__ = [
     "sinkhorn_partials",
 ]
 
-# Column partial rows of one step, fixed per device type so that fakes allocate them without a device: on
-# CUDA four CTAs per H200 SM (each owns a contiguous row range and writes one row), on the Ascend 950 one
-# per vector core. Any other device (CPU references, meta) takes the CUDA layout.
-SINKHORN_PARTIALS = {"cuda": 4 * H200.sms, "privateuseone": ASCEND_950.vector_cores, "npu": ASCEND_950.vector_cores}
-
-
 def sinkhorn_partials(device_type: str) -> int:
-    """Rows ``P`` of ``engram_sinkhorn_step``'s column partials on ``device_type``."""
-    return SINKHORN_PARTIALS.get(device_type, SINKHORN_PARTIALS["cuda"])
+    """Rows ``P`` of ``engram_sinkhorn_step``'s column partials on ``device_type``, fixed per backend so that fakes
+    allocate them without a device (device policy, ``policy.py``: on CUDA four CTAs per H200 SM, on the
+    Ascend 950 one per vector core); any other device (CPU references, meta) takes the CUDA layout."""
+    return per_backend(SINKHORN_STEP_PARTIALS, device_type)
 
 
 def _check_scaled_matrix(op: str, matrix, row_scale, col_scale) -> tuple[OpError, int, int]:

@@ -6,49 +6,63 @@ a persistent loop hands fixed-size blocks to the vector cores.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-
-import functools
+import dataclasses
 
 import tilelang
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
-from ....chips import ASCEND_950
 from ....limits import ENGRAM_FUSED_WEIGHT_ALIGN, ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange
+from ....policy import ASCEND_CASE_CORES
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 
-__all__ = [
-    "build_engram_fused_weight",
-    "engram_fused_weight",
-    "engram_fused_weight_key",
-    "get_engram_fused_weight_kernel",
-    "lowering_cases",
-]
 
 _LANES = 64  # fp32 lanes of one 256-byte vector register
-_STAGES = 3  # GM->UB->GM triple buffering: load block i+1 and store block i-1 while computing block i
-# candidate block sizes (elements): 8 bytes per element and stage, the largest 96 KiB of UB over 3 stages
-# (docs/perf/ascend950/engram.md, 2026-11-30 — fused_weight: block sizes)
-_BLOCKS = (4096, 2048, 1024, 512, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedWeightPlan:
+    """``stages`` UB versions of the block tiles (GM->UB->GM: load block i+1 and store block i-1 while computing
+    block i); block sizes (elements) from ``blocks``: the largest that still gives every core a block."""
+
+    stages: int
+    blocks: tuple[int, ...]
+
+
+# Triple buffering; blocks of 8 bytes per element and stage, the largest 96 KiB of UB over 3 stages
+# (docs/perf/ascend950/engram.md, 2026-11-30 — fused_weight: block sizes).
+PLAN = FusedWeightPlan(stages=3, blocks=(4096, 2048, 1024, 512, 256))
 _NUMEL = IntRange("element count", ENGRAM_FUSED_WEIGHT_ALIGN, multiple_of=ENGRAM_FUSED_WEIGHT_ALIGN)
 
 
 def _block_size(numel: int, num_cores: int) -> int:
     """Largest block that still gives every core at least one block (else the smallest, 256)."""
-    for blk in _BLOCKS:
+    for blk in PLAN.blocks:
         if numel % blk == 0 and numel // blk >= num_cores:
             return blk
-    return 256
+    return PLAN.blocks[-1]
 
 
-def engram_fused_weight_key(weight_hidden, num_cores: int) -> tuple:
-    """Compile-time parameters: (numel, num_cores). Metadata only."""
-    return (int(weight_hidden.numel()), int(num_cores))
+@compile_key
+class FusedWeightKey:
+    """Compile-time key: ``numel = m * H`` of the flattened weights and the vector cores."""
+
+    numel: int
+    num_cores: int
+
+
+def _cases(hidden_size: int, hc_mult: int) -> FusedWeightKey:
+    """Over the ``(hc_mult, hidden_size)`` weights on the Ascend 950's cores (no NPU needed)."""
+    numel = ENGRAM_HC_MULT.require("engram_fused_weight", hc_mult) * ENGRAM_HIDDEN.require("engram_fused_weight",
+                                                                                          hidden_size)
+    return FusedWeightKey(numel, ASCEND_CASE_CORES)
 
 
 def build_engram_fused_weight(numel: int, num_cores: int):
     """prim_func over flat views: wh (numel,) bf16, we (numel,) bf16 -> wf (numel,) f32. ``numel`` a positive
     multiple of ``limits.ENGRAM_FUSED_WEIGHT_ALIGN`` (else ``limits.LimitError``)."""
+    stages = PLAN.stages
     numel = _NUMEL.require("engram_fused_weight", numel)
     blk = _block_size(numel, num_cores)
     num_blocks = numel // blk
@@ -63,8 +77,8 @@ def build_engram_fused_weight(numel: int, num_cores: int):
             wh_ub = T.alloc_shared((blk,), T.bfloat16)
             we_ub = T.alloc_shared((blk,), T.bfloat16)
             wf_ub = T.alloc_shared((blk,), T.float32)
-            T.annotate_buffer_versions({wh_ub: _STAGES, we_ub: _STAGES, wf_ub: _STAGES})
-            for (block,) in T.Persistent([num_blocks], num_cores, core_id, group_size=1, num_stages=_STAGES):
+            T.annotate_buffer_versions({wh_ub: stages, we_ub: stages, wf_ub: stages})
+            for (block,) in T.Persistent([num_blocks], num_cores, core_id, group_size=1, num_stages=stages):
                 base = block * blk
                 T.copy(weight_hidden[base : base + blk], wh_ub)
                 T.copy(weight_embed[base : base + blk], we_ub)
@@ -80,23 +94,14 @@ def build_engram_fused_weight(numel: int, num_cores: int):
     return engram_fused_weight_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_fused_weight_kernel(numel: int, num_cores: int):
-    from .._build import jit_compile
-
-    return jit_compile("engram_fused_weight", (numel, num_cores), build_engram_fused_weight(numel, num_cores))
+KERNEL = Kernel("engram_fused_weight", FusedWeightKey, build_engram_fused_weight, cases=_cases,
+                derive=lambda weight_hidden: FusedWeightKey(int(weight_hidden.numel()), int(num_vector_cores())))
 
 
 def engram_fused_weight(weight_hidden, weight_embed, out) -> None:
     """wh (m, H) bf16, we (m, H) bf16 -> out (m, H) f32 (pre-allocated, contiguous). Current stream, no sync."""
-    key = engram_fused_weight_key(weight_hidden, num_vector_cores())
-    kernel = get_engram_fused_weight_kernel(*key)
+    kernel = KERNEL.compiled(KERNEL.key(weight_hidden))
     kernel(weight_hidden.view(-1), weight_embed.view(-1), out.view(-1))
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = ASCEND_950.vector_cores) -> dict:
-    """``{"engram_fused_weight": prim_func}`` over the ``(hc_mult, hidden_size)`` weights (CPU lowering checks;
-    ``num_cores``: the Ascend 950's, no NPU needed)."""
-    ENGRAM_HC_MULT.require("engram_fused_weight", hc_mult)
-    ENGRAM_HIDDEN.require("engram_fused_weight", hidden_size)
-    return {"engram_fused_weight": build_engram_fused_weight(hc_mult * hidden_size, num_cores)}
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -20,39 +20,39 @@ The backward is described at :func:`build_engram_gate_bwd`.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
+import dataclasses
 
 import tilelang
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
-from .... import config
-from ....chips import ASCEND_950
 from ....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange, LimitError
+from ....policy import ASCEND_CASE_CORES, GRAD_W_WORKERS
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from .._build import UB_BUDGET_BYTES
 
-__all__ = [
-    "build_engram_gate_bwd",
-    "build_engram_gate_fwd",
-    "bwd_stages",
-    "bwd_ub_bytes",
-    "engram_gate_bwd",
-    "engram_gate_bwd_key",
-    "engram_gate_fwd",
-    "engram_gate_fwd_key",
-    "fwd_stages",
-    "fwd_ub_bytes",
-    "get_engram_gate_bwd_kernel",
-    "get_engram_gate_fwd_kernel",
-    "lowering_cases",
-]
 
 _LANES = 64  # fp32 lanes per vector register
 _BF16_LANES = 128
-_ACCS = 2  # independent accumulators per sum (breaks the vmula dependency chain); needs H % 128 == 0
-_PAIR = 2  # streams per forward task
-_SLACK = 4 * 1024  # stats tiles + 32-byte alignment padding of the merged UB pool
+
+
+@dataclasses.dataclass(frozen=True)
+class GatePlan:
+    """``accumulators`` independent accumulators per sum (they break the ``vmula`` dependency chain; needs
+    H % 128 == 0); ``streams_per_task`` streams of one forward task (a pair: the grid is whole pairs);
+    ``max_stages`` pipeline stages where the UB estimate allows, else ``min_stages``; ``ub_slack`` of the estimate
+    for the stats tiles and the 32-byte alignment padding of the merged UB pool."""
+
+    accumulators: int
+    streams_per_task: int
+    max_stages: int
+    min_stages: int
+    ub_slack: int
+
+
+PLAN = GatePlan(accumulators=2, streams_per_task=2, max_stages=3, min_stages=2, ub_slack=4 * 1024)
+_PAIR = PLAN.streams_per_task
 _FWD_CORES = IntRange("num_cores", _PAIR, multiple_of=_PAIR)  # the forward's grid: whole stream pairs
 
 
@@ -74,35 +74,62 @@ def _require_ub(where: str, hidden_size: int, ub_bytes: int) -> None:
 # docs/perf/ascend950/engram.md, 2026-11-30 — gate forward / gate backward: UB tiles and stages).
 def fwd_ub_bytes(hidden_size: int, stages: int) -> int:
     """UB estimate of the forward kernel: the pair's wf rows (8H) + per stage x, k/out and v (10H)."""
-    return 8 * hidden_size + stages * 10 * hidden_size + _SLACK
+    return 8 * hidden_size + stages * 10 * hidden_size + PLAN.ub_slack
 
 
 def fwd_stages(hidden_size: int) -> int:
-    return 3 if fwd_ub_bytes(hidden_size, 3) <= UB_BUDGET_BYTES else 2
+    return PLAN.max_stages if fwd_ub_bytes(hidden_size, PLAN.max_stages) <= UB_BUDGET_BYTES else PLAN.min_stages
 
 
 def bwd_ub_bytes(hidden_size: int, stages: int) -> int:
     """UB estimate of the backward kernel: wf and grad_wf rows (8H) + per stage go, x, k, v and the m go
     slices (10H)."""
-    return 8 * hidden_size + stages * 10 * hidden_size + _SLACK
+    return 8 * hidden_size + stages * 10 * hidden_size + PLAN.ub_slack
 
 
 def bwd_stages(hidden_size: int) -> int:
-    return 3 if bwd_ub_bytes(hidden_size, 3) <= UB_BUDGET_BYTES else 2
+    return PLAN.max_stages if bwd_ub_bytes(hidden_size, PLAN.max_stages) <= UB_BUDGET_BYTES else PLAN.min_stages
 
 
 def bwd_workers_per_stream(num_partials: int, hc_mult: int, num_cores: int) -> int:
     return max(1, min(num_partials, num_cores // hc_mult))
 
 
-def engram_gate_fwd_key(hidden_states, image_token_mask, save_stats: bool, inplace: bool, num_cores: int,
-                        residual: bool = True) -> tuple:
-    """(H, m, save_stats, has_mask, inplace, num_cores, residual); never T. ``inplace`` only matters with a
-    mask."""
+@compile_key
+class FwdKey:
+    """Compile-time key of the forward (never T): ``inplace`` only matters with a mask; ``num_cores`` is the
+    launch's vector cores in whole stream pairs."""
+
+    hidden_size: int
+    hc_mult: int
+    save_stats: bool
+    has_mask: bool
+    inplace: bool
+    num_cores: int
+    residual: bool = True
+
+
+def _fwd_key(hidden_states, image_token_mask, out, dot, residual: bool = True) -> FwdKey:
+    """Statistics saved where ``dot`` is given; in place where ``out`` is ``hidden_states``."""
     _, m, hidden = hidden_states.shape
     has_mask = image_token_mask is not None
-    num_cores = max(2, int(num_cores) // _PAIR * _PAIR)
-    return (int(hidden), int(m), bool(save_stats), has_mask, bool(inplace) and has_mask, num_cores, bool(residual))
+    inplace = out.data_ptr() == hidden_states.data_ptr()
+    num_cores = max(2, int(num_vector_cores()) // _PAIR * _PAIR)
+    return FwdKey(int(hidden), int(m), dot is not None, has_mask, inplace and has_mask, num_cores, bool(residual))
+
+
+def _fwd_cases(hidden_size: int, hc_mult: int) -> dict:
+    """``engram_gate_fwd_{save,nosave}_{mask,nomask}``, ``engram_gate_fwd_nosave_mask_inplace`` (in place only
+    changes the masked path, and never saves: docs/ops/engram.md#gate); without the residual
+    ``engram_gate_fwd_noresidual_{save,nosave}_{mask,nomask}`` (no in-place one); the Ascend 950's cores."""
+    cases = {}
+    for residual, infix in ((True, ""), (False, "noresidual_")):
+        for save in (True, False):
+            for mask in (False, True):
+                name = f"engram_gate_fwd_{infix}{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
+                cases[name] = FwdKey(hidden_size, hc_mult, save, mask, False, ASCEND_CASE_CORES, residual)
+    cases["engram_gate_fwd_nosave_mask_inplace"] = FwdKey(hidden_size, hc_mult, False, True, True, ASCEND_CASE_CORES)
+    return cases
 
 
 def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool, num_cores: int,
@@ -116,11 +143,12 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
     ``H``, ``m`` outside ``limits.ENGRAM_HIDDEN`` / ``ENGRAM_HC_MULT``, an odd ``num_cores`` or in place
     without the residual: ``limits.LimitError``.
     """
+    accs, pair = PLAN.accumulators, PLAN.streams_per_task
     H, m = _require_sizes("engram_gate_fwd", hidden_size, hc_mult)
     num_cores = _FWD_CORES.require("engram_gate_fwd", num_cores)
     if inplace and not residual:
         raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
-    groups = m // _PAIR
+    groups = m // pair
     stages = fwd_stages(H)
     _require_ub("engram_gate_fwd", H, fwd_ub_bytes(H, stages))
     n_chunks = H // _LANES
@@ -143,9 +171,9 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
         clamp_value: T.float32,
     ):
         with T.Kernel(num_cores) as core_id:
-            wf_ub = T.alloc_shared((_PAIR, H), T.float32)
-            x_ub = T.alloc_shared((_PAIR, H), T.bfloat16)
-            ko_ub = T.alloc_shared((_PAIR, H), T.bfloat16)  # k rows, then the output rows
+            wf_ub = T.alloc_shared((pair, H), T.float32)
+            x_ub = T.alloc_shared((pair, H), T.bfloat16)
+            ko_ub = T.alloc_shared((pair, H), T.bfloat16)  # k rows, then the output rows
             v_ub = T.alloc_shared((H,), T.bfloat16)
             # one fp32 slot per stream of the pair, padded to a 32-byte DMA block
             dot_ub = T.alloc_shared((8,), T.float32)
@@ -157,54 +185,54 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
                 versions.update({dot_ub: stages, rx_ub: stages, rk_ub: stages})
             T.annotate_buffer_versions(versions)
 
-            h0 = (core_id % groups) * _PAIR
-            T.copy(weight_fused[h0 : h0 + _PAIR, :], wf_ub)
+            h0 = (core_id % groups) * pair
+            T.copy(weight_fused[h0 : h0 + pair, :], wf_ub)
 
             for t, grp in T.Persistent([num_tokens, groups], num_cores, core_id, group_size=groups, num_stages=stages):
-                hb = grp * _PAIR  # == h0: the grid is a multiple of the group count
+                hb = grp * pair  # == h0: the grid is a multiple of the group count
                 if has_mask and image_token_mask[t]:
                     if not residual:
                         # no residual: a masked token's gated value is 0
                         with T.SimdVF():
                             zb = S.vdup(0.0, T.bfloat16)
-                            for j in T.unroll(_PAIR, explicit=True):
+                            for j in T.unroll(pair, explicit=True):
                                 for c in T.serial(H // _BF16_LANES):
                                     S.vsts(ko_ub[j, c * _BF16_LANES], zb, dist="NORM_B16")
-                        T.copy(ko_ub, out[t, hb : hb + _PAIR, :])
+                        T.copy(ko_ub, out[t, hb : hb + pair, :])
                     elif not inplace:
-                        T.copy(hidden_states[t, hb : hb + _PAIR, :], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                        T.copy(x_ub, out[t, hb : hb + _PAIR, :])
+                        T.copy(hidden_states[t, hb : hb + pair, :], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
+                        T.copy(x_ub, out[t, hb : hb + pair, :])
                     if save_stats:
                         with T.SimdVF():
                             zero = S.vdup(0.0, T.float32)
-                            for j in T.unroll(_PAIR, explicit=True):
+                            for j in T.unroll(pair, explicit=True):
                                 S.vsts(dot_ub[j], zero, dist="ONEPT_B32")
                                 S.vsts(g_ub[j], zero, dist="ONEPT_B32")
                                 S.vsts(rx_ub[j], zero, dist="ONEPT_B32")
                                 S.vsts(rk_ub[j], zero, dist="ONEPT_B32")
                 else:
-                    T.copy(hidden_states[t, hb : hb + _PAIR, :], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                    T.copy(kv[t, hb : hb + _PAIR, :], ko_ub, l2_cache_ctrl="NOTALLOC_KEEP")
+                    T.copy(hidden_states[t, hb : hb + pair, :], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
+                    T.copy(kv[t, hb : hb + pair, :], ko_ub, l2_cache_ctrl="NOTALLOC_KEEP")
                     # pass 1: the three sums of both streams, then the gate (lane 0 of each vector)
                     with T.SimdVF():
                         one = S.vdup(1.0, T.float32)
                         zero = S.vdup(0.0, T.float32)
-                        acc = S.alloc_local((3 * _ACCS,), T.float32)  # [Sx | Sk | raw] x _ACCS
-                        for j in T.unroll(_PAIR, explicit=True):
-                            for a in T.unroll(3 * _ACCS, explicit=True):
+                        acc = S.alloc_local((3 * accs,), T.float32)  # [Sx | Sk | raw] x accs
+                        for j in T.unroll(pair, explicit=True):
+                            for a in T.unroll(3 * accs, explicit=True):
                                 acc[a] = zero
-                            for c in T.serial(n_chunks // _ACCS):
-                                for a in T.unroll(_ACCS, explicit=True):
-                                    d = (c * _ACCS + a) * _LANES
+                            for c in T.serial(n_chunks // accs):
+                                for a in T.unroll(accs, explicit=True):
+                                    d = (c * accs + a) * _LANES
                                     xf = S.vcvt(S.vld(x_ub[j, d], dist="UNPK_B16"), T.float32, part=0)
                                     kf = S.vcvt(S.vld(ko_ub[j, d], dist="UNPK_B16"), T.float32, part=0)
                                     wf = S.vld(wf_ub[j, d])
                                     S.vmula(acc[a], xf, xf)
-                                    S.vmula(acc[_ACCS + a], kf, kf)
-                                    S.vmula(acc[2 * _ACCS + a], S.vmul(xf, wf), kf)
+                                    S.vmula(acc[accs + a], kf, kf)
+                                    S.vmula(acc[2 * accs + a], S.vmul(xf, wf), kf)
                             sx = S.vcadd(S.vadd(acc[0], acc[1]))
-                            sk = S.vcadd(S.vadd(acc[_ACCS], acc[_ACCS + 1]))
-                            raw = S.vcadd(S.vadd(acc[2 * _ACCS], acc[2 * _ACCS + 1]))
+                            sk = S.vcadd(S.vadd(acc[accs], acc[accs + 1]))
+                            raw = S.vcadd(S.vadd(acc[2 * accs], acc[2 * accs + 1]))
                             rx = S.vdiv(one, S.vsqrt(S.vadds(S.vmuls(sx, inv_h), eps)))
                             rk = S.vdiv(one, S.vsqrt(S.vadds(S.vmuls(sk, inv_h), eps)))
                             z = S.vmuls(S.vmul(S.vmul(raw, rx), rk), scale)
@@ -219,39 +247,34 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
                     T.copy(kv[t, m, :], v_ub)
                     # pass 2: out = bf16(x + g*v) (no residual: bf16(g*v)) into the (consumed) k tile
                     with T.SimdVF():
-                        gv = S.alloc_local((_PAIR,), T.float32)
-                        o = S.alloc_local((_PAIR,), T.float32)
-                        for j in T.unroll(_PAIR, explicit=True):
+                        gv = S.alloc_local((pair,), T.float32)
+                        o = S.alloc_local((pair,), T.float32)
+                        for j in T.unroll(pair, explicit=True):
                             gv[j] = S.vld(g_ub[j], dist="BRC_B32")
                         for c in T.serial(n_chunks):
                             d = c * _LANES
                             vf = S.vcvt(S.vld(v_ub[d], dist="UNPK_B16"), T.float32, part=0)
-                            for j in T.unroll(_PAIR, explicit=True):
+                            for j in T.unroll(pair, explicit=True):
                                 if residual:
                                     o[j] = S.vcvt(S.vld(x_ub[j, d], dist="UNPK_B16"), T.float32, part=0)
                                     S.vmula(o[j], vf, gv[j])
                                 else:
                                     o[j] = S.vmul(vf, gv[j])
                                 S.vsts(ko_ub[j, d], S.vcvt(o[j], T.bfloat16), dist="PK_B32")
-                    T.copy(ko_ub, out[t, hb : hb + _PAIR, :])
+                    T.copy(ko_ub, out[t, hb : hb + pair, :])
                 if save_stats:
                     # one scheduler task (all on the MTE3 pipe) for the four 8-byte statistic stores,
                     # shared by the masked (zeros) and unmasked branches
                     with T.Task():
-                        T.copy(dot_ub[:_PAIR], dot[t, hb : hb + _PAIR])
-                        T.copy(g_ub[:_PAIR], gate_score[t, hb : hb + _PAIR])
-                        T.copy(rx_ub[:_PAIR], rstd_x[t, hb : hb + _PAIR])
-                        T.copy(rk_ub[:_PAIR], rstd_k[t, hb : hb + _PAIR])
+                        T.copy(dot_ub[:pair], dot[t, hb : hb + pair])
+                        T.copy(g_ub[:pair], gate_score[t, hb : hb + pair])
+                        T.copy(rx_ub[:pair], rstd_x[t, hb : hb + pair])
+                        T.copy(rk_ub[:pair], rstd_k[t, hb : hb + pair])
 
     return engram_gate_fwd_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_gate_fwd_kernel(hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores, residual=True):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, save_stats, has_mask, inplace, num_cores, residual)
-    return jit_compile("engram_gate_fwd", key, build_engram_gate_fwd(*key))
+FORWARD = Kernel("engram_gate_fwd", FwdKey, build_engram_gate_fwd, derive=_fwd_key, cases=_fwd_cases)
 
 
 def engram_gate_fwd(hidden_states, kv, weight_fused, image_token_mask, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k,
@@ -260,18 +283,34 @@ def engram_gate_fwd(hidden_states, kv, weight_fused, image_token_mask, eps, clam
     out (T,m,H) bf16 (may be ``hidden_states`` itself), dot/gate_score/rstd_x/rstd_k (T,m) f32 or all
     None, residual bool (False: out = g*v, never in place). Launches on the current stream; never
     synchronizes."""
-    save_stats = dot is not None
-    inplace = out.data_ptr() == hidden_states.data_ptr()
-    key = engram_gate_fwd_key(hidden_states, image_token_mask, save_stats, inplace, num_vector_cores(), residual)
-    kernel = get_engram_gate_fwd_kernel(*key)
+    kernel = FORWARD.compiled(FORWARD.key(hidden_states, image_token_mask, out, dot, residual))
     kernel(hidden_states, kv, weight_fused, image_token_mask, out, dot, gate_score, rstd_x, rstd_k, float(eps), float(clamp_value))
 
 
-def engram_gate_bwd_key(hidden_states, image_token_mask, grad_w_partial, num_cores: int, residual: bool = True) -> tuple:
-    """(H, m, has_mask, P, num_cores, residual); never T."""
+@compile_key
+class BwdKey:
+    """Compile-time key of the backward (never T): ``P = num_partials`` rows of the weight-gradient partials."""
+
+    hidden_size: int
+    hc_mult: int
+    has_mask: bool
+    num_partials: int
+    num_cores: int
+    residual: bool = True
+
+
+def _bwd_key(hidden_states, image_token_mask, grad_w_partial, residual: bool = True) -> BwdKey:
     _, m, hidden = hidden_states.shape
-    return (int(hidden), int(m), image_token_mask is not None, int(grad_w_partial.shape[0]), int(num_cores),
-            bool(residual))
+    return BwdKey(int(hidden), int(m), image_token_mask is not None, int(grad_w_partial.shape[0]),
+                  int(num_vector_cores()), bool(residual))
+
+
+def _bwd_cases(hidden_size: int, hc_mult: int) -> dict:
+    """``engram_gate_bwd_{mask,nomask}`` and ``engram_gate_bwd_noresidual_{mask,nomask}`` with the Ascend 950's cores
+    and partial rows (``GRAD_W_WORKERS``)."""
+    return {f"engram_gate_bwd_{infix}{'mask' if mask else 'nomask'}": BwdKey(
+        hidden_size, hc_mult, mask, GRAD_W_WORKERS["ascend"], ASCEND_CASE_CORES, residual)
+        for residual, infix in ((True, ""), (False, "noresidual_")) for mask in (False, True)}
 
 
 def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_partials: int, num_cores: int,
@@ -301,6 +340,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
     ``residual=False`` (the forward wrote ``g*v`` alone): ``grad_x = bf16(beta*(k*wf - x*ax))``, masked
     tokens 0; ``residual=True`` builds the kernel as before the flag.
     """
+    accs = PLAN.accumulators
     H, m = _require_sizes("engram_gate_bwd", hidden_size, hc_mult)
     P = IntRange("num_partials", 1).require("engram_gate_bwd", num_partials)
     G = bwd_workers_per_stream(P, m, num_cores)
@@ -390,12 +430,12 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
                             zero = S.vdup(0.0, T.float32)
                             one = S.vdup(1.0, T.float32)
                             # G = <go_h, v>
-                            acc = S.alloc_local((_ACCS,), T.float32)
-                            for a in T.unroll(_ACCS, explicit=True):
+                            acc = S.alloc_local((accs,), T.float32)
+                            for a in T.unroll(accs, explicit=True):
                                 acc[a] = zero
-                            for c in T.serial(n_chunks // _ACCS):
-                                for a in T.unroll(_ACCS, explicit=True):
-                                    d = (c * _ACCS + a) * _LANES
+                            for c in T.serial(n_chunks // accs):
+                                for a in T.unroll(accs, explicit=True):
+                                    d = (c * accs + a) * _LANES
                                     gof = S.vcvt(S.vld(go_ub[d], dist="UNPK_B16"), T.float32, part=0)
                                     vf = S.vcvt(S.vld(v_ub[d], dist="UNPK_B16"), T.float32, part=0)
                                     S.vmula(acc[a], gof, vf)
@@ -453,12 +493,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
     return engram_gate_bwd_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_gate_bwd_kernel(hidden_size, hc_mult, has_mask, num_partials, num_cores, residual=True):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, has_mask, num_partials, num_cores, residual)
-    return jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
+BACKWARD = Kernel("engram_gate_bwd", BwdKey, build_engram_gate_bwd, derive=_bwd_key, cases=_bwd_cases)
 
 
 def engram_gate_bwd(
@@ -469,46 +504,11 @@ def engram_gate_bwd(
     clamp float -> grad_hidden_states (T,m,H) bf16, grad_kv (T,m+1,H) bf16, grad_w_partial (P,m,H) f32
     (any P >= 1; every row written); residual: the forward added x (False: grad_x without go). Current
     stream, no sync."""
-    key = engram_gate_bwd_key(hidden_states, image_token_mask, grad_w_partial, num_vector_cores(), residual)
-    kernel = get_engram_gate_bwd_kernel(*key)
+    kernel = BACKWARD.compiled(BACKWARD.key(hidden_states, image_token_mask, grad_w_partial, residual))
     kernel(
         grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, image_token_mask,
         grad_hidden_states, grad_kv, grad_w_partial, float(clamp_value),
     )
 
 
-def lowering_cases(
-    hidden_size: int,
-    hc_mult: int = 4,
-    num_cores: int = ASCEND_950.vector_cores,
-    num_partials: int = config.GRAD_W_PARTIALS["npu"],
-) -> dict:
-    """Every kernel variant of the gate at ``hidden_size`` -> prim_func (for CPU lowering checks; the default
-    ``num_cores`` and ``num_partials`` are the Ascend 950's, no NPU needed).
-
-    Cases: ``engram_gate_fwd_{save,nosave}_{mask,nomask}``, ``engram_gate_fwd_nosave_mask_inplace`` (in place
-    only changes the masked path, and never saves: docs/ops/engram.md#gate), ``engram_gate_bwd_{mask,nomask}``;
-    without the residual ``engram_gate_fwd_noresidual_{save,nosave}_{mask,nomask}`` and
-    ``engram_gate_bwd_noresidual_{mask,nomask}`` (no in-place one).
-    """
-    H, m = hidden_size, hc_mult
-    cases = {}
-    for save in (True, False):
-        for mask in (False, True):
-            name = f"engram_gate_fwd_{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
-            cases[name] = build_engram_gate_fwd(H, m, save, mask, False, num_cores)
-    cases["engram_gate_fwd_nosave_mask_inplace"] = build_engram_gate_fwd(H, m, False, True, True, num_cores)
-    for mask in (False, True):
-        cases[f"engram_gate_bwd_{'mask' if mask else 'nomask'}"] = build_engram_gate_bwd(
-            H, m, mask, num_partials, num_cores
-        )
-    for mask in (False, True):
-        tag = "mask" if mask else "nomask"
-        for save in (True, False):
-            cases[f"engram_gate_fwd_noresidual_{'save' if save else 'nosave'}_{tag}"] = build_engram_gate_fwd(
-                H, m, save, mask, False, num_cores, residual=False
-            )
-        cases[f"engram_gate_bwd_noresidual_{tag}"] = build_engram_gate_bwd(
-            H, m, mask, num_partials, num_cores, residual=False
-        )
-    return cases
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -9,66 +9,84 @@ UB in one strided DMA (double-buffered across blocks) and are summed in register
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
+import dataclasses
 
 import tilelang
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
-from .... import config
-from ....chips import ASCEND_950
 from ....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange
+from ....policy import ASCEND_CASE_CORES, GRAD_W_WORKERS
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from .._build import UB_BUDGET_BYTES
 
-__all__ = [
-    "build_engram_grad_w_reduce",
-    "engram_grad_w_reduce",
-    "engram_grad_w_reduce_key",
-    "get_engram_grad_w_reduce_kernel",
-    "lowering_cases",
-    "max_partials",
-    "reduce_ub_bytes",
-]
 
 _LANES = 64
-_STAGES = 2
-# Block widths (fp32 elements): the largest that fits _UB_LIMIT and still gives every core a block
-# (docs/perf/ascend950/engram.md, 2026-11-30 — grad_w_reduce: block widths).
-_WIDTHS = (2048, 1024, 512, 256, 128, 64)
-_UB_LIMIT = UB_BUDGET_BYTES - 8 * 1024  # 240 KiB: 8 KiB below the budget left to the pool's padding
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducePlan:
+    """``stages`` UB versions of the block tiles; block widths (fp32 elements) from ``widths``: the largest that
+    fits the UB less ``ub_slack`` (left to the pool's padding) and still gives every core a block."""
+
+    stages: int
+    widths: tuple[int, ...]
+    ub_slack: int
+
+
+# Two stages; 8 KiB below the budget (240 KiB) (docs/perf/ascend950/engram.md, 2026-11-30 — grad_w_reduce: block
+# widths).
+PLAN = ReducePlan(stages=2, widths=(2048, 1024, 512, 256, 128, 64), ub_slack=8 * 1024)
+_UB_LIMIT = UB_BUDGET_BYTES - PLAN.ub_slack
 
 
 def reduce_ub_bytes(num_partials: int, width: int) -> int:
     """UB of one block: per stage the P partial rows (4PW), wh and we (4W), the two gradient tiles (8W); plus
     the accumulator (4W)."""
-    return _STAGES * (4 * num_partials + 12) * width + 4 * width
+    return PLAN.stages * (4 * num_partials + 12) * width + 4 * width
 
 
 def max_partials() -> int:
     """The most partial rows whose narrowest block (``W = 64``) fits the UB (476)."""
-    w = _WIDTHS[-1]
-    return ((_UB_LIMIT - 4 * w) // (_STAGES * w) - 12) // 4
+    w = PLAN.widths[-1]
+    return ((_UB_LIMIT - 4 * w) // (PLAN.stages * w) - 12) // 4
 
 
 def _block_width(num_partials: int, numel: int, num_cores: int) -> int:
-    fitting = [w for w in _WIDTHS if numel % w == 0 and reduce_ub_bytes(num_partials, w) <= _UB_LIMIT]
+    fitting = [w for w in PLAN.widths if numel % w == 0 and reduce_ub_bytes(num_partials, w) <= _UB_LIMIT]
     for w in fitting:
         if numel // w >= num_cores:
             return w
     return fitting[-1]
 
 
-def engram_grad_w_reduce_key(grad_w_partial, num_cores: int) -> tuple:
-    """(P, numel = m*H, num_cores); never T."""
+@compile_key
+class ReduceKey:
+    """Compile-time key: ``P`` partial rows, ``numel = m * H`` and the vector cores (never T)."""
+
+    num_partials: int
+    numel: int
+    num_cores: int
+
+
+def _key(grad_w_partial) -> ReduceKey:
     p, m, hidden = grad_w_partial.shape
-    return (int(p), int(m) * int(hidden), int(num_cores))
+    return ReduceKey(int(p), int(m) * int(hidden), int(num_vector_cores()))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> ReduceKey:
+    """At ``hidden_size`` with the Ascend 950's cores and partial rows (``GRAD_W_WORKERS``; no NPU needed)."""
+    ENGRAM_HC_MULT.require("engram_grad_w_reduce", hc_mult)
+    ENGRAM_HIDDEN.require("engram_grad_w_reduce", hidden_size)
+    return ReduceKey(GRAD_W_WORKERS["ascend"], hc_mult * hidden_size, ASCEND_CASE_CORES)
 
 
 def build_engram_grad_w_reduce(num_partials: int, numel: int, num_cores: int):
     """prim_func over flat views: partial (P, N) f32, wh (N,) bf16, we (N,) bf16, gwh (N,) f32 in/out,
     gwe (N,) f32 in/out. ``1 <= P <= max_partials()`` and ``N`` a positive multiple of 64, else
     ``limits.LimitError``."""
+    stages = PLAN.stages
     P = IntRange("num_partials", 1, max_partials()).require("engram_grad_w_reduce", num_partials)
     N = IntRange("numel = m * H", _LANES, multiple_of=_LANES).require("engram_grad_w_reduce", numel)
     W = _block_width(P, N, num_cores)
@@ -90,8 +108,8 @@ def build_engram_grad_w_reduce(num_partials: int, numel: int, num_cores: int):
             we_ub = T.alloc_shared((W,), T.bfloat16)
             gwh_ub = T.alloc_shared((W,), T.float32)
             gwe_ub = T.alloc_shared((W,), T.float32)
-            T.annotate_buffer_versions({part_ub: _STAGES, wh_ub: _STAGES, we_ub: _STAGES, gwh_ub: _STAGES, gwe_ub: _STAGES})
-            for (blk,) in T.Persistent([n_blocks], num_cores, core_id, group_size=1, num_stages=_STAGES):
+            T.annotate_buffer_versions({part_ub: stages, wh_ub: stages, we_ub: stages, gwh_ub: stages, gwe_ub: stages})
+            for (blk,) in T.Persistent([n_blocks], num_cores, core_id, group_size=1, num_stages=stages):
                 base = blk * W
                 # one strided DMA brings the P partial rows of this column block
                 T.copy(grad_w_partial[:, base : base + W], part_ub)
@@ -126,32 +144,16 @@ def build_engram_grad_w_reduce(num_partials: int, numel: int, num_cores: int):
     return engram_grad_w_reduce_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_grad_w_reduce_kernel(num_partials: int, numel: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (num_partials, numel, num_cores)
-    return jit_compile("engram_grad_w_reduce", key, build_engram_grad_w_reduce(*key))
+KERNEL = Kernel("engram_grad_w_reduce", ReduceKey, build_engram_grad_w_reduce, derive=_key, cases=_cases)
 
 
 def engram_grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed) -> None:
     """partial (P,m,H) f32, wh/we (m,H) bf16; gwh/gwe (m,H) f32 updated in place (+=). Current stream."""
-    key = engram_grad_w_reduce_key(grad_w_partial, num_vector_cores())
-    kernel = get_engram_grad_w_reduce_kernel(*key)
+    kernel = KERNEL.compiled(KERNEL.key(grad_w_partial))
     kernel(
         grad_w_partial.view(grad_w_partial.shape[0], -1), weight_hidden.view(-1), weight_embed.view(-1),
         grad_weight_hidden.view(-1), grad_weight_embed.view(-1),
     )
 
 
-def lowering_cases(
-    hidden_size: int,
-    hc_mult: int = 4,
-    num_cores: int = ASCEND_950.vector_cores,
-    num_partials: int = config.GRAD_W_PARTIALS["npu"],
-) -> dict:
-    """``{"engram_grad_w_reduce": prim_func}`` at ``hidden_size`` (CPU lowering checks; the default
-    ``num_cores`` and ``num_partials`` are the Ascend 950's, no NPU needed)."""
-    ENGRAM_HC_MULT.require("engram_grad_w_reduce", hc_mult)
-    ENGRAM_HIDDEN.require("engram_grad_w_reduce", hidden_size)
-    return {"engram_grad_w_reduce": build_engram_grad_w_reduce(num_partials, hc_mult * hidden_size, num_cores)}
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -10,26 +10,27 @@ next tile's loads and the last layer's store overlap the computation. Ragged tai
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
+import dataclasses
 
 from tilelang.ascend import language as T
 
-from ....chips import ASCEND_950
 from ....limits import ENGRAM_HASH_COLUMNS, ENGRAM_HASH_LAYERS, ENGRAM_HASH_NGRAM, IntRange
+from ....policy import ASCEND_CASE_CORES
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 
-__all__ = [
-    "TILE_TOKENS",
-    "build_engram_hash",
-    "engram_hash",
-    "engram_hash_key",
-    "get_engram_hash_kernel",
-    "hash_ub_bytes",
-    "lowering_cases",
-]
 
-TILE_TOKENS = 128  # tokens per tile and SIMT threads: two tiles of the widest output (128 columns) fit the UB
-_STAGES = 2
+@dataclasses.dataclass(frozen=True)
+class HashPlan:
+    """``tile_tokens`` tokens per tile (and SIMT threads), ``stages`` UB versions of the tiles."""
+
+    tile_tokens: int
+    stages: int
+
+
+# 128 tokens: two tiles of the widest output (128 columns) fit the UB
+PLAN = HashPlan(tile_tokens=128, stages=2)
+TILE_TOKENS = PLAN.tile_tokens
 
 
 def hash_ub_bytes(ngram: int, layers: int, tables: int, has_mask: bool = True) -> int:
@@ -37,13 +38,32 @@ def hash_ub_bytes(ngram: int, layers: int, tables: int, has_mask: bool = True) -
     tile; once the multipliers, table sizes and offsets of every layer."""
     columns = (ngram - 1) * tables
     tile = TILE_TOKENS * (4 * ngram + int(has_mask) + 4 * columns)
-    return _STAGES * tile + layers * (8 * ngram + 8 * columns)
+    return PLAN.stages * tile + layers * (8 * ngram + 8 * columns)
 
 
-def engram_hash_key(ngram_token_ids, vocab_sizes, image_token_mask, num_cores: int) -> tuple:
-    """``(N, L, E, has_mask, num_cores)``; never T."""
+@compile_key
+class HashKey:
+    """Compile-time key: ``N = ngram``, ``L = layers``, ``E = tables``, the mask and the vector cores (never T)."""
+
+    ngram: int
+    layers: int
+    tables: int
+    has_mask: bool
+    num_cores: int
+
+
+def _key(ngram_token_ids, vocab_sizes, image_token_mask) -> HashKey:
     layers, orders, tables = (int(n) for n in vocab_sizes.shape)
-    return (orders + 1, layers, tables, image_token_mask is not None, int(num_cores))
+    return HashKey(orders + 1, layers, tables, image_token_mask is not None, int(num_vector_cores()))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """Independent of the hidden size, on the Ascend 950's cores: the cases of the CUDA module, same names."""
+    cores = ASCEND_CASE_CORES
+    return {"engram_hash_n3e8l2": HashKey(3, 2, 8, False, cores),
+            "engram_hash_n3e8l2_mask": HashKey(3, 2, 8, True, cores),
+            "engram_hash_n4e2l3_mask": HashKey(4, 3, 2, True, cores),
+            "engram_hash_n2e1l1_mask": HashKey(2, 1, 1, True, cores)}
 
 
 def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool, num_cores: int):
@@ -51,6 +71,7 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool, num_
     offsets (L, (N-1) E) i32, [image_token_mask (T,) bool], output (L, T, (N-1) E) i32)``. ``N``, ``L`` and
     ``(N-1) E`` in the Ascend ranges of ``limits.ENGRAM_HASH_*``, ``E >= 1``, ``num_cores >= 1``; else
     ``limits.LimitError``."""
+    stages = PLAN.stages
     where = "engram_hash"
     N = ENGRAM_HASH_NGRAM["ascend"].require(where, ngram)
     L = ENGRAM_HASH_LAYERS["ascend"].require(where, layers)
@@ -75,14 +96,14 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool, num_
             out_ub = T.alloc_shared((tile, C), i32)
             if has_mask:
                 mask_ub = T.alloc_shared((tile,), T.bool)
-                T.annotate_buffer_versions({ids_ub: _STAGES, out_ub: _STAGES, mask_ub: _STAGES})
+                T.annotate_buffer_versions({ids_ub: stages, out_ub: stages, mask_ub: stages})
             else:
-                T.annotate_buffer_versions({ids_ub: _STAGES, out_ub: _STAGES})
+                T.annotate_buffer_versions({ids_ub: stages, out_ub: stages})
             T.copy(mult, mult_ub)
             T.copy(vocab, vocab_ub)
             T.copy(offs, offs_ub)
             for (blk,) in T.Persistent([T.ceildiv(num_tokens, tile)], cores, core_id, group_size=1,
-                                       num_stages=_STAGES):
+                                       num_stages=stages):
                 row = blk * tile
                 valid = T.min(tile, num_tokens - row)
                 T.copy(ids[row : row + valid, :], ids_ub[:valid, :])
@@ -132,32 +153,17 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool, num_
     return engram_hash_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_hash_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`engram_hash_key`), built once per key."""
-    from .._build import jit_compile
-
-    return jit_compile("engram_hash", key, build_engram_hash(*key))
+KERNEL = Kernel("engram_hash", HashKey, build_engram_hash, derive=_key, cases=_cases)
 
 
 def engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask, output) -> None:
     """ids ``(T, N)`` i32, multipliers ``(L, N)`` i64, vocab_sizes ``(L, N-1, E)`` i32, offsets
     ``(L, (N-1) E)`` i32, mask ``(T,)`` bool or None -> output ``(L, T, (N-1) E)`` i32. Current stream."""
-    key = engram_hash_key(ngram_token_ids, vocab_sizes, image_token_mask, num_vector_cores())
-    kernel = get_engram_hash_kernel(*key)
+    kernel = KERNEL.compiled(KERNEL.key(ngram_token_ids, vocab_sizes, image_token_mask))
     args = [ngram_token_ids, multipliers, vocab_sizes, offsets]
     if image_token_mask is not None:
         args.append(image_token_mask)
     kernel(*args, output)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = ASCEND_950.vector_cores) -> dict:
-    """The hash kernels (independent of the hidden size; the Ascend 950's core count, no NPU needed): the
-    cases of the CUDA module, same names."""
-    del hidden_size, hc_mult
-    return {
-        "engram_hash_n3e8l2": build_engram_hash(3, 2, 8, False, num_cores),
-        "engram_hash_n3e8l2_mask": build_engram_hash(3, 2, 8, True, num_cores),
-        "engram_hash_n4e2l3_mask": build_engram_hash(4, 3, 2, True, num_cores),
-        "engram_hash_n2e1l1_mask": build_engram_hash(2, 1, 1, True, num_cores),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

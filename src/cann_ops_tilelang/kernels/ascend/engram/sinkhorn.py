@@ -15,7 +15,7 @@
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
+import dataclasses
 
 import tilelang
 from tilelang.ascend import language as T
@@ -23,58 +23,98 @@ from tilelang.ascend.language import simd as S
 
 from ....chips import ASCEND_950
 from ....limits import ENGRAM_SINKHORN_COLS, IntRange
+from ....policy import ASCEND_CASE_CORES
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 
-__all__ = [
-    "build_engram_sinkhorn_finalize",
-    "build_engram_sinkhorn_finalize_apply",
-    "build_engram_sinkhorn_momentum_update",
-    "build_engram_sinkhorn_step",
-    "build_engram_sinkhorn_step_reduce",
-    "engram_sinkhorn_finalize",
-    "engram_sinkhorn_finalize_key",
-    "engram_sinkhorn_momentum_update",
-    "engram_sinkhorn_momentum_update_key",
-    "engram_sinkhorn_step",
-    "engram_sinkhorn_step_key",
-    "engram_sinkhorn_step_reduce",
-    "engram_sinkhorn_step_reduce_key",
-    "get_engram_sinkhorn_finalize_kernel",
-    "get_engram_sinkhorn_momentum_update_kernel",
-    "get_engram_sinkhorn_step_kernel",
-    "get_engram_sinkhorn_step_reduce_kernel",
-    "lowering_cases",
-    "tile_rows",
-]
 
 _LANES = 64  # fp32 lanes of one 256-byte vector register
 _ROW = 256  # momentum elements per row (limits.ENGRAM_SINKHORN_ALIGN)
-_MOMENTUM_ROWS = 16  # rows per momentum tile: 3 x 16 KiB (fp32) per stage, two stages
-_STAGES = 2
-_TILE_BYTES = 32 * 1024  # matrix bytes per step/finalize tile and stage (finalize: the output tile as well)
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkhornPlan:
+    """``momentum_rows`` rows of 256 elements per momentum tile; ``tile_bytes`` of the matrix per step / finalize
+    tile (the finalize's output tile as well); ``stages`` UB versions of every tile."""
+
+    momentum_rows: int
+    tile_bytes: int
+    stages: int
+
+
+# 16 momentum rows: 3 x 16 KiB (fp32) per stage; 32 KiB matrix tiles (128 rows at D = 64, 8 at D = 1024); two stages
+PLAN = SinkhornPlan(momentum_rows=16, tile_bytes=32 * 1024, stages=2)
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float32": "float32"}
 _STEP_PARTIALS = IntRange("partial rows P", 1, ASCEND_950.vector_cores)
 
 
 def tile_rows(cols: int) -> int:
     """Matrix rows per tile: 32 KiB of fp32 (128 rows at D = 64, 8 at D = 1024)."""
-    return _TILE_BYTES // (4 * ENGRAM_SINKHORN_COLS.require("engram_sinkhorn", cols))
+    return PLAN.tile_bytes // (4 * ENGRAM_SINKHORN_COLS.require("engram_sinkhorn", cols))
 
 
 # ---- momentum update ---------------------------------------------------------------------------------------
 
 
-def engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov, num_cores: int) -> tuple:
-    """``(grad dtype, momentum dtype, nesterov, num_cores)``; the row count is dynamic."""
-    return (_DTYPES[str(grad.dtype)], _DTYPES[str(momentum_buffer.dtype)], bool(nesterov), int(num_cores))
+@compile_key
+class MomentumKey:
+    """Compile-time key of the momentum update: the dtypes, Nesterov and the vector cores (the row count is
+    dynamic)."""
+
+    grad_dtype: str
+    momentum_dtype: str
+    nesterov: bool
+    num_cores: int
+
+
+@compile_key
+class StepKey:
+    """Compile-time key of the step: ``D = cols`` and ``P = num_partials`` (the row count is dynamic)."""
+
+    cols: int
+    num_partials: int
+
+
+@compile_key
+class ColsKey:
+    """Compile-time key of the step's reduction: ``D = cols`` (the partial row count is dynamic)."""
+
+    cols: int
+
+
+@compile_key
+class FinalizeKey:
+    """Compile-time key of the finalize: ``D = cols`` and the vector cores (the row count is dynamic)."""
+
+    cols: int
+    num_cores: int
+
+
+@compile_key
+class ApplyKey:
+    """Compile-time key of the finalize's apply variant: ``D = cols``, the vector cores and the table's dtype."""
+
+    cols: int
+    num_cores: int
+    param_dtype: str
+
+
+def _momentum_cases(hidden_size: int, hc_mult: int) -> dict:
+    """Named as the CUDA module's cases (the Ascend 950's cores): bf16 with Nesterov, fp32 without."""
+    cases = {}
+    for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
+        dtype, variant = ("bf16" if m == "bfloat16" else "fp32"), ("nesterov" if nesterov else "plain")
+        cases[f"engram_sinkhorn_momentum_update_{dtype}_{variant}"] = MomentumKey(g, m, nesterov, ASCEND_CASE_CORES)
+    return cases
 
 
 def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool, num_cores: int):
     """prim_func(grad (N/256, 256), momentum_buffer (N/256, 256) in/out, out (N/256, 256) f32, beta1 f32,
     one_minus_beta1 f32), ``N / 256`` dynamic."""
+    momentum_rows, stages = PLAN.momentum_rows, PLAN.stages
     cores = IntRange("num_cores", 1).require("engram_sinkhorn_momentum_update", num_cores)
     rows = T.dynamic("num_rows")
-    tr, chunks = _MOMENTUM_ROWS, _ROW // _LANES
+    tr, chunks = momentum_rows, _ROW // _LANES
     g16, m16 = grad_dtype == "bfloat16", momentum_dtype == "bfloat16"
 
     @T.prim_func
@@ -89,8 +129,8 @@ def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, 
             g_ub = T.alloc_shared((tr, _ROW), grad_dtype)
             m_ub = T.alloc_shared((tr, _ROW), momentum_dtype)
             o_ub = T.alloc_shared((tr, _ROW), T.float32)
-            T.annotate_buffer_versions({g_ub: _STAGES, m_ub: _STAGES, o_ub: _STAGES})
-            for (tile,) in T.Persistent([T.ceildiv(rows, tr)], cores, core_id, group_size=1, num_stages=_STAGES):
+            T.annotate_buffer_versions({g_ub: stages, m_ub: stages, o_ub: stages})
+            for (tile,) in T.Persistent([T.ceildiv(rows, tr)], cores, core_id, group_size=1, num_stages=stages):
                 r0 = tile * tr
                 n = T.min(tr, rows - r0)
                 T.copy(grad[r0 : r0 + n, :], g_ub[:n, :])
@@ -120,18 +160,16 @@ def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, 
     return engram_sinkhorn_momentum_update_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_momentum_update_kernel(*key):
-    from .._build import jit_compile
-
-    return jit_compile("engram_sinkhorn_momentum_update", key, build_engram_sinkhorn_momentum_update(*key))
+MOMENTUM_UPDATE = Kernel(
+    "engram_sinkhorn_momentum_update", MomentumKey, build_engram_sinkhorn_momentum_update, cases=_momentum_cases,
+    derive=lambda grad, momentum_buffer, nesterov: MomentumKey(
+        _DTYPES[str(grad.dtype)], _DTYPES[str(momentum_buffer.dtype)], bool(nesterov), int(num_vector_cores())))
 
 
 def engram_sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov, out) -> None:
     """grad, momentum_buffer (any N elements) bf16/fp32; momentum in place; out (N) fp32. The whole 256-element
     rows in place; the last ``N % 256`` elements through a zero-padded staging row (exact copies)."""
-    key = engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov, num_vector_cores())
-    kernel = get_engram_sinkhorn_momentum_update_kernel(*key)
+    kernel = MOMENTUM_UPDATE.compiled(MOMENTUM_UPDATE.key(grad, momentum_buffer, nesterov))
     g, m, o = grad.view(-1), momentum_buffer.view(-1), out.view(-1)
     numel = g.numel()
     main = numel - numel % _ROW
@@ -152,14 +190,10 @@ def engram_sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov, out)
 # ---- step -----------------------------------------------------------------------------------------------
 
 
-def engram_sinkhorn_step_key(matrix, col_sumsq_partial) -> tuple:
-    """``(D, P)``; the row count is dynamic."""
-    return (int(matrix.shape[1]), int(col_sumsq_partial.shape[0]))
-
-
 def build_engram_sinkhorn_step(cols: int, num_partials: int = ASCEND_950.vector_cores):
     """prim_func(matrix (R, D) f32, row_scale (R,) f32 in/out, col_scale (D,) f32, row_norm (R,) f32,
     col_sumsq_partial (P, D) f32, eps f32), ``R`` dynamic; one core per partial row."""
+    stages = PLAN.stages
     tr = tile_rows(cols)
     P = _STEP_PARTIALS.require("engram_sinkhorn_step", num_partials)
     chunks = cols // _LANES
@@ -180,7 +214,7 @@ def build_engram_sinkhorn_step(cols: int, num_partials: int = ASCEND_950.vector_
             a_ub = T.alloc_shared((tr, cols), T.float32)
             rs_ub = T.alloc_shared((tr,), T.float32)
             nrm_ub = T.alloc_shared((tr,), T.float32)
-            T.annotate_buffer_versions({a_ub: _STAGES, rs_ub: _STAGES, nrm_ub: _STAGES})
+            T.annotate_buffer_versions({a_ub: stages, rs_ub: stages, nrm_ub: stages})
             T.copy(col_scale, cs_ub)
             with T.SimdVF():
                 zero = S.vdup(0.0, T.float32)
@@ -220,30 +254,26 @@ def build_engram_sinkhorn_step(cols: int, num_partials: int = ASCEND_950.vector_
     return engram_sinkhorn_step_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_step_kernel(*key):
-    from .._build import jit_compile
-
-    return jit_compile("engram_sinkhorn_step", key, build_engram_sinkhorn_step(*key))
+# lowering cases at the optimizer's table widths D = 64 and 128, one partial row per Ascend 950 vector core
+STEP = Kernel("engram_sinkhorn_step", StepKey, build_engram_sinkhorn_step,
+              derive=lambda matrix, col_sumsq_partial: StepKey(int(matrix.shape[1]), int(col_sumsq_partial.shape[0])),
+              cases=lambda hidden_size, hc_mult: {f"engram_sinkhorn_step_d{cols}": StepKey(cols, ASCEND_CASE_CORES)
+                                                  for cols in (64, 128)})
 
 
 def engram_sinkhorn_step(matrix, row_scale, col_scale, eps, row_norm, col_sumsq_partial) -> None:
     """matrix (R, D) f32, row_scale (R,) in/out, col_scale (D,), row_norm (R,) out, partials (P, D) out."""
-    kernel = get_engram_sinkhorn_step_kernel(*engram_sinkhorn_step_key(matrix, col_sumsq_partial))
+    kernel = STEP.compiled(STEP.key(matrix, col_sumsq_partial))
     kernel(matrix, row_scale, col_scale, row_norm, col_sumsq_partial, float(eps))
 
 
 # ---- step reduce ----------------------------------------------------------------------------------------
 
 
-def engram_sinkhorn_step_reduce_key(col_sumsq_partial) -> tuple:
-    """``(D,)``; the partial row count is dynamic."""
-    return (int(col_sumsq_partial.shape[1]),)
-
-
 def build_engram_sinkhorn_step_reduce(cols: int):
     """prim_func(col_sumsq_partial (P, D) f32, col_sumsq (D,) f32, col_scale (D,) f32 in/out, rows i32,
     eps f32), ``P`` dynamic; one core."""
+    stages = PLAN.stages
     cols = ENGRAM_SINKHORN_COLS.require("engram_sinkhorn_step_reduce", cols)
     chunks = cols // _LANES
     parts = T.dynamic("num_partials")
@@ -261,13 +291,13 @@ def build_engram_sinkhorn_step_reduce(cols: int):
             p_ub = T.alloc_shared((br, cols), T.float32)
             acc_ub = T.alloc_shared((cols,), T.float32)
             cs_ub = T.alloc_shared((cols,), T.float32)
-            T.annotate_buffer_versions({p_ub: _STAGES})
+            T.annotate_buffer_versions({p_ub: stages})
             T.copy(col_scale, cs_ub)
             with T.SimdVF():
                 nz = S.vdup(-0.0, T.float32)  # the identity of fp32 addition
                 for c in T.serial(chunks):
                     S.vsts(acc_ub[c * _LANES], nz)
-            for (blk,) in T.Persistent([T.ceildiv(parts, br)], 1, core_id, group_size=1, num_stages=_STAGES):
+            for (blk,) in T.Persistent([T.ceildiv(parts, br)], 1, core_id, group_size=1, num_stages=stages):
                 p0 = blk * br
                 n = T.min(br, parts - p0)
                 T.copy(col_sumsq_partial[p0 : p0 + n, :], p_ub[:n, :])
@@ -294,31 +324,25 @@ def build_engram_sinkhorn_step_reduce(cols: int):
     return engram_sinkhorn_step_reduce_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_step_reduce_kernel(*key):
-    from .._build import jit_compile
-
-    return jit_compile("engram_sinkhorn_step_reduce", key, build_engram_sinkhorn_step_reduce(*key))
+STEP_REDUCE = Kernel("engram_sinkhorn_step_reduce", ColsKey, build_engram_sinkhorn_step_reduce,
+                     derive=lambda col_sumsq_partial: ColsKey(int(col_sumsq_partial.shape[1])),
+                     cases=lambda hidden_size, hc_mult: {f"engram_sinkhorn_step_reduce_d{cols}": ColsKey(cols)
+                                                         for cols in (64, 128)})
 
 
 def engram_sinkhorn_step_reduce(col_sumsq_partial, col_sumsq, col_scale, rows, eps) -> None:
     """partials (P >= 1, D) f32 -> col_sumsq (D,) f32 (written); col_scale (D,) f32 updated in place."""
-    kernel = get_engram_sinkhorn_step_reduce_kernel(*engram_sinkhorn_step_reduce_key(col_sumsq_partial))
+    kernel = STEP_REDUCE.compiled(STEP_REDUCE.key(col_sumsq_partial))
     kernel(col_sumsq_partial, col_sumsq, col_scale, int(rows), float(eps))
 
 
 # ---- finalize -------------------------------------------------------------------------------------------
 
 
-def engram_sinkhorn_finalize_key(matrix, num_cores: int, param=None) -> tuple:
-    """``(D, num_cores)``, or ``(D, num_cores, table dtype)`` for the apply variant; the row count is dynamic."""
-    key = (int(matrix.shape[1]), int(num_cores))
-    return key if param is None else (*key, _DTYPES[str(param.dtype)])
-
-
 def build_engram_sinkhorn_finalize(cols: int, num_cores: int):
     """prim_func(matrix (R, D) f32, row_scale (R,) f32, col_scale (D,) f32, out (R, D) f32, eps f32,
     alpha f32), ``R`` dynamic."""
+    stages = PLAN.stages
     tr = tile_rows(cols)
     cores = IntRange("num_cores", 1).require("engram_sinkhorn_finalize", num_cores)
     chunks = cols // _LANES
@@ -338,9 +362,9 @@ def build_engram_sinkhorn_finalize(cols: int, num_cores: int):
             a_ub = T.alloc_shared((tr, cols), T.float32)
             o_ub = T.alloc_shared((tr, cols), T.float32)
             rs_ub = T.alloc_shared((tr,), T.float32)
-            T.annotate_buffer_versions({a_ub: _STAGES, o_ub: _STAGES, rs_ub: _STAGES})
+            T.annotate_buffer_versions({a_ub: stages, o_ub: stages, rs_ub: stages})
             T.copy(col_scale, cs_ub)
-            for (tile,) in T.Persistent([T.ceildiv(rows, tr)], cores, core_id, group_size=1, num_stages=_STAGES):
+            for (tile,) in T.Persistent([T.ceildiv(rows, tr)], cores, core_id, group_size=1, num_stages=stages):
                 r0 = tile * tr
                 n = T.min(tr, rows - r0)
                 T.copy(matrix[r0 : r0 + n, :], a_ub[:n, :])
@@ -367,6 +391,7 @@ def build_engram_sinkhorn_finalize_apply(cols: int, num_cores: int, param_dtype:
     """prim_func(matrix (R, D) f32, row_scale (R,) f32, col_scale (D,) f32, param (R, D) in/out, eps f32,
     alpha f32, lr f32, decay f32), ``R`` dynamic: the finalize's ``u`` (same instructions), then
     ``param <- (f32(param) * decay) - (u * lr)``, one rounding per instruction."""
+    stages = PLAN.stages
     tr = tile_rows(cols)
     cores = IntRange("num_cores", 1).require("engram_sinkhorn_finalize", num_cores)
     chunks = cols // _LANES
@@ -389,9 +414,9 @@ def build_engram_sinkhorn_finalize_apply(cols: int, num_cores: int, param_dtype:
             a_ub = T.alloc_shared((tr, cols), T.float32)
             p_ub = T.alloc_shared((tr, cols), param_dtype)
             rs_ub = T.alloc_shared((tr,), T.float32)
-            T.annotate_buffer_versions({a_ub: _STAGES, p_ub: _STAGES, rs_ub: _STAGES})
+            T.annotate_buffer_versions({a_ub: stages, p_ub: stages, rs_ub: stages})
             T.copy(col_scale, cs_ub)
-            for (tile,) in T.Persistent([T.ceildiv(rows, tr)], cores, core_id, group_size=1, num_stages=_STAGES):
+            for (tile,) in T.Persistent([T.ceildiv(rows, tr)], cores, core_id, group_size=1, num_stages=stages):
                 r0 = tile * tr
                 n = T.min(tr, rows - r0)
                 T.copy(matrix[r0 : r0 + n, :], a_ub[:n, :])
@@ -422,39 +447,29 @@ def build_engram_sinkhorn_finalize_apply(cols: int, num_cores: int, param_dtype:
     return engram_sinkhorn_finalize_apply_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_finalize_kernel(*key):
-    from .._build import jit_compile
-
-    build = build_engram_sinkhorn_finalize if len(key) == 2 else build_engram_sinkhorn_finalize_apply
-    return jit_compile("engram_sinkhorn_finalize", key, build(*key))
+FINALIZE = Kernel("engram_sinkhorn_finalize", FinalizeKey, build_engram_sinkhorn_finalize,
+                  derive=lambda matrix: FinalizeKey(int(matrix.shape[1]), int(num_vector_cores())),
+                  cases=lambda hidden_size, hc_mult: {f"engram_sinkhorn_finalize_d{cols}": FinalizeKey(
+                      cols, ASCEND_CASE_CORES) for cols in (64, 128)})
+# with a table: bf16 at D = 64, fp32 at D = 128
+FINALIZE_APPLY = Kernel(
+    "engram_sinkhorn_finalize_apply", ApplyKey, build_engram_sinkhorn_finalize_apply,
+    derive=lambda matrix, param: ApplyKey(int(matrix.shape[1]), int(num_vector_cores()), _DTYPES[str(param.dtype)]),
+    cases=lambda hidden_size, hc_mult: {
+        "engram_sinkhorn_finalize_apply_bf16_d64": ApplyKey(64, ASCEND_CASE_CORES, "bfloat16"),
+        "engram_sinkhorn_finalize_apply_fp32_d128": ApplyKey(128, ASCEND_CASE_CORES, "float32")})
 
 
 def engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha, out=None, param=None, lr=0.0,
                              decay=1.0) -> None:
     """matrix (R, D) f32, row_scale (R,), col_scale (D,) -> out (R, D) f32 (pre-allocated), or with ``param``
     (R, D) bf16/fp32 instead: ``param <- param * decay - lr * U`` in place."""
-    key = engram_sinkhorn_finalize_key(matrix, num_vector_cores(), param)
-    kernel = get_engram_sinkhorn_finalize_kernel(*key)
     if param is None:
-        kernel(matrix, row_scale, col_scale, out, float(eps), float(alpha))
+        FINALIZE.compiled(FINALIZE.key(matrix))(matrix, row_scale, col_scale, out, float(eps), float(alpha))
     else:
-        kernel(matrix, row_scale, col_scale, param, float(eps), float(alpha), float(lr), float(decay))
+        FINALIZE_APPLY.compiled(FINALIZE_APPLY.key(matrix, param))(matrix, row_scale, col_scale, param, float(eps),
+                                                                   float(alpha), float(lr), float(decay))
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = ASCEND_950.vector_cores) -> dict:
-    """The kernels at the optimizer's table widths, named as the CUDA module's cases (independent of
-    ``hidden_size``; ``num_cores`` the Ascend 950's, no NPU needed): bf16 momentum with Nesterov, fp32
-    without; step, reduce and finalize at D = 64 and 128; the finalize's apply variant for a bf16 table at
-    D = 64 and an fp32 one at D = 128."""
-    cases = {}
-    for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
-        name = f"engram_sinkhorn_momentum_update_{'bf16' if m == 'bfloat16' else 'fp32'}_{'nesterov' if nesterov else 'plain'}"
-        cases[name] = build_engram_sinkhorn_momentum_update(g, m, nesterov, num_cores)
-    for cols in (64, 128):
-        cases[f"engram_sinkhorn_step_d{cols}"] = build_engram_sinkhorn_step(cols)
-        cases[f"engram_sinkhorn_step_reduce_d{cols}"] = build_engram_sinkhorn_step_reduce(cols)
-        cases[f"engram_sinkhorn_finalize_d{cols}"] = build_engram_sinkhorn_finalize(cols, num_cores)
-    cases["engram_sinkhorn_finalize_apply_bf16_d64"] = build_engram_sinkhorn_finalize_apply(64, num_cores, "bfloat16")
-    cases["engram_sinkhorn_finalize_apply_fp32_d128"] = build_engram_sinkhorn_finalize_apply(128, num_cores, "float32")
-    return cases
+# The kernels at the optimizer's table widths, named as the CUDA module's cases (independent of hidden_size).
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOMENTUM_UPDATE, STEP, STEP_REDUCE, FINALIZE, FINALIZE_APPLY)

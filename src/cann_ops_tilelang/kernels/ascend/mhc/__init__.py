@@ -1,6 +1,7 @@
 """Ascend 950 (TileLang Ascend dialect) kernels of the mHC ops: one kernel module per op module
-(``cann_ops_tilelang.mhc.<op module>``), with its launchers, key functions, builders and lowering cases;
-``_common``, ``_streaming`` and ``_per_token`` hold what several of them share.
+(``cann_ops_tilelang.mhc.<op module>``), with its launchers, ``Kernel`` declarations (key, builder, compile
+cache) and lowering cases; ``_common``, ``_streaming``, ``_per_token`` and ``_sinkhorn`` hold what several of
+them share (the fused kernels run the unfused ones' stages through them).
 
 This package only aggregates the lowering cases; importing it imports no kernel module (nor TileLang).
 """

@@ -4,7 +4,8 @@ Ranges come from :mod:`cann_ops_tilelang.limits`, chip facts from :mod:`cann_ops
 or key function called with a value outside a range raises :class:`~cann_ops_tilelang.limits.LimitError`.
 """
 
-from .... import chips, limits
+from .... import limits
+from ....policy import ASCEND_CASE_CORES
 
 __all__ = [
     "CASE_MHC_MULT3",
@@ -26,8 +27,8 @@ M = limits.MHC_HC_MULT.high  # the one hc_mult of every kernel (m = 4)
 M2 = M * M
 M3 = limits.MHC_MIX  # m * (m + 2) = 24 mixes
 
-# lowering cases only (no NPU here): launchers read the real vector core count
-CASE_NUM_CORES = chips.ASCEND_950.vector_cores
+# lowering cases only (no NPU here; device policy): launchers read the real vector core count
+CASE_NUM_CORES = ASCEND_CASE_CORES
 CASE_MHC_MULT3 = limits.MHC_MIX
 
 

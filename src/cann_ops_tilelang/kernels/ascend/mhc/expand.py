@@ -8,37 +8,20 @@ its new outputs (docs/ops/mhc.md#conventions).
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
+from ..._kernel import Kernel, kernel_module
 from .. import num_vector_cores
-from ._common import CASE_NUM_CORES, LANES
-from ._streaming import StreamingPlan, bf16_to_f32, check, to_bf16
+from ._common import LANES
+from ._streaming import StreamKey, StreamingPlan, bf16_to_f32, check, stream_cases, stream_key, to_bf16
 
-__all__ = [
-    "build_expand_to_mhc_backward",
-    "build_expand_to_mhc_forward",
-    "expand_to_mhc_backward",
-    "expand_to_mhc_backward_key",
-    "expand_to_mhc_forward",
-    "expand_to_mhc_forward_key",
-    "get_expand_to_mhc_backward_kernel",
-    "get_expand_to_mhc_forward_kernel",
-    "lowering_cases",
-]
 
 # Three stages each way: the whole row (forward) / the whole row up to H = 7936 (backward) per stage
 # (docs/perf/ascend950/mhc.md, 2026-11-30 — expand: UB tiles).
 FORWARD_PLAN = StreamingPlan(stages=3)
 BACKWARD_PLAN = StreamingPlan(stages=3)
-
-
-def expand_to_mhc_forward_key(x, out, num_cores: int) -> tuple:
-    """(H, m, num_cores); never T."""
-    return (int(x.shape[-1]), int(out.shape[-2]), int(num_cores))
 
 
 def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int, num_cores: int):
@@ -65,23 +48,13 @@ def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int, num_cores: int):
     return expand_to_mhc_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_expand_to_mhc_forward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, num_cores)
-    return jit_compile("expand_to_mhc_forward", key, build_expand_to_mhc_forward(*key))
+FORWARD = Kernel("expand_to_mhc_forward", StreamKey, build_expand_to_mhc_forward, cases=stream_cases,
+                 derive=lambda x, out: stream_key(x.shape[-1], out.shape[-2], num_vector_cores()))
 
 
 def expand_to_mhc_forward(x, out) -> None:
     """x (T,H) bf16 -> out (T,m,H) bf16 (pre-allocated, overwritten). Current stream, no sync."""
-    kernel = get_expand_to_mhc_forward_kernel(*expand_to_mhc_forward_key(x, out, num_vector_cores()))
-    kernel(x, out)
-
-
-def expand_to_mhc_backward_key(out_grad, num_cores: int) -> tuple:
-    """(H, m, num_cores); never T."""
-    return (int(out_grad.shape[-1]), int(out_grad.shape[-2]), int(num_cores))
+    FORWARD.compiled(FORWARD.key(x, out))(x, out)
 
 
 def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int, num_cores: int):
@@ -118,23 +91,13 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int, num_cores: int)
     return expand_to_mhc_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_expand_to_mhc_backward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, num_cores)
-    return jit_compile("expand_to_mhc_backward", key, build_expand_to_mhc_backward(*key))
+BACKWARD = Kernel("expand_to_mhc_backward", StreamKey, build_expand_to_mhc_backward, cases=stream_cases,
+                  derive=lambda out_grad: stream_key(out_grad.shape[-1], out_grad.shape[-2], num_vector_cores()))
 
 
 def expand_to_mhc_backward(out_grad, x_grad) -> None:
     """out_grad (T,m,H) bf16 -> x_grad (T,H) bf16 (overwritten). Current stream, no sync."""
-    kernel = get_expand_to_mhc_backward_kernel(*expand_to_mhc_backward_key(out_grad, num_vector_cores()))
-    kernel(out_grad, x_grad)
+    BACKWARD.compiled(BACKWARD.key(out_grad))(out_grad, x_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks)."""
-    return {
-        "expand_to_mhc_forward": build_expand_to_mhc_forward(hidden_size, hc_mult, num_cores),
-        "expand_to_mhc_backward": build_expand_to_mhc_backward(hidden_size, hc_mult, num_cores),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

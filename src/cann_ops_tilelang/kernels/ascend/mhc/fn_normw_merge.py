@@ -10,27 +10,16 @@ multi-buffered UB tiles; K must be a multiple of 256 (every H % 64 == 0 with m =
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import functools
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_MHC_MULT3, CASE_NUM_CORES, LANES, require_mixes, require_width
 
-__all__ = [
-    "build_mhc_fn_normw_merge_backward",
-    "build_mhc_fn_normw_merge_forward",
-    "get_mhc_fn_normw_merge_backward_kernel",
-    "get_mhc_fn_normw_merge_forward_kernel",
-    "lowering_cases",
-    "mhc_fn_normw_merge_backward",
-    "mhc_fn_normw_merge_backward_key",
-    "mhc_fn_normw_merge_forward",
-    "mhc_fn_normw_merge_forward_key",
-]
 
 _BLOCK = 256  # every width below divides a K that is a multiple of 256
 
@@ -61,9 +50,21 @@ def _check(where: str, mhc_mult3: int, numel: int) -> tuple[int, int]:
     return require_mixes(where, mhc_mult3, limits.MHC_MIX), require_width(where, numel, _BLOCK)
 
 
-def mhc_fn_normw_merge_forward_key(fn, num_cores: int) -> tuple:
-    """(M3, K, num_cores)."""
-    return (int(fn.shape[0]), int(fn.shape[1]), int(num_cores))
+@compile_key
+class MergeKey:
+    """Compile-time key of both kernels: the ``(M3, K)`` projection on ``num_cores`` vector cores."""
+
+    mhc_mult3: int
+    numel: int
+    num_cores: int
+
+
+def _key(fn) -> MergeKey:
+    return MergeKey(int(fn.shape[0]), int(fn.shape[1]), int(num_vector_cores()))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> MergeKey:
+    return MergeKey(CASE_MHC_MULT3, hc_mult * hidden_size, CASE_NUM_CORES)  # K = m*H
 
 
 def build_mhc_fn_normw_merge_forward(mhc_mult3: int, numel: int, num_cores: int):
@@ -100,23 +101,13 @@ def build_mhc_fn_normw_merge_forward(mhc_mult3: int, numel: int, num_cores: int)
     return mhc_fn_normw_merge_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_fn_normw_merge_forward_kernel(mhc_mult3: int, numel: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (mhc_mult3, numel, num_cores)
-    return jit_compile("mhc_fn_normw_merge_forward", key, build_mhc_fn_normw_merge_forward(*key))
+FORWARD = Kernel("mhc_fn_normw_merge_forward", MergeKey, build_mhc_fn_normw_merge_forward, derive=_key, cases=_cases)
 
 
 def mhc_fn_normw_merge_forward(fn, normw, out_fn) -> None:
     """fn (M3,K) f32, normw (K,) f32 -> out_fn (M3,K) f32 (overwritten). Current stream, no sync."""
-    kernel = get_mhc_fn_normw_merge_forward_kernel(*mhc_fn_normw_merge_forward_key(fn, num_vector_cores()))
+    kernel = FORWARD.compiled(FORWARD.key(fn))
     kernel(fn, normw, out_fn)
-
-
-def mhc_fn_normw_merge_backward_key(fn, num_cores: int) -> tuple:
-    """(M3, K, num_cores)."""
-    return (int(fn.shape[0]), int(fn.shape[1]), int(num_cores))
 
 
 def build_mhc_fn_normw_merge_backward(mhc_mult3: int, numel: int, num_cores: int):
@@ -177,25 +168,15 @@ def build_mhc_fn_normw_merge_backward(mhc_mult3: int, numel: int, num_cores: int
     return mhc_fn_normw_merge_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_fn_normw_merge_backward_kernel(mhc_mult3: int, numel: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (mhc_mult3, numel, num_cores)
-    return jit_compile("mhc_fn_normw_merge_backward", key, build_mhc_fn_normw_merge_backward(*key))
+BACKWARD = Kernel("mhc_fn_normw_merge_backward", MergeKey, build_mhc_fn_normw_merge_backward, derive=_key,
+                  cases=_cases)
 
 
 def mhc_fn_normw_merge_backward(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
     """fn, out_fn_grad (M3,K) f32, normw (K,) f32; fn_grad (M3,K) and normw_grad (K,) f32 updated in
     place (+=). Current stream, no sync."""
-    kernel = get_mhc_fn_normw_merge_backward_kernel(*mhc_fn_normw_merge_backward_key(fn, num_vector_cores()))
+    kernel = BACKWARD.compiled(BACKWARD.key(fn))
     kernel(fn, normw, out_fn_grad, fn_grad, normw_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` (K = m*H) -> prim_func (for CPU lowering checks)."""
-    K = hc_mult * hidden_size
-    return {
-        "mhc_fn_normw_merge_forward": build_mhc_fn_normw_merge_forward(CASE_MHC_MULT3, K, num_cores),
-        "mhc_fn_normw_merge_backward": build_mhc_fn_normw_merge_backward(CASE_MHC_MULT3, K, num_cores),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

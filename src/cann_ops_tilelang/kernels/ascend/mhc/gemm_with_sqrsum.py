@@ -16,27 +16,16 @@ Constraints: ``M3 <= 32`` (the ops: 24), ``K = m*H`` a multiple of 256 in the de
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import functools
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import chips, limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_MHC_MULT3, CASE_NUM_CORES, LANES, require_mixes, require_width
 
-__all__ = [
-    "build_mhc_gemm_with_sqrsum_backward",
-    "build_mhc_gemm_with_sqrsum_forward",
-    "get_mhc_gemm_with_sqrsum_backward_kernel",
-    "get_mhc_gemm_with_sqrsum_forward_kernel",
-    "lowering_cases",
-    "mhc_gemm_with_sqrsum_backward",
-    "mhc_gemm_with_sqrsum_backward_key",
-    "mhc_gemm_with_sqrsum_forward",
-    "mhc_gemm_with_sqrsum_forward_key",
-]
 
 _AIVS = 2  # vector cores per Cube core on Ascend 950
 _N_PAD = 32  # M3 padded to the Cube N granularity (fp32: 16) with room for M3 <= 32
@@ -104,9 +93,35 @@ def _check(where: str, mhc_mult3: int, numel: int) -> tuple[int, int]:
     return require_mixes(where, mhc_mult3, _N_PAD), require_width(where, numel, FORWARD_PLAN.block_k)
 
 
-def mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits: int, num_cores: int) -> tuple:
-    """(M3, K, n_splits, num_cube_cores); never T. ``num_cores`` is the vector core count."""
-    return (int(fn.shape[0]), int(fn.shape[1]), int(n_splits), max(1, int(num_cores) // _AIVS))
+@compile_key
+class ForwardKey:
+    """Compile-time key of the forward: ``(M3, K)``, ``S = n_splits`` and the Cube cores (never T)."""
+
+    mhc_mult3: int
+    numel: int
+    n_splits: int
+    num_cube_cores: int
+
+
+@compile_key
+class BackwardKey:
+    """Compile-time key of the backward: ``(M3, K)`` and the vector cores (never T)."""
+
+    mhc_mult3: int
+    numel: int
+    num_cores: int
+
+
+def _forward_key(x, fn, n_splits: int) -> ForwardKey:
+    """The launch's Cube cores: its vector cores over the two of a Cube core's group."""
+    return ForwardKey(int(fn.shape[0]), int(fn.shape[1]), int(n_splits), max(1, int(num_vector_cores()) // _AIVS))
+
+
+def _forward_cases(hidden_size: int, hc_mult: int) -> dict:
+    """n_splits only changes the zero stores, so S = 1 and S = 16 cover the forward (K = m*H)."""
+    ncube = max(1, CASE_NUM_CORES // _AIVS)
+    return {f"mhc_gemm_with_sqrsum_forward_s{s}": ForwardKey(CASE_MHC_MULT3, hc_mult * hidden_size, s, ncube)
+            for s in (1, 16)}
 
 
 def build_mhc_gemm_with_sqrsum_forward(mhc_mult3: int, numel: int, n_splits: int, num_cube_cores: int):
@@ -194,25 +209,15 @@ def build_mhc_gemm_with_sqrsum_forward(mhc_mult3: int, numel: int, n_splits: int
     return mhc_gemm_with_sqrsum_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_gemm_with_sqrsum_forward_kernel(mhc_mult3: int, numel: int, n_splits: int, num_cube_cores: int):
-    from .._build import jit_compile
-
-    key = (mhc_mult3, numel, n_splits, num_cube_cores)
-    return jit_compile("mhc_gemm_with_sqrsum_forward", key, build_mhc_gemm_with_sqrsum_forward(*key))
+FORWARD = Kernel("mhc_gemm_with_sqrsum_forward", ForwardKey, build_mhc_gemm_with_sqrsum_forward, derive=_forward_key,
+                 cases=_forward_cases)
 
 
 def mhc_gemm_with_sqrsum_forward(x, fn, n_splits, out_mul_part, sqrsum_part) -> None:
     """x (T,K) bf16, fn (M3,K) f32, n_splits S -> out_mul_part (S,T,M3) f32, sqrsum_part (S,T) f32
     (both overwritten; full sums in split 0, zeros in splits 1..S-1). Current stream, no sync."""
-    key = mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits, num_vector_cores())
-    kernel = get_mhc_gemm_with_sqrsum_forward_kernel(*key)
+    kernel = FORWARD.compiled(FORWARD.key(x, fn, n_splits))
     kernel(x, fn, out_mul_part, sqrsum_part)
-
-
-def mhc_gemm_with_sqrsum_backward_key(fn, num_cores: int) -> tuple:
-    """(M3, K, num_cores); never T. ``num_cores`` is the vector core count."""
-    return (int(fn.shape[0]), int(fn.shape[1]), int(num_cores))
 
 
 def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: int):
@@ -333,30 +338,17 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
     return mhc_gemm_with_sqrsum_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_gemm_with_sqrsum_backward_kernel(mhc_mult3: int, numel: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (mhc_mult3, numel, num_cores)
-    return jit_compile("mhc_gemm_with_sqrsum_backward", key, build_mhc_gemm_with_sqrsum_backward(*key))
+BACKWARD = Kernel("mhc_gemm_with_sqrsum_backward", BackwardKey, build_mhc_gemm_with_sqrsum_backward,
+                  derive=lambda fn: BackwardKey(int(fn.shape[0]), int(fn.shape[1]), int(num_vector_cores())),
+                  cases=lambda hidden_size, hc_mult: BackwardKey(CASE_MHC_MULT3, hc_mult * hidden_size, CASE_NUM_CORES))
 
 
 def mhc_gemm_with_sqrsum_backward(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad) -> None:
     """out_mul_grad (T,M3) f32 (or (T,1,M3)), sqrsum_grad (T,) f32 (or (T,1)), x (T,K) bf16, fn (M3,K) f32;
     x_grad (T,K) bf16 accumulated in place; fn_grad (M3,K) f32 (new, overwritten). Current stream."""
-    key = mhc_gemm_with_sqrsum_backward_key(fn, num_vector_cores())
-    kernel = get_mhc_gemm_with_sqrsum_backward_kernel(*key)
+    kernel = BACKWARD.compiled(BACKWARD.key(fn))
     n = x.shape[0]
     kernel(out_mul_grad.reshape(n, -1), sqrsum_grad.reshape(n), x, fn, x_grad, fn_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` (K = m*H) -> prim_func. n_splits only changes the zero
-    stores, so S = 1 and S = 16 cover the forward."""
-    K = hc_mult * hidden_size
-    ncube = max(1, num_cores // _AIVS)
-    return {
-        "mhc_gemm_with_sqrsum_forward_s1": build_mhc_gemm_with_sqrsum_forward(CASE_MHC_MULT3, K, 1, ncube),
-        "mhc_gemm_with_sqrsum_forward_s16": build_mhc_gemm_with_sqrsum_forward(CASE_MHC_MULT3, K, 16, ncube),
-        "mhc_gemm_with_sqrsum_backward": build_mhc_gemm_with_sqrsum_backward(CASE_MHC_MULT3, K, num_cores),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

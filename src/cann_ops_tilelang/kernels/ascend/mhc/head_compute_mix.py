@@ -8,28 +8,16 @@ parameter-gradient partials accumulate per lane, reduced across lanes once per p
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_NUM_CORES, LANES, M, require_hc_mult
-from ._per_token import TokenPlan, sigmoid, token_block_range, u32
+from ._per_token import CoresKey, TokenPlan, sigmoid, token_block_range, u32
 
-__all__ = [
-    "build_mhc_head_compute_mix_backward",
-    "build_mhc_head_compute_mix_forward",
-    "get_mhc_head_compute_mix_backward_kernel",
-    "get_mhc_head_compute_mix_forward_kernel",
-    "lowering_cases",
-    "mhc_head_compute_mix_backward",
-    "mhc_head_compute_mix_backward_key",
-    "mhc_head_compute_mix_forward",
-    "mhc_head_compute_mix_forward_key",
-]
 
 _PARTIALS = limits.MHC_HEAD_MIX_PARTIALS["ascend"]
 
@@ -37,11 +25,6 @@ _PARTIALS = limits.MHC_HEAD_MIX_PARTIALS["ascend"]
 # 8 / ~7 KiB of UB (docs/perf/ascend950/mhc.md, 2026-11-30 — head_compute_mix: UB).
 FORWARD_PLAN = TokenPlan(tokens=128)
 BACKWARD_PLAN = TokenPlan()
-
-
-def mhc_head_compute_mix_forward_key(input_mix, num_cores: int) -> tuple:
-    """(m, num_cores); never T. pre_eps is a runtime scalar."""
-    return (require_hc_mult("mhc_head_compute_mix_forward", input_mix.shape[-1]), int(num_cores))
 
 
 def build_mhc_head_compute_mix_forward(hc_mult: int, num_cores: int):
@@ -84,25 +67,37 @@ def build_mhc_head_compute_mix_forward(hc_mult: int, num_cores: int):
     return mhc_head_compute_mix_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_head_compute_mix_forward_kernel(hc_mult, num_cores):
-    from .._build import jit_compile
-
-    key = (hc_mult, num_cores)
-    return jit_compile("mhc_head_compute_mix_forward", key, build_mhc_head_compute_mix_forward(*key))
+FORWARD = Kernel(
+    "mhc_head_compute_mix_forward", CoresKey, build_mhc_head_compute_mix_forward,
+    derive=lambda input_mix: CoresKey(require_hc_mult("mhc_head_compute_mix_forward", input_mix.shape[-1]),
+                                      int(num_vector_cores())),
+    cases=lambda hidden_size, hc_mult: CoresKey(hc_mult, CASE_NUM_CORES))
 
 
 def mhc_head_compute_mix_forward(input_mix, mhc_scale, mhc_base, output_mix, pre_eps) -> None:
     """input_mix (T,4) f32, mhc_scale (1,), mhc_base (4,) -> output_mix (T,4) f32 (written). Current stream."""
-    key = mhc_head_compute_mix_forward_key(input_mix, num_vector_cores())
-    kernel = get_mhc_head_compute_mix_forward_kernel(*key)
+    kernel = FORWARD.compiled(FORWARD.key(input_mix))
     kernel(input_mix, mhc_scale, mhc_base, output_mix, float(pre_eps))
 
 
-def mhc_head_compute_mix_backward_key(input_mix, mhc_scale_grad_partial, num_cores: int) -> tuple:
-    """(m, P, num_cores); never T. P = rows of the caller's partial buffers."""
+@compile_key
+class BackwardKey:
+    """Compile-time key of the backward: ``m``, ``P`` (rows of the caller's partial buffers), the vector cores."""
+
+    hc_mult: int
+    num_partials: int
+    num_cores: int
+
+
+def _backward_key(input_mix, mhc_scale_grad_partial) -> BackwardKey:
     require_hc_mult("mhc_head_compute_mix_backward", input_mix.shape[-1])
-    return (M, int(mhc_scale_grad_partial.shape[0]), int(num_cores))
+    return BackwardKey(M, int(mhc_scale_grad_partial.shape[0]), int(num_vector_cores()))
+
+
+def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
+    """At P = one row per core and at P = 2 * cores + 3 (rows beyond the grid)."""
+    cores = CASE_NUM_CORES
+    return {f"mhc_head_compute_mix_backward_p{p}": BackwardKey(hc_mult, p, cores) for p in (cores, 2 * cores + 3)}
 
 
 def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cores: int):
@@ -200,12 +195,8 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cor
     return mhc_head_compute_mix_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_head_compute_mix_backward_kernel(hc_mult, num_partials, num_cores):
-    from .._build import jit_compile
-
-    key = (hc_mult, num_partials, num_cores)
-    return jit_compile("mhc_head_compute_mix_backward", key, build_mhc_head_compute_mix_backward(*key))
+BACKWARD = Kernel("mhc_head_compute_mix_backward", BackwardKey, build_mhc_head_compute_mix_backward,
+                  derive=_backward_key, cases=_backward_cases)
 
 
 def mhc_head_compute_mix_backward(
@@ -214,16 +205,8 @@ def mhc_head_compute_mix_backward(
     """output_mix_grad (T,4), input_mix (T,4), scale (1,), base (4,) -> input_mix_grad (T,4) written and
     every row of mhc_scale_grad_partial (P,1) / mhc_base_grad_partial (P,4) written (the caller sums
     them). Current stream."""
-    key = mhc_head_compute_mix_backward_key(input_mix, mhc_scale_grad_partial, num_vector_cores())
-    kernel = get_mhc_head_compute_mix_backward_kernel(*key)
+    kernel = BACKWARD.compiled(BACKWARD.key(input_mix, mhc_scale_grad_partial))
     kernel(output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial, mhc_base_grad_partial)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant -> prim_func (for CPU lowering checks); per-token kernels, independent of
-    ``hidden_size``. The backward at P = one row per core and at P = 2 * cores + 3 (rows beyond the grid)."""
-    del hidden_size
-    cases = {"mhc_head_compute_mix_forward": build_mhc_head_compute_mix_forward(hc_mult, num_cores)}
-    for p in (num_cores, 2 * num_cores + 3):
-        cases[f"mhc_head_compute_mix_backward_p{p}"] = build_mhc_head_compute_mix_backward(hc_mult, p, num_cores)
-    return cases
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

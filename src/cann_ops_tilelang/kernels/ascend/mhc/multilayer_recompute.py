@@ -28,31 +28,17 @@ bitwise the same): TileLang's Z3 scheduling of the unrolled body grows fast with
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import functools
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
-from tilelang.ascend.language import simd as S
 from tvm.script.ir_builder import tirx as ir_builder
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_NUM_CORES, LANES
-from ._streaming import PAD, StreamingPlan, bf16_to_f32, check, to_bf16
+from ._streaming import PAD, StreamingPlan, apply_mix_vf, check, post_vf
 
-__all__ = [
-    "ARGUMENTS",
-    "LISTS",
-    "PLAN",
-    "RecomputePlan",
-    "build_mhc_multilayer_recompute",
-    "get_mhc_multilayer_recompute_kernel",
-    "kernel_arguments",
-    "lowering_cases",
-    "mhc_multilayer_recompute",
-    "mhc_multilayer_recompute_bytes_per_column",
-    "mhc_multilayer_recompute_key",
-]
 
 OP = "mhc_multilayer_recompute"
 LAYERS = limits.MHC_RECOMPUTE_LAYERS
@@ -125,9 +111,20 @@ def _list_params(name: str, count: int, shape, dtype) -> list:
     return [ir_builder.arg(f"{name}_{index}", T.Tensor(shape, dtype)) for index in range(count)]
 
 
-def mhc_multilayer_recompute_key(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list,
-                                 layer_input_list, residual_list, num_cores: int) -> tuple:
-    """(H, m, L, Lp, num_cores); never T. L = len(pre_mix_list), Lp = len(layer_output_list)."""
+@compile_key
+class RecomputeKey:
+    """Compile-time key: ``H``, ``m``, ``L = layers``, ``Lp = post_layers`` and the vector cores (never T)."""
+
+    hidden_size: int
+    hc_mult: int
+    layers: int
+    post_layers: int
+    num_cores: int
+
+
+def _key(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list, layer_input_list,
+         residual_list) -> RecomputeKey:
+    """L = len(pre_mix_list), Lp = len(layer_output_list); the other lists' lengths checked against them."""
     L, Lp = len(pre_mix_list), len(layer_output_list)
     lengths = {"layer_input_list": (len(layer_input_list), L), "post_mix_list": (len(post_mix_list), Lp),
                "comb_mix_list": (len(comb_mix_list), Lp), "residual_list": (len(residual_list), Lp)}
@@ -135,7 +132,7 @@ def mhc_multilayer_recompute_key(initial_residual, pre_mix_list, layer_output_li
         if got != expected:
             raise limits.LimitError(f"{OP}: {name} holds {got} tensors, expected {expected}")
     H, m, L, Lp = _check(initial_residual.shape[-1], initial_residual.shape[-2], L, Lp)
-    return (H, m, L, Lp, int(num_cores))
+    return RecomputeKey(H, m, L, Lp, int(num_vector_cores()))
 
 
 def build_mhc_multilayer_recompute(hidden_size: int, hc_mult: int, layers: int, post_layers: int, num_cores: int):
@@ -154,44 +151,8 @@ def build_mhc_multilayer_recompute(hidden_size: int, hc_mult: int, layers: int, 
     n_chunks = h_blk // LANES
     num_tokens = T.dynamic("num_tokens")
 
-    @T.macro
-    def apply_mix(res_ub, mix_ub, o_ub):
-        """The VF of the apply-mix forward (pre_apply_mix.py)."""
-        with T.SimdVF():
-            w = S.alloc_local((m,), T.float32)
-            for i in T.unroll(m, explicit=True):
-                w[i] = S.vld(mix_ub[i], dist="BRC_B32")
-            acc = S.alloc_local((1,), T.float32)
-            for c in T.serial(n_chunks):
-                d = c * LANES
-                acc[0] = S.vmul(bf16_to_f32(res_ub[0, d]), w[0])
-                for i in T.unroll(1, m, explicit=True):
-                    S.vmula(acc[0], bf16_to_f32(res_ub[i, d]), w[i])
-                S.vsts(o_ub[d], to_bf16(acc[0]), dist="PK_B32")
-
-    @T.macro
-    def post_stage(x_ub, res_ub, post_ub, comb_ub, out_ub):
-        """The VF of the post forward (post.py)."""
-        with T.SimdVF():
-            pw = S.alloc_local((m,), T.float32)
-            cw = S.alloc_local((m * m,), T.float32)
-            for o in T.unroll(m, explicit=True):
-                pw[o] = S.vld(post_ub[o], dist="BRC_B32")
-            for i in T.unroll(m, explicit=True):
-                for o in T.unroll(m, explicit=True):
-                    cw[i * m + o] = S.vld(comb_ub[i, o], dist="BRC_B32")
-            rf = S.alloc_local((m,), T.float32)
-            acc = S.alloc_local((m,), T.float32)
-            for c in T.serial(n_chunks):
-                d = c * LANES
-                xf = bf16_to_f32(x_ub[d])
-                for i in T.unroll(m, explicit=True):
-                    rf[i] = bf16_to_f32(res_ub[i, d])
-                for o in T.unroll(m, explicit=True):
-                    acc[o] = S.vmul(pw[o], xf)
-                    for i in T.unroll(m, explicit=True):
-                        S.vmula(acc[o], cw[i * m + o], rf[i])
-                    S.vsts(out_ub[o, d], to_bf16(acc[o]), dist="PK_B32")
+    # the VFs of the apply-mix forward (pre_apply_mix.py) and of the post forward (post.py) themselves
+    apply_mix, post_stage = apply_mix_vf(m, n_chunks), post_vf(m, n_chunks)
 
     @T.prim_func
     def mhc_multilayer_recompute_asc(initial_residual: T.Tensor[(num_tokens, m, H), T.bfloat16]):
@@ -222,36 +183,25 @@ def build_mhc_multilayer_recompute(hidden_size: int, hc_mult: int, layers: int, 
                             T.copy(comb_mix_list[layer][t, :, :], comb_ub[p])
                             T.copy(layer_output_list[layer][t, h0 : h0 + h_blk], y_ub[p])
                         with T.Task():  # both VFs of the layer: one scheduler task on the vector pipe
-                            apply_mix(res_ub[p], pre_ub[p], li_ub[p])
+                            apply_mix(res_ub[p], pre_ub[p], None, li_ub[p])
                             post_stage(y_ub[p], res_ub[p], post_ub[p], comb_ub[p], res_ub[1 - p])
                         with T.Task():
                             T.copy(li_ub[p], layer_input_list[layer][t, h0 : h0 + h_blk])
                             T.copy(res_ub[1 - p], residual_list[layer][t, :, h0 : h0 + h_blk])
                     else:
                         T.copy(pre_mix_list[layer][t, :], pre_ub[p][0:m])
-                        apply_mix(res_ub[p], pre_ub[p], li_ub[p])
+                        apply_mix(res_ub[p], pre_ub[p], None, li_ub[p])
                         T.copy(li_ub[p], layer_input_list[layer][t, h0 : h0 + h_blk])
 
     return mhc_multilayer_recompute_asc
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(hidden_size: int, hc_mult: int, layers: int, post_layers: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, layers, post_layers, num_cores)
-    return jit_compile(OP, key, build_mhc_multilayer_recompute(*key))
-
-
-@functools.lru_cache(maxsize=None)
-def get_mhc_multilayer_recompute_kernel(hidden_size: int, hc_mult: int, layers: int, post_layers: int, num_cores: int):
-    """The launches of the key: ``((first layer, L, Lp, kernel), ...)`` per :meth:`RecomputePlan.chunks` (the
-    kernels of equal runs are shared between keys)."""
-    _check(hidden_size, hc_mult, layers, post_layers)
-    return tuple(
-        (start, run, post_run, _compiled(hidden_size, hc_mult, run, post_run, num_cores))
-        for start, run, post_run in PLAN.chunks(layers, post_layers)
-    )
+# One kernel per run of at most PLAN.layers_per_kernel layers (the launcher chains them; equal runs share theirs).
+# Lowering cases: (L, Lp) in (1, 1), (3, 2), (3, 3), (10, 9), (10, 10).
+KERNEL = Kernel(OP, RecomputeKey, build_mhc_multilayer_recompute, derive=_key,
+                cases=lambda hidden_size, hc_mult: {
+                    f"{OP}_l{layers}_lp{post}": RecomputeKey(hidden_size, hc_mult, layers, post, CASE_NUM_CORES)
+                    for layers, post in ((1, 1), (3, 2), (3, 3), (10, 9), (10, 10))})
 
 
 def mhc_multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list,
@@ -259,10 +209,11 @@ def mhc_multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, 
     """initial_residual (T,m,H) bf16; L tensors pre_mix_list (T,m) f32; Lp tensors layer_output_list (T,H)
     bf16, post_mix_list (T,m) (or (T,m,1)) f32, comb_mix_list (T,m,m) f32 -> L tensors layer_input_list
     (T,H) bf16 and Lp tensors residual_list (T,m,H) bf16 (all overwritten). Current stream, no sync."""
-    key = mhc_multilayer_recompute_key(initial_residual, pre_mix_list, layer_output_list, post_mix_list,
-                                       comb_mix_list, layer_input_list, residual_list, num_vector_cores())
-    t, m = int(initial_residual.shape[0]), key[1]
-    for start, run, post_run, kernel in get_mhc_multilayer_recompute_kernel(*key):
+    key = KERNEL.key(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list,
+                     layer_input_list, residual_list)
+    t, m = int(initial_residual.shape[0]), key.hc_mult
+    for start, run, post_run in PLAN.chunks(key.layers, key.post_layers):
+        kernel = KERNEL.compiled(dataclasses.replace(key, layers=run, post_layers=post_run))
         ends = slice(start, start + run), slice(start, start + post_run)
         kernel(
             initial_residual if start == 0 else residual_list[start - 1],
@@ -271,11 +222,4 @@ def mhc_multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, 
         )
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks): (L, Lp) in (1, 1),
-    (3, 2), (3, 3), (10, 9), (10, 10)."""
-    return {
-        f"mhc_multilayer_recompute_l{layers}_lp{post}": build_mhc_multilayer_recompute(
-            hidden_size, hc_mult, layers, post, num_cores)
-        for layers, post in ((1, 1), (3, 2), (3, 3), (10, 9), (10, 10))
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -10,37 +10,20 @@ its new outputs (docs/ops/mhc.md#conventions).
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
+from ..._kernel import Kernel, kernel_module
 from .. import num_vector_cores
-from ._common import CASE_NUM_CORES, LANES
-from ._streaming import PAD, StreamingPlan, bf16_to_f32, check, to_bf16
+from ._common import LANES
+from ._streaming import PAD, StreamKey, StreamingPlan, bf16_to_f32, check, post_vf, stream_cases, stream_key, to_bf16
 
-__all__ = [
-    "build_mhc_post_backward",
-    "build_mhc_post_forward",
-    "get_mhc_post_backward_kernel",
-    "get_mhc_post_forward_kernel",
-    "lowering_cases",
-    "mhc_post_backward",
-    "mhc_post_backward_key",
-    "mhc_post_forward",
-    "mhc_post_forward_key",
-]
 
 # Forward three stages (the whole row up to H = 4416), backward two (the whole row up to H = 4288)
 # (docs/perf/ascend950/mhc.md, 2026-11-30 — post: UB tiles).
 FORWARD_PLAN = StreamingPlan(stages=3)
 BACKWARD_PLAN = StreamingPlan(stages=2)
-
-
-def mhc_post_forward_key(residual, num_cores: int) -> tuple:
-    """(H, m, num_cores); never T."""
-    return (int(residual.shape[-1]), int(residual.shape[-2]), int(num_cores))
 
 
 def build_mhc_post_forward(hidden_size: int, hc_mult: int, num_cores: int):
@@ -54,6 +37,7 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int, num_cores: int):
     h_blk = FORWARD_PLAN.hidden_tile(H, 2 + 4 * m)  # x (2) + residual (2m) + out (2m) bytes per column
     n_tiles = H // h_blk
     n_chunks = h_blk // LANES
+    post_stage = post_vf(m, n_chunks)
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
@@ -78,50 +62,22 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int, num_cores: int):
                     T.copy(comb_res_mix[t, :, :], comb_ub)
                 T.copy(x[t, h0 : h0 + h_blk], x_ub)
                 T.copy(residual[t, :, h0 : h0 + h_blk], res_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                with T.SimdVF():
-                    pw = S.alloc_local((m,), T.float32)
-                    cw = S.alloc_local((m * m,), T.float32)
-                    for o in T.unroll(m, explicit=True):
-                        pw[o] = S.vld(post_ub[o], dist="BRC_B32")
-                    for i in T.unroll(m, explicit=True):
-                        for o in T.unroll(m, explicit=True):
-                            cw[i * m + o] = S.vld(comb_ub[i, o], dist="BRC_B32")
-                    rf = S.alloc_local((m,), T.float32)
-                    acc = S.alloc_local((m,), T.float32)
-                    for c in T.serial(n_chunks):
-                        d = c * LANES
-                        xf = bf16_to_f32(x_ub[d])
-                        for i in T.unroll(m, explicit=True):
-                            rf[i] = bf16_to_f32(res_ub[i, d])
-                        for o in T.unroll(m, explicit=True):
-                            acc[o] = S.vmul(pw[o], xf)
-                            for i in T.unroll(m, explicit=True):
-                                S.vmula(acc[o], cw[i * m + o], rf[i])
-                            S.vsts(out_ub[o, d], to_bf16(acc[o]), dist="PK_B32")
+                post_stage(x_ub, res_ub, post_ub, comb_ub, out_ub)
                 T.copy(out_ub, out[t, :, h0 : h0 + h_blk])
 
     return mhc_post_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_post_forward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, num_cores)
-    return jit_compile("mhc_post_forward", key, build_mhc_post_forward(*key))
+FORWARD = Kernel("mhc_post_forward", StreamKey, build_mhc_post_forward, cases=stream_cases,
+                 derive=lambda residual: stream_key(residual.shape[-1], residual.shape[-2], num_vector_cores()))
 
 
 def mhc_post_forward(x, residual, post_layer_mix, comb_res_mix, out) -> None:
     """x (T,H) bf16, residual (T,m,H) bf16, post_layer_mix (T,m) f32 (or (T,m,1)), comb_res_mix (T,m,m)
     f32 -> out (T,m,H) bf16 (overwritten). Current stream, no sync."""
-    kernel = get_mhc_post_forward_kernel(*mhc_post_forward_key(residual, num_vector_cores()))
+    kernel = FORWARD.compiled(FORWARD.key(residual))
     n, m = residual.shape[0], residual.shape[1]
     kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, out)
-
-
-def mhc_post_backward_key(residual, num_cores: int) -> tuple:
-    """(H, m, num_cores); never T."""
-    return (int(residual.shape[-1]), int(residual.shape[-2]), int(num_cores))
 
 
 def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
@@ -234,26 +190,17 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
     return mhc_post_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_post_backward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, num_cores)
-    return jit_compile("mhc_post_backward", key, build_mhc_post_backward(*key))
+BACKWARD = Kernel("mhc_post_backward", StreamKey, build_mhc_post_backward, cases=stream_cases,
+                  derive=lambda residual: stream_key(residual.shape[-1], residual.shape[-2], num_vector_cores()))
 
 
 def mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, d_o, d_x, d_residual, d_post, d_comb) -> None:
     """x (T,H) bf16, residual/d_o (T,m,H) bf16, post (T,m) f32, comb (T,m,m) f32 -> d_x (T,H) bf16,
     d_residual (T,m,H) bf16, d_post (T,m) f32 (or (T,m,1)), d_comb (T,m,m) f32 (all overwritten).
     Current stream, no sync."""
-    kernel = get_mhc_post_backward_kernel(*mhc_post_backward_key(residual, num_vector_cores()))
+    kernel = BACKWARD.compiled(BACKWARD.key(residual))
     n, m = residual.shape[0], residual.shape[1]
     kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, d_o, d_x, d_residual, d_post.reshape(n, m), d_comb)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks)."""
-    return {
-        "mhc_post_forward": build_mhc_post_forward(hidden_size, hc_mult, num_cores),
-        "mhc_post_backward": build_mhc_post_backward(hidden_size, hc_mult, num_cores),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -9,37 +9,21 @@ its new outputs (docs/ops/mhc.md#conventions).
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
+from ..._kernel import Kernel, kernel_module
 from .. import num_vector_cores
-from ._common import CASE_NUM_CORES, LANES
-from ._streaming import PAD, StreamingPlan, bf16_to_f32, check, to_bf16
+from ._common import LANES
+from ._streaming import (PAD, StreamingPlan, StreamKey, apply_mix_vf, bf16_to_f32, check, stream_cases, stream_key,
+                         to_bf16)
 
-__all__ = [
-    "build_mhc_pre_apply_mix_backward",
-    "build_mhc_pre_apply_mix_forward",
-    "get_mhc_pre_apply_mix_backward_kernel",
-    "get_mhc_pre_apply_mix_forward_kernel",
-    "lowering_cases",
-    "mhc_pre_apply_mix_backward",
-    "mhc_pre_apply_mix_backward_key",
-    "mhc_pre_apply_mix_forward",
-    "mhc_pre_apply_mix_forward_key",
-]
 
 # Forward three stages (the whole row up to H = 7936), backward two (the whole row up to H = 6656)
 # (docs/perf/ascend950/mhc.md, 2026-11-30 — pre_apply_mix: UB tiles).
 FORWARD_PLAN = StreamingPlan(stages=3)
 BACKWARD_PLAN = StreamingPlan(stages=2)
-
-
-def mhc_pre_apply_mix_forward_key(x, num_cores: int) -> tuple:
-    """(H, m, num_cores); never T."""
-    return (int(x.shape[-1]), int(x.shape[-2]), int(num_cores))
 
 
 def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int, num_cores: int):
@@ -49,6 +33,7 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int, num_cores: i
     h_blk = FORWARD_PLAN.hidden_tile(H, 2 * (m + 1))  # m bf16 inputs + 1 bf16 output per column
     n_tiles = H // h_blk
     n_chunks = h_blk // LANES
+    apply_mix = apply_mix_vf(m, n_chunks)
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
@@ -66,39 +51,20 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int, num_cores: i
                 h0 = ht * h_blk
                 T.copy(mix[t, :], mix_ub[0:m])
                 T.copy(x[t, :, h0 : h0 + h_blk], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                with T.SimdVF():
-                    w = S.alloc_local((m,), T.float32)
-                    for i in T.unroll(m, explicit=True):
-                        w[i] = S.vld(mix_ub[i], dist="BRC_B32")
-                    acc = S.alloc_local((1,), T.float32)
-                    for c in T.serial(n_chunks):
-                        d = c * LANES
-                        acc[0] = S.vmul(bf16_to_f32(x_ub[0, d]), w[0])
-                        for i in T.unroll(1, m, explicit=True):
-                            S.vmula(acc[0], bf16_to_f32(x_ub[i, d]), w[i])
-                        S.vsts(o_ub[d], to_bf16(acc[0]), dist="PK_B32")
+                apply_mix(x_ub, mix_ub, None, o_ub)
                 T.copy(o_ub, out[t, h0 : h0 + h_blk])
 
     return mhc_pre_apply_mix_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_apply_mix_forward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, num_cores)
-    return jit_compile("mhc_pre_apply_mix_forward", key, build_mhc_pre_apply_mix_forward(*key))
+FORWARD = Kernel("mhc_pre_apply_mix_forward", StreamKey, build_mhc_pre_apply_mix_forward, cases=stream_cases,
+                 derive=lambda x: stream_key(x.shape[-1], x.shape[-2], num_vector_cores()))
 
 
 def mhc_pre_apply_mix_forward(x, mix, out) -> None:
     """x (T,m,H) bf16, mix (T,m) f32 -> out (T,H) bf16 (overwritten). Current stream, no sync."""
-    kernel = get_mhc_pre_apply_mix_forward_kernel(*mhc_pre_apply_mix_forward_key(x, num_vector_cores()))
+    kernel = FORWARD.compiled(FORWARD.key(x))
     kernel(x, mix.reshape(x.shape[0], x.shape[1]), out)
-
-
-def mhc_pre_apply_mix_backward_key(x, num_cores: int) -> tuple:
-    """(H, m, num_cores); never T."""
-    return (int(x.shape[-1]), int(x.shape[-2]), int(num_cores))
 
 
 def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int, num_cores: int):
@@ -167,25 +133,16 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int, num_cores: 
     return mhc_pre_apply_mix_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_apply_mix_backward_kernel(hidden_size: int, hc_mult: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, num_cores)
-    return jit_compile("mhc_pre_apply_mix_backward", key, build_mhc_pre_apply_mix_backward(*key))
+BACKWARD = Kernel("mhc_pre_apply_mix_backward", StreamKey, build_mhc_pre_apply_mix_backward, cases=stream_cases,
+                  derive=lambda x: stream_key(x.shape[-1], x.shape[-2], num_vector_cores()))
 
 
 def mhc_pre_apply_mix_backward(out_grad, x, mix, x_grad, mix_grad) -> None:
     """out_grad (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32; x_grad (T,m,H) bf16 accumulated in place;
     mix_grad (T,m) f32 (new, overwritten). Current stream, no sync."""
-    kernel = get_mhc_pre_apply_mix_backward_kernel(*mhc_pre_apply_mix_backward_key(x, num_vector_cores()))
+    kernel = BACKWARD.compiled(BACKWARD.key(x))
     n, m = x.shape[0], x.shape[1]
     kernel(out_grad, x, mix.reshape(n, m), x_grad, mix_grad.reshape(n, m))
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks)."""
-    return {
-        "mhc_pre_apply_mix_forward": build_mhc_pre_apply_mix_forward(hidden_size, hc_mult, num_cores),
-        "mhc_pre_apply_mix_backward": build_mhc_pre_apply_mix_backward(hidden_size, hc_mult, num_cores),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

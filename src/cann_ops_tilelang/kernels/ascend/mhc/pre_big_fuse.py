@@ -23,26 +23,14 @@ import functools
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
-from tilelang.ascend.language import simd as S
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
 from ._common import CASE_NUM_CORES, LANES, M, M2, M3, require_streams_and_hidden
-from ._per_token import TOK, sigmoid, u32
-from ._streaming import SLACK, bf16_to_f32, to_bf16
-from .reduce_partials_and_rmsnorm import FORWARD_PLAN as REDUCE_PLAN
-from .sinkhorn import REPEAT, _norm_cols, _norm_rows, _soa_load, _soa_store, _softmax_rows
-
-__all__ = [
-    "PLAN",
-    "build_mhc_pre_big_fuse",
-    "core_token_range",
-    "get_mhc_pre_big_fuse_kernel",
-    "lowering_cases",
-    "mhc_pre_big_fuse",
-    "mhc_pre_big_fuse_key",
-    "mhc_pre_big_fuse_ub_bytes",
-]
+from ._per_token import SPLIT_SUMS, TOK, rms_vf, split_mixes_vf, split_sums, token_table_vf
+from ._sinkhorn import sinkhorn_forward_vf
+from ._streaming import SLACK, apply_mix_vf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +44,7 @@ class FusedPlan:
     def mixes_ub_bytes(self, n_splits: int) -> int:
         """UB of the mixes stage: partials (SC splits per DMA, as the reduce kernel), sums, mixes, the
         lane -> token table, parameters, pre / post / comb logits / comb tiles."""
-        B, SC = self.tokens, REDUCE_PLAN.split_chunk(n_splits)
+        B, SC = self.tokens, SPLIT_SUMS.split_chunk(n_splits)
         return 4 * (SC * B * M3 + SC * B + 2 * B * M3 + B + B * M3 + 8 + LANES + 2 * B * M + 2 * B * M2)
 
     def hidden_tile(self, hidden_size: int, hc_mult: int, n_splits: int) -> int:
@@ -86,7 +74,7 @@ def _check(where: str, hidden_size, hc_mult, n_splits, repeat) -> tuple[int, int
     """(H, m, S, R) in the declared ranges (S: the pre-norm GEMM's splits of K = m*H), else LimitError."""
     H, m = require_streams_and_hidden(where, hidden_size, hc_mult)
     S_ = limits.mhc_gemm_splits(m * H).require(where, int(n_splits))
-    return H, m, S_, REPEAT.require(where, int(repeat))
+    return H, m, S_, limits.MHC_SINKHORN_REPEAT["ascend"].require(where, int(repeat))
 
 
 def mhc_pre_big_fuse_ub_bytes(hidden_size: int, hc_mult: int, n_splits: int) -> int:
@@ -95,13 +83,24 @@ def mhc_pre_big_fuse_ub_bytes(hidden_size: int, hc_mult: int, n_splits: int) -> 
     return PLAN.mixes_ub_bytes(n_splits) + PLAN.stages * 2 * (hc_mult + 1) * h_blk
 
 
-def mhc_pre_big_fuse_key(gemm_out_mul, residual, sinkhorn_repeat, n_splits, num_cores: int) -> tuple:
-    """(H, m, S, R, num_cores); never T. The eps values and post_mult_value are runtime scalars."""
+@compile_key
+class BigFuseKey:
+    """Compile-time key: ``H``, ``m``, ``S = n_splits``, the Sinkhorn repeat ``R`` and the vector cores (never T;
+    the eps values and post_mult_value are runtime scalars)."""
+
+    hidden_size: int
+    hc_mult: int
+    n_splits: int
+    repeat: int
+    num_cores: int
+
+
+def _key(gemm_out_mul, residual, sinkhorn_repeat, n_splits) -> BigFuseKey:
     s = int(gemm_out_mul.shape[0])
     if s != int(n_splits):
         raise limits.LimitError(f"mhc_pre_big_fuse: gemm_out_mul holds {s} splits, n_splits is {n_splits}")
     H, m, S_, R = _check("mhc_pre_big_fuse", residual.shape[-1], residual.shape[-2], s, sinkhorn_repeat)
-    return (H, m, S_, R, int(num_cores))
+    return BigFuseKey(H, m, S_, R, int(num_vector_cores()))
 
 
 def build_mhc_pre_big_fuse(hidden_size: int, hc_mult: int, n_splits: int, repeat: int, num_cores: int):
@@ -112,12 +111,15 @@ def build_mhc_pre_big_fuse(hidden_size: int, hc_mult: int, n_splits: int, repeat
     P = int(num_cores)
     B, stages = PLAN.tokens, PLAN.stages
     NV = B * M3 // LANES  # 24 vectors per block in the compact layout
-    SC = REDUCE_PLAN.split_chunk(S_)
-    n_split_chunks = S_ // SC
+    SC = SPLIT_SUMS.split_chunk(S_)
     h_blk = PLAN.hidden_tile(H, m, S_)
     n_tiles = H // h_blk
     n_chunks = h_blk // LANES
     num_tokens = T.dynamic("num_tokens")
+    # the unfused kernels' stages themselves (their bitwise contract): reduce + RMSNorm, split mixes, Sinkhorn,
+    # apply mix
+    sums, rms, token_table = split_sums(B, S_, SPLIT_SUMS), rms_vf(NV), token_table_vf(NV)
+    split_mixes, sinkhorn, apply_mix = split_mixes_vf(B), sinkhorn_forward_vf(R), apply_mix_vf(m, n_chunks)
 
     @T.prim_func
     def mhc_pre_big_fuse_asc(
@@ -153,102 +155,19 @@ def build_mhc_pre_big_fuse(hidden_size: int, hc_mult: int, n_splits: int, repeat
             T.annotate_buffer_versions({x_ub: stages, o_ub: stages})
             T.copy(mhc_scale[0:3], scale_ub[0:3])
             T.copy(mhc_base[0:M3], base_ub[0:M3])
-            # token of element e = 64v + lane of the compact (64, 24) block (as the reduce kernel)
-            with T.SimdVF():
-                lane = S.vci(0, T.int32)
-                for v in T.unroll(NV, explicit=True):
-                    e8 = S.vshrs(S.vadds(lane, v * LANES), 3)
-                    p = S.vadd(S.vadd(S.vshls(e8, 7), S.vshls(e8, 5)),
-                               S.vadd(S.vshls(e8, 3), S.vadd(S.vshls(e8, 1), e8)))
-                    S.vsts(tok_ub[v, 0], S.vshrs(p, 9))
-
+            token_table(tok_ub)  # lane -> token of the compact (64, 24) block (as the reduce kernel)
             lo, hi = core_token_range(core_id, P, num_tokens)
             for ch in T.serial(T.ceildiv(hi - lo, B)):
                 t0 = lo + ch * B
                 n = T.min(B, hi - t0)
-                # 1. ordered sums over the splits (mhc_reduce_partials_and_rmsnorm_forward)
-                if n_split_chunks == 1:
-                    T.copy(gemm_out_mul[:, t0 : t0 + B, :], part_ub)
-                    T.copy(gemm_out_sqrsum[:, t0 : t0 + B], sqp_ub)
-                    with T.SimdVF():
-                        a = S.alloc_local((1,), T.float32)
-                        for v in T.unroll(NV, explicit=True):
-                            a[0] = S.vld(part_ub[0, (v * LANES) // M3, (v * LANES) % M3])
-                            for s in T.serial(1, SC):
-                                a[0] = S.vadd(a[0], S.vld(part_ub[s, (v * LANES) // M3, (v * LANES) % M3]))
-                            S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], a[0])
-                        a[0] = S.vld(sqp_ub[0, 0])
-                        for s in T.serial(1, SC):
-                            a[0] = S.vadd(a[0], S.vld(sqp_ub[s, 0]))
-                        S.vsts(sq_ub[0], a[0])
-                else:
-                    with T.SimdVF():
-                        zero = S.vdup(0.0, T.float32)
-                        for v in T.unroll(NV, explicit=True):
-                            S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], zero)
-                        S.vsts(sq_ub[0], zero)
-                    for c in T.serial(n_split_chunks):
-                        T.copy(gemm_out_mul[c * SC : c * SC + SC, t0 : t0 + B, :], part_ub)
-                        T.copy(gemm_out_sqrsum[c * SC : c * SC + SC, t0 : t0 + B], sqp_ub)
-                        with T.SimdVF():
-                            a = S.alloc_local((1,), T.float32)
-                            for v in T.unroll(NV, explicit=True):
-                                a[0] = S.vld(acc_ub[(v * LANES) // M3, (v * LANES) % M3])
-                                for s in T.serial(SC):
-                                    a[0] = S.vadd(a[0], S.vld(part_ub[s, (v * LANES) // M3, (v * LANES) % M3]))
-                                S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], a[0])
-                            a[0] = S.vld(sq_ub[0])
-                            for s in T.serial(SC):
-                                a[0] = S.vadd(a[0], S.vld(sqp_ub[s, 0]))
-                            S.vsts(sq_ub[0], a[0])
-                # 2. RMS normalization (mixes = om * r)
-                with T.SimdVF():
-                    one = S.vdup(1.0, T.float32)
-                    r = S.vdiv(one, S.vsqrt(S.vadds(S.vmuls(S.vld(sq_ub[0]), inv_group), rms_eps)))
-                    for v in T.unroll(NV, explicit=True):
-                        om = S.vld(acc_ub[(v * LANES) // M3, (v * LANES) % M3])
-                        rv = S.vselr(r, S.vld(tok_ub[v, 0]))
-                        S.vsts(mix_ub[(v * LANES) // M3, (v * LANES) % M3], S.vmul(om, rv))
+                # 1. ordered sums over the splits and 2. RMS normalization, mixes = om * r
+                # (mhc_reduce_partials_and_rmsnorm_forward)
+                sums(gemm_out_mul, gemm_out_sqrsum, t0, part_ub, sqp_ub, acc_ub, sq_ub)
+                rms(acc_ub, sq_ub, tok_ub, mix_ub, inv_group, rms_eps)
                 # 3. split mixes (mhc_pre_split_mixes_forward): pre, post, comb logits
-                with T.SimdVF():
-                    zero = S.vdup(0.0, T.float32)
-                    one = S.vdup(1.0, T.float32)
-                    lane = S.vci(0, T.int32)
-                    q4 = S.vshrs(lane, 2)
-                    c4 = S.vand(lane, S.vdup(3, T.int32))
-                    q16 = S.vshrs(lane, 4)
-                    c16 = S.vand(lane, S.vdup(15, T.int32))
-                    src4 = S.vadd(S.vadd(S.vshls(q4, 4), S.vshls(q4, 3)), c4)  # 24*(l//4) + l%4
-                    src16 = S.vadd(S.vadd(S.vshls(q16, 4), S.vshls(q16, 3)), S.vadds(c16, 2 * M))
-                    base_pre = S.vgather2(base_ub[0], u32(c4))
-                    base_post = S.vgather2(base_ub[0], u32(S.vadds(c4, M)))
-                    base_comb = S.vgather2(base_ub[0], u32(S.vadds(c16, 2 * M)))
-                    s_pre = S.vld(scale_ub[0], dist="BRC_B32")
-                    s_post = S.vld(scale_ub[1], dist="BRC_B32")
-                    s_comb = S.vld(scale_ub[2], dist="BRC_B32")
-                    for k in T.unroll(B // 16, explicit=True):
-                        xp = S.vgather2(mix_ub[0, 0], u32(S.vadds(src4, 16 * M3 * k)))
-                        zp = S.vadd(S.vmul(xp, s_pre), base_pre)
-                        S.vsts(pre_ub[16 * k, 0], S.vadds(sigmoid(zp, zero, one), pre_eps))
-                        xq = S.vgather2(mix_ub[0, 0], u32(S.vadds(src4, 16 * M3 * k + M)))
-                        zq = S.vadd(S.vmul(xq, s_post), base_post)
-                        S.vsts(post_ub[16 * k, 0], S.vmuls(sigmoid(zq, zero, one), post_mult_value))
-                    for k in T.unroll(B // 4, explicit=True):
-                        xc = S.vgather2(mix_ub[0, 0], u32(S.vadds(src16, 4 * M3 * k)))
-                        S.vsts(logit_ub[4 * k, 0], S.vadd(S.vmul(xc, s_comb), base_comb))
-                # 4. Sinkhorn (mhc_sinkhorn_forward's macros)
-                with T.SimdVF():
-                    y = S.alloc_local((M2,), T.float32)
-                    tmp = S.alloc_local((M2,), T.float32)
-                    _soa_load(y, tmp, logit_ub)
-                    _softmax_rows(y)
-                    for e in T.unroll(M2, explicit=True):
-                        y[e] = S.vadds(y[e], sinkhorn_eps)
-                    _norm_cols(y, sinkhorn_eps)
-                    for _r in T.serial(R - 1):
-                        _norm_rows(y, sinkhorn_eps)
-                        _norm_cols(y, sinkhorn_eps)
-                    _soa_store(y, tmp, comb_ub)
+                split_mixes(mix_ub, scale_ub, base_ub, pre_ub, post_ub, logit_ub, post_mult_value, pre_eps)
+                # 4. Sinkhorn (mhc_sinkhorn_forward)
+                sinkhorn(logit_ub, comb_ub, sinkhorn_eps)
                 with T.Task():
                     T.copy(post_ub[0:n, :], post_mix[t0 : t0 + n, :])
                     T.copy(comb_ub[0:n, :], comb_mix[t0 : t0 + n, :])
@@ -257,28 +176,17 @@ def build_mhc_pre_big_fuse(hidden_size: int, hc_mult: int, n_splits: int, repeat
                     tok = j // n_tiles
                     h0 = (j % n_tiles) * h_blk
                     T.copy(residual[t0 + tok, :, h0 : h0 + h_blk], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                    with T.SimdVF():
-                        w = S.alloc_local((m,), T.float32)
-                        for i in T.unroll(m, explicit=True):
-                            w[i] = S.vld(pre_ub[tok, i], dist="BRC_B32")
-                        acc = S.alloc_local((1,), T.float32)
-                        for c in T.serial(n_chunks):
-                            d = c * LANES
-                            acc[0] = S.vmul(bf16_to_f32(x_ub[0, d]), w[0])
-                            for i in T.unroll(1, m, explicit=True):
-                                S.vmula(acc[0], bf16_to_f32(x_ub[i, d]), w[i])
-                            S.vsts(o_ub[d], to_bf16(acc[0]), dist="PK_B32")
+                    apply_mix(x_ub, pre_ub, tok, o_ub)
                     T.copy(o_ub, layer_input[t0 + tok, h0 : h0 + h_blk])
 
     return mhc_pre_big_fuse_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_big_fuse_kernel(hidden_size: int, hc_mult: int, n_splits: int, repeat: int, num_cores: int):
-    from .._build import jit_compile
-
-    key = (hidden_size, hc_mult, n_splits, repeat, num_cores)
-    return jit_compile("mhc_pre_big_fuse", key, build_mhc_pre_big_fuse(*key))
+# S = 1 (one DMA of the splits) and 16 (two chunks of 8, the chunked sum), Sinkhorn R = 10 and 20
+KERNEL = Kernel("mhc_pre_big_fuse", BigFuseKey, build_mhc_pre_big_fuse, derive=_key,
+                cases=lambda hidden_size, hc_mult: {
+                    f"mhc_pre_big_fuse_s{s}_r{r}": BigFuseKey(hidden_size, hc_mult, s, r, CASE_NUM_CORES)
+                    for s in (1, 16) for r in (10, 20)})
 
 
 def mhc_pre_big_fuse(
@@ -288,9 +196,9 @@ def mhc_pre_big_fuse(
     """gemm_out_mul (S,T,24) f32 (or (S,T,1,24)), gemm_out_sqrsum (S,T) f32, mhc_scale (3,), mhc_base (24,),
     residual (T,m,H) bf16 -> post_mix (T,m) f32, comb_mix (T,m*m) f32 (or (T,m,m)), layer_input (T,H) bf16
     (all overwritten). RMS group size m*H. Current stream, no sync."""
-    key = mhc_pre_big_fuse_key(gemm_out_mul, residual, sinkhorn_repeat, n_splits, num_vector_cores())
-    kernel = get_mhc_pre_big_fuse_kernel(*key)
-    H, m, s, cores = key[0], key[1], key[2], key[4]
+    key = KERNEL.key(gemm_out_mul, residual, sinkhorn_repeat, n_splits)
+    kernel = KERNEL.compiled(key)
+    H, m, s, cores = key.hidden_size, key.hc_mult, key.n_splits, key.num_cores
     t = int(residual.shape[0])
     if cores * t >= 2**31:  # the kernel's int32 token ranges (core_token_range)
         raise limits.LimitError(f"mhc_pre_big_fuse: {t} tokens x {cores} cores overflow the int32 token ranges")
@@ -302,11 +210,4 @@ def mhc_pre_big_fuse(
     )
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant at ``hidden_size`` -> prim_func (for CPU lowering checks): S = 1 (one DMA of
-    the splits) and 16 (two chunks of 8, the chunked sum), Sinkhorn R = 10 and 20."""
-    return {
-        f"mhc_pre_big_fuse_s{s}_r{r}": build_mhc_pre_big_fuse(hidden_size, hc_mult, s, r, num_cores)
-        for s in (1, 16)
-        for r in (10, 20)
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -13,30 +13,16 @@ Parameter-gradient partials accumulate per lane and are reduced across lanes onc
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_NUM_CORES, LANES, M, M2, M3, require_hc_mult, require_m3, require_mixes
-from ._per_token import TokenPlan, sigmoid, token_block_range, u32
+from ._per_token import CoresKey, TokenPlan, sigmoid, split_mixes_vf, token_block_range, u32
 
-__all__ = [
-    "build_mhc_pre_split_mixes_backward",
-    "build_mhc_pre_split_mixes_backward_reduce",
-    "build_mhc_pre_split_mixes_forward",
-    "get_mhc_pre_split_mixes_backward_kernel",
-    "get_mhc_pre_split_mixes_backward_reduce_kernel",
-    "get_mhc_pre_split_mixes_forward_kernel",
-    "lowering_cases",
-    "mhc_pre_split_mixes_backward",
-    "mhc_pre_split_mixes_backward_key",
-    "mhc_pre_split_mixes_forward",
-    "mhc_pre_split_mixes_forward_key",
-]
 
 # Partial-row layout of the backward (one 256-byte row per vector core):
 # columns [0, M3) = base gradient, [32, 35) = scale gradient, the rest zero.
@@ -50,10 +36,14 @@ FORWARD_PLAN = TokenPlan()
 BACKWARD_PLAN = TokenPlan()
 
 
-def mhc_pre_split_mixes_forward_key(input_mixes, num_cores: int) -> tuple:
-    """(m, num_cores); never T. post_mult_value and pre_eps are runtime scalars."""
-    require_m3("mhc_pre_split_mixes_forward", input_mixes.shape[-1])
-    return (M, int(num_cores))
+def _key(op: str, input_mixes) -> CoresKey:
+    """m = 4 (the mixes' M3 = 24 checked) on the launch's vector cores: one partial row per core backward."""
+    require_m3(op, input_mixes.shape[-1])
+    return CoresKey(M, int(num_vector_cores()))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> CoresKey:
+    return CoresKey(hc_mult, CASE_NUM_CORES)
 
 
 def build_mhc_pre_split_mixes_forward(hc_mult: int, num_cores: int):
@@ -64,6 +54,7 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int, num_cores: int):
     """
     require_hc_mult("mhc_pre_split_mixes_forward", hc_mult)
     B, stages = FORWARD_PLAN.tokens, FORWARD_PLAN.stages
+    split_mixes = split_mixes_vf(B)
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
@@ -90,32 +81,7 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int, num_cores: int):
             for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
                 t0 = blk * B
                 T.copy(input_mixes[t0 : t0 + B, :], x_ub)
-                with T.SimdVF():
-                    zero = S.vdup(0.0, T.float32)
-                    one = S.vdup(1.0, T.float32)
-                    lane = S.vci(0, T.int32)
-                    q4 = S.vshrs(lane, 2)
-                    c4 = S.vand(lane, S.vdup(3, T.int32))
-                    q16 = S.vshrs(lane, 4)
-                    c16 = S.vand(lane, S.vdup(15, T.int32))
-                    src4 = S.vadd(S.vadd(S.vshls(q4, 4), S.vshls(q4, 3)), c4)  # 24*(l//4) + l%4
-                    src16 = S.vadd(S.vadd(S.vshls(q16, 4), S.vshls(q16, 3)), S.vadds(c16, 2 * M))
-                    base_pre = S.vgather2(base_ub[0], u32(c4))
-                    base_post = S.vgather2(base_ub[0], u32(S.vadds(c4, M)))
-                    base_comb = S.vgather2(base_ub[0], u32(S.vadds(c16, 2 * M)))
-                    s_pre = S.vld(scale_ub[0], dist="BRC_B32")
-                    s_post = S.vld(scale_ub[1], dist="BRC_B32")
-                    s_comb = S.vld(scale_ub[2], dist="BRC_B32")
-                    for k in T.unroll(B // 16, explicit=True):
-                        xp = S.vgather2(x_ub[0, 0], u32(S.vadds(src4, 16 * M3 * k)))
-                        zp = S.vadd(S.vmul(xp, s_pre), base_pre)
-                        S.vsts(pre_ub[16 * k, 0], S.vadds(sigmoid(zp, zero, one), pre_eps))
-                        xq = S.vgather2(x_ub[0, 0], u32(S.vadds(src4, 16 * M3 * k + M)))
-                        zq = S.vadd(S.vmul(xq, s_post), base_post)
-                        S.vsts(post_ub[16 * k, 0], S.vmuls(sigmoid(zq, zero, one), post_mult_value))
-                    for k in T.unroll(B // 4, explicit=True):
-                        xc = S.vgather2(x_ub[0, 0], u32(S.vadds(src16, 4 * M3 * k)))
-                        S.vsts(comb_ub[4 * k, 0], S.vadd(S.vmul(xc, s_comb), base_comb))
+                split_mixes(x_ub, scale_ub, base_ub, pre_ub, post_ub, comb_ub, post_mult_value, pre_eps)
                 with T.Task():
                     T.copy(pre_ub, pre[t0 : t0 + B, :])
                     T.copy(post_ub, post[t0 : t0 + B, :])
@@ -124,27 +90,16 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int, num_cores: int):
     return mhc_pre_split_mixes_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_split_mixes_forward_kernel(hc_mult, num_cores):
-    from .._build import jit_compile
-
-    key = (hc_mult, num_cores)
-    return jit_compile("mhc_pre_split_mixes_forward", key, build_mhc_pre_split_mixes_forward(*key))
+FORWARD = Kernel("mhc_pre_split_mixes_forward", CoresKey, build_mhc_pre_split_mixes_forward, cases=_cases,
+                 derive=lambda input_mixes: _key("mhc_pre_split_mixes_forward", input_mixes))
 
 
 def mhc_pre_split_mixes_forward(input_mixes, mhc_scale, mhc_base, pre, post, comb, post_mult_value, pre_eps) -> None:
     """input_mixes (T,24) f32, mhc_scale (3,), mhc_base (24,) -> pre (T,4), post (T,4), comb (T,16) f32
     (written). Current stream."""
-    key = mhc_pre_split_mixes_forward_key(input_mixes, num_vector_cores())
-    kernel = get_mhc_pre_split_mixes_forward_kernel(*key)
+    kernel = FORWARD.compiled(FORWARD.key(input_mixes))
     t = int(input_mixes.shape[0])
     kernel(input_mixes, mhc_scale, mhc_base, pre, post, comb.view(t, M2), float(post_mult_value), float(pre_eps))
-
-
-def mhc_pre_split_mixes_backward_key(input_mixes, num_cores: int) -> tuple:
-    """(m, num_cores); never T. The partial count is the core count (one row per core)."""
-    require_m3("mhc_pre_split_mixes_backward", input_mixes.shape[-1])
-    return (M, int(num_cores))
 
 
 def build_mhc_pre_split_mixes_backward(hc_mult: int, num_cores: int):
@@ -303,20 +258,21 @@ def build_mhc_pre_split_mixes_backward_reduce(num_partials: int, mhc_mult3: int 
     return mhc_pre_split_mixes_backward_reduce_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_split_mixes_backward_kernel(hc_mult, num_cores):
-    from .._build import jit_compile
-
-    key = (hc_mult, num_cores)
-    return jit_compile("mhc_pre_split_mixes_backward", key, build_mhc_pre_split_mixes_backward(*key))
+BACKWARD = Kernel("mhc_pre_split_mixes_backward", CoresKey, build_mhc_pre_split_mixes_backward, cases=_cases,
+                  derive=lambda input_mixes: _key("mhc_pre_split_mixes_backward", input_mixes))
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_split_mixes_backward_reduce_kernel(num_partials, mhc_mult3):
-    from .._build import jit_compile
+@compile_key
+class ReduceKey:
+    """Compile-time key of the backward's reduction: ``P = num_partials`` partial rows of ``M3`` mixes."""
 
-    key = (num_partials, mhc_mult3)
-    return jit_compile("mhc_pre_split_mixes_backward_reduce", key, build_mhc_pre_split_mixes_backward_reduce(*key))
+    num_partials: int
+    mhc_mult3: int
+
+
+# the backward's reduction, with its launch's P = num_cores partial rows (its key from the backward's launcher)
+BACKWARD_REDUCE = Kernel("mhc_pre_split_mixes_backward_reduce", ReduceKey, build_mhc_pre_split_mixes_backward_reduce,
+                         cases=lambda hidden_size, hc_mult: ReduceKey(CASE_NUM_CORES, M3))
 
 
 def mhc_pre_split_mixes_backward(
@@ -328,24 +284,16 @@ def mhc_pre_split_mixes_backward(
     partials over fixed token ranges, then a fixed-order sum). Two launches on the current stream."""
     import torch
 
-    key = mhc_pre_split_mixes_backward_key(input_mixes, num_vector_cores())
-    kernel = get_mhc_pre_split_mixes_backward_kernel(*key)
-    P = key[1]
+    key = BACKWARD.key(input_mixes)
+    kernel = BACKWARD.compiled(key)
+    P = key.num_cores
     partial = torch.empty((P, _SPLIT_ROW), dtype=torch.float32, device=input_mixes.device)
     t = int(input_mixes.shape[0])
     kernel(
         pre_grad.view(t, M), post_grad.view(t, M), comb_grad.view(t, M2), input_mixes, post.view(t, M),
         mhc_scale, mhc_base, input_mixes_grad, partial, float(post_mult_value),
     )
-    get_mhc_pre_split_mixes_backward_reduce_kernel(P, M3)(partial, mhc_scale_grad, mhc_base_grad)
+    BACKWARD_REDUCE.compiled(ReduceKey(P, M3))(partial, mhc_scale_grad, mhc_base_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant -> prim_func (for CPU lowering checks); per-token kernels, independent of
-    ``hidden_size``. The backward's reduction runs with its launch's P = num_cores partial rows."""
-    del hidden_size
-    return {
-        "mhc_pre_split_mixes_forward": build_mhc_pre_split_mixes_forward(hc_mult, num_cores),
-        "mhc_pre_split_mixes_backward": build_mhc_pre_split_mixes_backward(hc_mult, num_cores),
-        "mhc_pre_split_mixes_backward_reduce": build_mhc_pre_split_mixes_backward_reduce(num_cores, M3),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD, BACKWARD_REDUCE)

@@ -14,56 +14,43 @@ splits S.
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import functools
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_NUM_CORES, LANES, M3, require_m3, require_mixes
-from ._per_token import TokenPlan
+from ._per_token import SPLIT_SUMS, TokenPlan, rms_vf, split_sums, token_table_vf
 
-__all__ = [
-    "build_mhc_reduce_partials_and_rmsnorm_backward",
-    "build_mhc_reduce_partials_and_rmsnorm_forward",
-    "get_mhc_reduce_partials_and_rmsnorm_backward_kernel",
-    "get_mhc_reduce_partials_and_rmsnorm_forward_kernel",
-    "lowering_cases",
-    "mhc_reduce_partials_and_rmsnorm_backward",
-    "mhc_reduce_partials_and_rmsnorm_backward_key",
-    "mhc_reduce_partials_and_rmsnorm_forward",
-    "mhc_reduce_partials_and_rmsnorm_forward_key",
-]
 
 _ROW_PAD = 32  # backward UB row of one token: M3 <= 32 floats, so two tokens per vector register
 _SPLITS = limits.IntRange("n_splits", 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardPlan(TokenPlan):
-    """The splits of one token block arrive in equal DMAs of at most ``max_splits_per_copy`` splits."""
-
-    max_splits_per_copy: int = 8
-
-    def split_chunk(self, n_splits: int) -> int:
-        """Largest divisor of S that is <= ``max_splits_per_copy``: S/chunk equal DMAs per block."""
-        for c in range(min(n_splits, self.max_splits_per_copy), 0, -1):
-            if n_splits % c == 0:
-                return c
-        return 1
-
-
-# Eight splits per DMA: S = 16 takes ~134 KiB of UB; the backward ~50 KiB
-# (docs/perf/ascend950/mhc.md, 2026-11-30 — reduce_partials_and_rmsnorm: UB).
-FORWARD_PLAN = ForwardPlan()
+# Forward: eight splits per DMA (_per_token.SPLIT_SUMS, shared with the fused pre stage), ~134 KiB of UB at S = 16;
+# the backward ~50 KiB (docs/perf/ascend950/mhc.md, 2026-11-30 — reduce_partials_and_rmsnorm: UB).
+FORWARD_PLAN = SPLIT_SUMS
 BACKWARD_PLAN = TokenPlan()
 
 
-def mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted, num_cores: int) -> tuple:
-    """(S, num_cores); never T. ``rms_group_size`` and ``rms_eps`` are runtime scalars."""
-    return (int(out_mul_splitted.shape[0]), int(num_cores))
+@compile_key
+class ForwardKey:
+    """Compile-time key of the forward: ``S = n_splits`` and the vector cores (never T; ``rms_group_size`` and
+    ``rms_eps`` are runtime scalars)."""
+
+    n_splits: int
+    num_cores: int
+
+
+@compile_key
+class BackwardKey:
+    """Compile-time key of the backward: ``M3`` and the vector cores."""
+
+    mhc_mult3: int
+    num_cores: int
 
 
 def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, num_cores: int):
@@ -77,7 +64,7 @@ def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, num_cores: int)
     B, stages = FORWARD_PLAN.tokens, FORWARD_PLAN.stages
     NV = B * M3 // LANES  # 24 vectors per block in the compact layout
     SC = FORWARD_PLAN.split_chunk(S_)
-    n_chunks = S_ // SC
+    sums, rms, token_table = split_sums(B, S_, FORWARD_PLAN), rms_vf(NV), token_table_vf(NV)
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
@@ -100,58 +87,11 @@ def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, num_cores: int)
             T.annotate_buffer_versions(
                 {part_ub: stages, sqp_ub: stages, acc_ub: stages, sq_ub: stages, out_ub: stages}
             )
-            # token of element e = 64v + lane in the compact (64, 24) block: floor(e/24) =
-            # ((e >> 3) * 171) >> 9 (exact for e < 1536), with the multiply as shifts and adds.
-            with T.SimdVF():
-                lane = S.vci(0, T.int32)
-                for v in T.unroll(NV, explicit=True):
-                    e8 = S.vshrs(S.vadds(lane, v * LANES), 3)
-                    p = S.vadd(S.vadd(S.vshls(e8, 7), S.vshls(e8, 5)), S.vadd(S.vshls(e8, 3), S.vadd(S.vshls(e8, 1), e8)))
-                    S.vsts(tok_ub[v, 0], S.vshrs(p, 9))
-
+            token_table(tok_ub)
             for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
                 t0 = blk * B
-                if n_chunks == 1:
-                    T.copy(out_mul_splitted[:, t0 : t0 + B, :], part_ub)
-                    T.copy(sqrsum_splitted[:, t0 : t0 + B], sqp_ub)
-                    with T.SimdVF():
-                        a = S.alloc_local((1,), T.float32)
-                        for v in T.unroll(NV, explicit=True):
-                            a[0] = S.vld(part_ub[0, (v * LANES) // M3, (v * LANES) % M3])
-                            for s in T.serial(1, SC):  # fixed order: s ascending
-                                a[0] = S.vadd(a[0], S.vld(part_ub[s, (v * LANES) // M3, (v * LANES) % M3]))
-                            S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], a[0])
-                        a[0] = S.vld(sqp_ub[0, 0])
-                        for s in T.serial(1, SC):
-                            a[0] = S.vadd(a[0], S.vld(sqp_ub[s, 0]))
-                        S.vsts(sq_ub[0], a[0])
-                else:
-                    with T.SimdVF():
-                        zero = S.vdup(0.0, T.float32)
-                        for v in T.unroll(NV, explicit=True):
-                            S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], zero)
-                        S.vsts(sq_ub[0], zero)
-                    for c in T.serial(n_chunks):
-                        T.copy(out_mul_splitted[c * SC : c * SC + SC, t0 : t0 + B, :], part_ub)
-                        T.copy(sqrsum_splitted[c * SC : c * SC + SC, t0 : t0 + B], sqp_ub)
-                        with T.SimdVF():
-                            a = S.alloc_local((1,), T.float32)
-                            for v in T.unroll(NV, explicit=True):
-                                a[0] = S.vld(acc_ub[(v * LANES) // M3, (v * LANES) % M3])
-                                for s in T.serial(SC):  # fixed order: s ascending
-                                    a[0] = S.vadd(a[0], S.vld(part_ub[s, (v * LANES) // M3, (v * LANES) % M3]))
-                                S.vsts(acc_ub[(v * LANES) // M3, (v * LANES) % M3], a[0])
-                            a[0] = S.vld(sq_ub[0])
-                            for s in T.serial(SC):
-                                a[0] = S.vadd(a[0], S.vld(sqp_ub[s, 0]))
-                            S.vsts(sq_ub[0], a[0])
-                with T.SimdVF():
-                    one = S.vdup(1.0, T.float32)
-                    r = S.vdiv(one, S.vsqrt(S.vadds(S.vmuls(S.vld(sq_ub[0]), inv_group), rms_eps)))
-                    for v in T.unroll(NV, explicit=True):
-                        om = S.vld(acc_ub[(v * LANES) // M3, (v * LANES) % M3])
-                        rv = S.vselr(r, S.vld(tok_ub[v, 0]))
-                        S.vsts(out_ub[(v * LANES) // M3, (v * LANES) % M3], S.vmul(om, rv))
+                sums(out_mul_splitted, sqrsum_splitted, t0, part_ub, sqp_ub, acc_ub, sq_ub)
+                rms(acc_ub, sq_ub, tok_ub, out_ub, inv_group, rms_eps)
                 with T.Task():
                     T.copy(acc_ub, out_mul[t0 : t0 + B, :])
                     T.copy(sq_ub, sqrsum[t0 : t0 + B])
@@ -160,12 +100,11 @@ def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, num_cores: int)
     return mhc_reduce_partials_and_rmsnorm_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_reduce_partials_and_rmsnorm_forward_kernel(n_splits, num_cores):
-    from .._build import jit_compile
-
-    key = (n_splits, num_cores)
-    return jit_compile("mhc_reduce_partials_and_rmsnorm_forward", key, build_mhc_reduce_partials_and_rmsnorm_forward(*key))
+# per-token kernels, independent of hidden_size and hc_mult: S = 1, 3 and 16 forward (M3 = 24)
+FORWARD = Kernel("mhc_reduce_partials_and_rmsnorm_forward", ForwardKey, build_mhc_reduce_partials_and_rmsnorm_forward,
+                 derive=lambda out_mul_splitted: ForwardKey(int(out_mul_splitted.shape[0]), int(num_vector_cores())),
+                 cases=lambda hidden_size, hc_mult: {f"mhc_reduce_partials_and_rmsnorm_forward_s{s}": ForwardKey(
+                     s, CASE_NUM_CORES) for s in (1, 3, 16)})
 
 
 def mhc_reduce_partials_and_rmsnorm_forward(
@@ -179,17 +118,11 @@ def mhc_reduce_partials_and_rmsnorm_forward(
         raise limits.LimitError(
             f"mhc_reduce_partials_and_rmsnorm_forward: out_mul_splitted holds {s} splits, n_splits is {n_splits}"
         )
-    key = mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted, num_vector_cores())
-    kernel = get_mhc_reduce_partials_and_rmsnorm_forward_kernel(*key)
+    kernel = FORWARD.compiled(FORWARD.key(out_mul_splitted))
     kernel(
         out_mul_splitted.view(s, t, m3), sqrsum_splitted.view(s, t), out_mul.view(t, m3), sqrsum.view(t),
         out.view(t, m3), float(1.0 / int(rms_group_size)), float(rms_eps),
     )
-
-
-def mhc_reduce_partials_and_rmsnorm_backward_key(out_grad, num_cores: int) -> tuple:
-    """(M3, num_cores); never T. ``rms_group_size`` and ``rms_eps`` are runtime scalars."""
-    return (int(out_grad.shape[-1]), int(num_cores))
 
 
 def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: int):
@@ -261,12 +194,12 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: in
     return mhc_reduce_partials_and_rmsnorm_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_reduce_partials_and_rmsnorm_backward_kernel(mhc_mult3, num_cores):
-    from .._build import jit_compile
-
-    key = (mhc_mult3, num_cores)
-    return jit_compile("mhc_reduce_partials_and_rmsnorm_backward", key, build_mhc_reduce_partials_and_rmsnorm_backward(*key))
+# the backward at M3 = 24 and at its largest M3, 32
+BACKWARD = Kernel("mhc_reduce_partials_and_rmsnorm_backward", BackwardKey,
+                  build_mhc_reduce_partials_and_rmsnorm_backward,
+                  derive=lambda out_grad: BackwardKey(int(out_grad.shape[-1]), int(num_vector_cores())),
+                  cases=lambda hidden_size, hc_mult: {f"mhc_reduce_partials_and_rmsnorm_backward_m3_{m3}": BackwardKey(
+                      m3, CASE_NUM_CORES) for m3 in (24, 32)})
 
 
 def mhc_reduce_partials_and_rmsnorm_backward(
@@ -275,8 +208,7 @@ def mhc_reduce_partials_and_rmsnorm_backward(
     """out_grad (T,M3), out_mul (T,1,M3), sqrsum (T,1) -> out_mul_grad (T,1,M3), sqrsum_grad (T,1)
     (all f32, written). G must be 1 and M3 <= 32. Current stream."""
     t, m3 = int(out_grad.shape[0]), int(out_grad.shape[-1])
-    key = mhc_reduce_partials_and_rmsnorm_backward_key(out_grad, num_vector_cores())
-    kernel = get_mhc_reduce_partials_and_rmsnorm_backward_kernel(*key)
+    kernel = BACKWARD.compiled(BACKWARD.key(out_grad))
     group = int(rms_group_size)
     kernel(
         out_grad, out_mul.view(t, m3), sqrsum.view(t), out_mul_grad.view(t, m3), sqrsum_grad.view(t),
@@ -284,12 +216,4 @@ def mhc_reduce_partials_and_rmsnorm_backward(
     )
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant -> prim_func (for CPU lowering checks); per-token kernels, independent of
-    ``hidden_size`` and ``hc_mult`` (M3 = 24 forward; the backward also at its largest M3, 32)."""
-    del hidden_size, hc_mult
-    forward, backward = build_mhc_reduce_partials_and_rmsnorm_forward, build_mhc_reduce_partials_and_rmsnorm_backward
-    cases = {f"mhc_reduce_partials_and_rmsnorm_forward_s{s}": forward(s, num_cores) for s in (1, 3, 16)}
-    for m3 in (24, 32):
-        cases[f"mhc_reduce_partials_and_rmsnorm_backward_m3_{m3}"] = backward(m3, num_cores)
-    return cases
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

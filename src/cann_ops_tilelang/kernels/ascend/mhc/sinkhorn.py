@@ -12,30 +12,17 @@ adds over 64 tokens and no cross-lane operation is needed.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import functools
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import limits
+from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
 from ._common import CASE_NUM_CORES, LANES, M, M2, require_hc_mult
 from ._per_token import TokenPlan
+from ._sinkhorn import sinkhorn_forward_vf, soa_load, soa_store, softmax_rows
 
-__all__ = [
-    "build_mhc_sinkhorn_backward",
-    "build_mhc_sinkhorn_forward",
-    "get_mhc_sinkhorn_backward_kernel",
-    "get_mhc_sinkhorn_forward_kernel",
-    "lowering_cases",
-    "mhc_sinkhorn_backward",
-    "mhc_sinkhorn_backward_key",
-    "mhc_sinkhorn_backward_ub_bytes",
-    "mhc_sinkhorn_forward",
-    "mhc_sinkhorn_forward_key",
-    "mhc_sinkhorn_max_repeat",
-]
 
 REPEAT = limits.MHC_SINKHORN_REPEAT["ascend"]
 # alignment of the merged UB pool (every buffer version is 32-byte aligned) and the small staging
@@ -55,75 +42,22 @@ def _check(where: str, matrix_shape, repeat) -> int:
     return REPEAT.require(where, int(repeat))
 
 
-@T.macro
-def _soa_load(y, tmp, src):
-    """(64 tokens, 16) AoS tile -> y[e] = entry e of the 64 tokens (lane = token).
+@compile_key
+class SinkhornKey:
+    """Compile-time key of both kernels: the repeat count ``R`` and the vector cores (never the token count;
+    eps is a runtime scalar)."""
 
-    Each round deinterleaves consecutive register pairs (a stable split of the 1024-element sequence
-    by its lowest index bit); four rounds rotate the index bits by four, n = 16t + e -> 64e + t.
-    """
-    for k in T.unroll(M2, explicit=True):
-        y[k] = S.vld(src[4 * k, 0])
-    for _rnd in T.unroll(2, explicit=True):
-        for j in T.unroll(8, explicit=True):
-            ev, od = S.vdintlv(y[2 * j], y[2 * j + 1])
-            tmp[j] = ev
-            tmp[j + 8] = od
-        for j in T.unroll(8, explicit=True):
-            ev2, od2 = S.vdintlv(tmp[2 * j], tmp[2 * j + 1])
-            y[j] = ev2
-            y[j + 8] = od2
+    repeat: int
+    num_cores: int
 
 
-@T.macro
-def _soa_store(y, tmp, dst):
-    """Inverse of :func:`_soa_load` (four ``vintlv`` rounds), then 16 stores into the AoS tile."""
-    for _rnd in T.unroll(2, explicit=True):
-        for j in T.unroll(8, explicit=True):
-            lo, hi = S.vintlv(y[j], y[j + 8])
-            tmp[2 * j] = lo
-            tmp[2 * j + 1] = hi
-        for j in T.unroll(8, explicit=True):
-            lo2, hi2 = S.vintlv(tmp[j], tmp[j + 8])
-            y[2 * j] = lo2
-            y[2 * j + 1] = hi2
-    for k in T.unroll(M2, explicit=True):
-        S.vsts(dst[4 * k, 0], y[k])
+def _key(op: str, matrices, repeat) -> SinkhornKey:
+    return SinkhornKey(_check(op, matrices.shape, repeat), int(num_vector_cores()))
 
 
-@T.macro
-def _softmax_rows(y):
-    """y <- softmax over o of y[4i + o] (max-subtracted, exact division by the sum), in place."""
-    for i in T.unroll(M, explicit=True):
-        mx = S.vmax(S.vmax(S.vmax(y[4 * i], y[4 * i + 1]), y[4 * i + 2]), y[4 * i + 3])
-        for o in T.unroll(M, explicit=True):
-            y[4 * i + o] = S.vexpdif(y[4 * i + o], mx)
-        ssum = S.vadd(S.vadd(S.vadd(y[4 * i], y[4 * i + 1]), y[4 * i + 2]), y[4 * i + 3])
-        for o in T.unroll(M, explicit=True):
-            y[4 * i + o] = S.vdiv(y[4 * i + o], ssum)
-
-
-@T.macro
-def _norm_rows(y, eps):
-    """y[4i + o] <- y[4i + o] / (sum_o y[4i + o] + eps)."""
-    for i in T.unroll(M, explicit=True):
-        d = S.vadds(S.vadd(S.vadd(S.vadd(y[4 * i], y[4 * i + 1]), y[4 * i + 2]), y[4 * i + 3]), eps)
-        for o in T.unroll(M, explicit=True):
-            y[4 * i + o] = S.vdiv(y[4 * i + o], d)
-
-
-@T.macro
-def _norm_cols(y, eps):
-    """y[4i + o] <- y[4i + o] / (sum_i y[4i + o] + eps)."""
-    for o in T.unroll(M, explicit=True):
-        d = S.vadds(S.vadd(S.vadd(S.vadd(y[o], y[4 + o]), y[8 + o]), y[12 + o]), eps)
-        for i in T.unroll(M, explicit=True):
-            y[4 * i + o] = S.vdiv(y[4 * i + o], d)
-
-
-def mhc_sinkhorn_forward_key(comb, repeat: int, num_cores: int) -> tuple:
-    """(repeat, num_cores); never T. eps is a runtime scalar."""
-    return (_check("mhc_sinkhorn_forward", comb.shape, repeat), int(num_cores))
+def _cases(op: str):
+    """R = 1, 10, 20 (per-token kernels, independent of ``hidden_size`` and ``hc_mult``)."""
+    return lambda hidden_size, hc_mult: {f"{op}_r{r}": SinkhornKey(r, CASE_NUM_CORES) for r in (1, 10, 20)}
 
 
 def build_mhc_sinkhorn_forward(repeat: int, num_cores: int):
@@ -135,6 +69,7 @@ def build_mhc_sinkhorn_forward(repeat: int, num_cores: int):
     """
     R = REPEAT.require("mhc_sinkhorn_forward", int(repeat))
     B, E, stages = FORWARD_PLAN.tokens, M2, FORWARD_PLAN.stages
+    sinkhorn_vf = sinkhorn_forward_vf(R)
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
@@ -150,35 +85,19 @@ def build_mhc_sinkhorn_forward(repeat: int, num_cores: int):
             for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
                 t0 = blk * B
                 T.copy(comb[t0 : t0 + B, :], in_ub)
-                with T.SimdVF():
-                    y = S.alloc_local((E,), T.float32)
-                    tmp = S.alloc_local((E,), T.float32)
-                    _soa_load(y, tmp, in_ub)
-                    _softmax_rows(y)
-                    for e in T.unroll(E, explicit=True):
-                        y[e] = S.vadds(y[e], eps)
-                    _norm_cols(y, eps)
-                    for _r in T.serial(R - 1):
-                        _norm_rows(y, eps)
-                        _norm_cols(y, eps)
-                    _soa_store(y, tmp, out_ub)
+                sinkhorn_vf(in_ub, out_ub, eps)
                 T.copy(out_ub, comb_out[t0 : t0 + B, :])
 
     return mhc_sinkhorn_forward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_sinkhorn_forward_kernel(repeat, num_cores):
-    from .._build import jit_compile
-
-    key = (repeat, num_cores)
-    return jit_compile("mhc_sinkhorn_forward", key, build_mhc_sinkhorn_forward(*key))
+FORWARD = Kernel("mhc_sinkhorn_forward", SinkhornKey, build_mhc_sinkhorn_forward, cases=_cases("mhc_sinkhorn_forward"),
+                 derive=lambda comb, repeat: _key("mhc_sinkhorn_forward", comb, repeat))
 
 
 def mhc_sinkhorn_forward(comb, comb_out, repeat, eps) -> None:
     """comb (T,4,4) f32 logits -> comb_out (T,4,4) f32 (written). Current stream."""
-    key = mhc_sinkhorn_forward_key(comb, repeat, num_vector_cores())
-    kernel = get_mhc_sinkhorn_forward_kernel(*key)
+    kernel = FORWARD.compiled(FORWARD.key(comb, repeat))
     t = int(comb.shape[0])
     kernel(comb.view(t, M2), comb_out.view(t, M2), float(eps))
 
@@ -196,11 +115,6 @@ def mhc_sinkhorn_max_repeat() -> int:
     """Largest repeat count of the Ascend kernels: the high end of ``limits.MHC_SINKHORN_REPEAT["ascend"]``
     (22, the largest whose backward fits the UB; a lowering test checks that they agree)."""
     return REPEAT.high
-
-
-def mhc_sinkhorn_backward_key(x, repeat: int, num_cores: int) -> tuple:
-    """(repeat, num_cores); never T. eps is a runtime scalar."""
-    return (_check("mhc_sinkhorn_backward", x.shape, repeat), int(num_cores))
 
 
 def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
@@ -239,8 +153,8 @@ def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
                     y = S.alloc_local((E,), T.float32)
                     tmp = S.alloc_local((E,), T.float32)
                     # ---- recompute the forward, keeping every step's input and denominator ----
-                    _soa_load(y, tmp, x_ub)
-                    _softmax_rows(y)
+                    soa_load(y, tmp, x_ub)
+                    softmax_rows(y)
                     for e in T.unroll(E, explicit=True):
                         S.vsts(p_ub[e, 0], y[e])
                         y[e] = S.vadds(y[e], eps)
@@ -265,7 +179,7 @@ def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
                                 y[4 * i + o] = S.vdiv(y[4 * i + o], dc2)
                     S.mem_bar("VST_VLD")
                     # ---- backward through the normalizations, last step first ----
-                    _soa_load(y, tmp, g_ub)
+                    soa_load(y, tmp, g_ub)
                     u = S.alloc_local((M,), T.float32)
                     for k in T.serial(R - 1):
                         sc = 2 * (R - 1 - k)  # column step s = 2r + 2 with r = R - 2 - k
@@ -301,34 +215,22 @@ def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
                         ts = S.vadd(S.vadd(S.vadd(S.vmul(y[4 * i], u[0]), S.vmul(y[4 * i + 1], u[1])), S.vmul(y[4 * i + 2], u[2])), S.vmul(y[4 * i + 3], u[3]))
                         for o in T.unroll(M, explicit=True):
                             y[4 * i + o] = S.vmul(S.vsub(y[4 * i + o], ts), u[o])
-                    _soa_store(y, tmp, gi_ub)
+                    soa_store(y, tmp, gi_ub)
                 T.copy(gi_ub, grad_input[t0 : t0 + B, :])
 
     return mhc_sinkhorn_backward_asc
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_sinkhorn_backward_kernel(repeat, num_cores):
-    from .._build import jit_compile
-
-    key = (repeat, num_cores)
-    return jit_compile("mhc_sinkhorn_backward", key, build_mhc_sinkhorn_backward(*key))
+BACKWARD = Kernel("mhc_sinkhorn_backward", SinkhornKey, build_mhc_sinkhorn_backward,
+                  cases=_cases("mhc_sinkhorn_backward"),
+                  derive=lambda x, repeat: _key("mhc_sinkhorn_backward", x, repeat))
 
 
 def mhc_sinkhorn_backward(grad_output, x, grad_input, repeat, eps) -> None:
     """grad_output (T,4,4) f32, x (T,4,4) f32 logits -> grad_input (T,4,4) f32 (written). Current stream."""
-    key = mhc_sinkhorn_backward_key(x, repeat, num_vector_cores())
-    kernel = get_mhc_sinkhorn_backward_kernel(*key)
+    kernel = BACKWARD.compiled(BACKWARD.key(x, repeat))
     t = int(x.shape[0])
     kernel(grad_output.view(t, M2), x.view(t, M2), grad_input.view(t, M2), float(eps))
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4, num_cores: int = CASE_NUM_CORES) -> dict:
-    """Every kernel variant -> prim_func (for CPU lowering checks); per-token kernels, independent of
-    ``hidden_size`` and ``hc_mult``. R = 1, 10, 20 each way."""
-    del hidden_size, hc_mult
-    cases = {}
-    for r in (1, 10, 20):
-        cases[f"mhc_sinkhorn_forward_r{r}"] = build_mhc_sinkhorn_forward(r, num_cores)
-        cases[f"mhc_sinkhorn_backward_r{r}"] = build_mhc_sinkhorn_backward(r, num_cores)
-    return cases
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -1,10 +1,10 @@
 """CUDA (TileLang) kernels of the Engram family, one kernel module per op module: :mod:`.fused_weight`,
 :mod:`.gate` (a package: forward and backward), :mod:`.grad_w_reduce`.
 
-Launch pattern (uniform across the kernels): ``<launcher>_key(...)`` computes the compile-time key from
-tensor metadata and flags (never the token count, a dynamic dimension of the kernels);
-``get_<launcher>_kernel(*key)`` (``functools.lru_cache``) compiles ``build_<launcher>(*key)`` once and logs
-it; ``<launcher>(...)`` launches on the current torch stream into caller-allocated outputs. This package
+Launch pattern (uniform across the kernels, :mod:`..._kernel`): each kernel is a ``Kernel`` whose ``key(...)``
+computes the compile-time key from tensor metadata and flags (never the token count, a dynamic dimension of the
+kernels) and whose ``compiled(key)`` compiles ``build_<launcher>(**key fields)`` once per key and logs it;
+``<launcher>(...)`` launches on the current torch stream into caller-allocated outputs. This package
 only aggregates the kernel modules' lowering cases (importing it imports no kernel module).
 """
 

@@ -19,41 +19,43 @@ per call (:func:`engram_grad_w_reduce_key`); both give bitwise the same result.
   lands.
 """
 
-import functools
+
+import dataclasses
 
 import torch
 
-from .... import config
 from ...._checks import misalignment
 from ....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, IntRange
-from .._build import jit_compile
+from ....policy import grad_w_partials
+from ..._kernel import Kernel, compile_key, kernel_module
 
-__all__ = [
-    "ARGUMENTS",
-    "LAUNCHER_CHECKED",
-    "VECTOR_MAX_PARTIALS",
-    "VECTOR_UPDATE_WIDTHS",
-    "build_engram_grad_w_reduce",
-    "chunk_plan",
-    "engram_grad_w_reduce",
-    "engram_grad_w_reduce_key",
-    "get_engram_grad_w_reduce_kernel",
-    "lowering_cases",
-]
+
+@dataclasses.dataclass(frozen=True)
+class ReducePlan:
+    """The two schedules. Vectors: up to ``vector_max_partials`` rows, CTAs of ``vector_cols`` columns (4 per
+    thread), the rows in ``vector_groups`` commit groups all issued at once. TMA: CTAs of ``cols`` columns (one
+    per thread), the rows in boxes of at most ``chunk_rows`` (a box dimension is at most 256), at least
+    ``min_chunks`` boxes (the sum of one overlaps the load of the next), ``max_buffers`` of them in flight."""
+
+    vector_max_partials: int
+    vector_cols: int
+    vector_groups: int
+    cols: int
+    chunk_rows: int
+    min_chunks: int
+    max_buffers: int
+
 
 # Chosen on the H200: the vector schedule up to 66 rows, TMA beyond (cp.async lost at P = 132) and for
 # unaligned buffers (element-wise cp.async stayed behind TMA); TMA in 128-column CTAs with at least two
-# chunks. The "grad_w_reduce" entries of docs/perf/h200/engram.md (2026-11-30, 2026-12-02).
-VECTOR_MAX_PARTIALS = 66  # most partial rows the vector schedule takes
-_VECTOR_COLS = 256  # columns per CTA, 4 per thread
-_VECTOR_GROUPS = 4  # commit groups, all issued at once
+# chunks, three in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory). The "grad_w_reduce"
+# entries of docs/perf/h200/engram.md (2026-11-30, 2026-12-02).
+PLAN = ReducePlan(vector_max_partials=66, vector_cols=256, vector_groups=4, cols=128, chunk_rows=128, min_chunks=2,
+                  max_buffers=3)
+VECTOR_MAX_PARTIALS = PLAN.vector_max_partials  # most partial rows the vector schedule takes
 # the vector schedule's accesses besides the 16-byte cp.async of grad_w_partial (which the op declares):
 # {argument: bytes}; the launcher takes the TMA schedule unless every one starts on such a boundary
 VECTOR_UPDATE_WIDTHS = {"weight_hidden": 8, "weight_embed": 8, "grad_weight_hidden": 16, "grad_weight_embed": 16}
-_COLS = 128
-_CHUNK_ROWS = 128  # rows per TMA box (a box dimension is at most 256)
-_MAX_BUFFERS = 3  # chunks in flight (3 x 128 rows x 128 columns x 4 bytes = 192 KiB of shared memory)
-_MIN_CHUNKS = 2  # at least this many chunks (the sum of one overlaps the load of the next)
 
 # kernel parameters named differently from the op argument they receive (the TMA schedule takes the
 # partials through a descriptor)
@@ -63,24 +65,42 @@ ARGUMENTS = {"grad_w_partial_desc": "grad_w_partial"}
 LAUNCHER_CHECKED = {"engram_grad_w_reduce_vector": dict(VECTOR_UPDATE_WIDTHS)}
 
 
-def chunk_plan(num_partials: int) -> tuple[int, int, int]:
-    """``(chunks, rows, buffers)``: the ``P`` rows in ``chunks`` boxes of ``rows`` rows (the last box starts
-    at ``P - rows`` and skips the rows the one before it summed), ``buffers`` of them in flight."""
-    chunks = max(-(-num_partials // _CHUNK_ROWS), min(_MIN_CHUNKS, num_partials))
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """The TMA schedule's boxes at one ``P``: ``chunks`` boxes of ``rows`` rows (the last box starts at
+    ``P - rows`` and skips the rows the one before it summed), ``buffers`` of them in flight."""
+
+    chunks: int
+    rows: int
+    buffers: int
+
+
+def chunk_plan(num_partials: int) -> Chunks:
+    """The :class:`Chunks` of the ``P`` rows (:data:`PLAN`)."""
+    chunks = max(-(-num_partials // PLAN.chunk_rows), min(PLAN.min_chunks, num_partials))
     rows = -(-num_partials // chunks)
-    return chunks, rows, min(chunks, _MAX_BUFFERS)
+    return Chunks(chunks, rows, min(chunks, PLAN.max_buffers))
 
 
-def engram_grad_w_reduce_key(
+@compile_key
+class ReduceKey:
+    """Compile-time key: ``H``, ``m``, ``P = num_partials`` and the schedule (``vector``: the vector one)."""
+
+    hidden_size: int
+    hc_mult: int
+    num_partials: int
+    vector: bool = False
+
+
+def _key(
     grad_w_partial: torch.Tensor,
     weight_hidden: torch.Tensor,
     weight_embed: torch.Tensor,
     grad_weight_hidden: torch.Tensor,
     grad_weight_embed: torch.Tensor,
-) -> tuple:
-    """Compile-time key ``(H, m, P, vector)`` of a call: ``vector`` (the vector schedule) where
-    ``P <= VECTOR_MAX_PARTIALS`` and each tensor of :data:`VECTOR_UPDATE_WIDTHS` starts on a multiple of its
-    width."""
+) -> ReduceKey:
+    """The key of a call: ``vector`` where ``P <= VECTOR_MAX_PARTIALS`` and each tensor of
+    :data:`VECTOR_UPDATE_WIDTHS` starts on a multiple of its width."""
     num_partials, hc_mult, hidden_size = (int(n) for n in grad_w_partial.shape)
     named = {
         "weight_hidden": weight_hidden,
@@ -91,7 +111,17 @@ def engram_grad_w_reduce_key(
     vector = num_partials <= VECTOR_MAX_PARTIALS and not any(
         misalignment(named[name], width) for name, width in VECTOR_UPDATE_WIDTHS.items()
     )
-    return (hidden_size, hc_mult, num_partials, vector)
+    return ReduceKey(hidden_size, hc_mult, num_partials, vector)
+
+
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """Both schedules: ``engram_grad_w_reduce`` (TMA) at the backward's CUDA partial count ``P`` of
+    ``policy.grad_w_partials`` and ``engram_grad_w_reduce_vector`` (aligned buffers) at
+    ``min(P, VECTOR_MAX_PARTIALS)``."""
+    num_partials = grad_w_partials("cuda", hidden_size, hc_mult)
+    return {"engram_grad_w_reduce": ReduceKey(hidden_size, hc_mult, num_partials),
+            "engram_grad_w_reduce_vector": ReduceKey(hidden_size, hc_mult, min(num_partials, VECTOR_MAX_PARTIALS),
+                                                     vector=True)}
 
 
 def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int, vector: bool = False):
@@ -119,14 +149,15 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
     if vector:
         return _build_vector(H, m, P)
     f32, bf16 = T.float32, T.bfloat16
-    chunks, rows, nbuf = chunk_plan(P)
+    plan = chunk_plan(P)
+    chunks, rows, nbuf, cols = plan.chunks, plan.rows, plan.buffers, PLAN.cols
 
     @T.macro
     def load(grad_w_partial, buf, bar, c, b, h, bx):
         # chunk c (rows from min(c * rows, P - rows)) into buffer b, completing its mbarrier's phase
         first = T.min(c * rows, P - rows)
         T.tma_copy(
-            grad_w_partial[first : first + rows, h, bx * _COLS : bx * _COLS + _COLS],
+            grad_w_partial[first : first + rows, h, bx * cols : bx * cols + cols],
             buf[b, :, :],
             barrier=bar[b],
         )
@@ -140,19 +171,19 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
         grad_weight_hidden: T.Tensor((m, H), f32),
         grad_weight_embed: T.Tensor((m, H), f32),
     ):
-        with T.Kernel(H // _COLS, m, threads=_COLS) as (bx, h):
+        with T.Kernel(H // cols, m, threads=cols) as (bx, h):
             tid = T.get_thread_binding()
-            buf = T.alloc_shared((nbuf, rows, _COLS), f32)
-            bar = T.alloc_barrier([_COLS] * nbuf)  # chunk c lands in buffer c % nbuf, phase c // nbuf
+            buf = T.alloc_shared((nbuf, rows, cols), f32)
+            bar = T.alloc_barrier([cols] * nbuf)  # chunk c lands in buffer c % nbuf, phase c // nbuf
             acc = T.alloc_local((1,), f32)
             old = T.alloc_local((4,), f32)  # gwh, gwe, f32(we), f32(wh): loaded while the partials land
             for c in T.unroll(nbuf):
                 load(grad_w_partial, buf, bar, c, c, h, bx)
             acc[0] = -0.0  # the identity of fp32 addition, -0.0 sums included
-            old[0] = grad_weight_hidden[h, bx * _COLS + tid]
-            old[1] = grad_weight_embed[h, bx * _COLS + tid]
-            old[2] = T.cast(weight_embed[h, bx * _COLS + tid], f32)
-            old[3] = T.cast(weight_hidden[h, bx * _COLS + tid], f32)
+            old[0] = grad_weight_hidden[h, bx * cols + tid]
+            old[1] = grad_weight_embed[h, bx * cols + tid]
+            old[2] = T.cast(weight_embed[h, bx * cols + tid], f32)
+            old[3] = T.cast(weight_hidden[h, bx * cols + tid], f32)
             for c in T.serial(chunks):
                 T.mbarrier_wait_parity(bar[c % nbuf], (c // nbuf) % 2)
                 # the last chunk starts at P - rows: its first rows were summed with the chunk before
@@ -162,8 +193,8 @@ def build_engram_grad_w_reduce(hidden_size: int, hc_mult: int, num_partials: int
                 if c + nbuf < chunks:
                     T.sync_threads()  # every thread is done with this buffer
                     load(grad_w_partial, buf, bar, c + nbuf, c % nbuf, h, bx)
-            grad_weight_hidden[h, bx * _COLS + tid] = old[0] + acc[0] * old[2]
-            grad_weight_embed[h, bx * _COLS + tid] = old[1] + acc[0] * old[3]
+            grad_weight_hidden[h, bx * cols + tid] = old[0] + acc[0] * old[2]
+            grad_weight_embed[h, bx * cols + tid] = old[1] + acc[0] * old[3]
 
     return engram_grad_w_reduce_cuda
 
@@ -173,9 +204,9 @@ def _build_vector(H: int, m: int, P: int):
     from tilelang import language as T
 
     f32, bf16 = T.float32, T.bfloat16
-    cols, vec = _VECTOR_COLS, 4
+    cols, vec = PLAN.vector_cols, 4
     threads = cols // vec
-    rows = -(-P // _VECTOR_GROUPS)
+    rows = -(-P // PLAN.vector_groups)
     groups = -(-P // rows)
 
     @T.prim_func
@@ -227,10 +258,7 @@ def _build_vector(H: int, m: int, P: int):
     return engram_grad_w_reduce_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_grad_w_reduce_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`engram_grad_w_reduce_key`), built once per key."""
-    return jit_compile("engram_grad_w_reduce", key, build_engram_grad_w_reduce(*key))
+KERNEL = Kernel("engram_grad_w_reduce", ReduceKey, build_engram_grad_w_reduce, derive=_key, cases=_cases)
 
 
 def engram_grad_w_reduce(
@@ -252,20 +280,9 @@ def engram_grad_w_reduce(
     ``grad_w_partial`` starts on a 16-byte boundary (the op checks it), the others may start anywhere their
     dtype allows: the launcher takes the vector schedule only where they are aligned for it.
     """
-    key = engram_grad_w_reduce_key(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
-    kernel = get_engram_grad_w_reduce_kernel(*key)
+    kernel = KERNEL.compiled(KERNEL.key(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden,
+                                        grad_weight_embed))
     kernel(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both schedules at ``hidden_size`` as un-compiled prim_funcs (for the CPU build tests):
-    ``engram_grad_w_reduce`` (TMA) at the backward's CUDA partial count ``P`` of ``config.grad_w_partials``
-    and ``engram_grad_w_reduce_vector`` (aligned buffers) at ``min(P, VECTOR_MAX_PARTIALS)``."""
-    H, m = hidden_size, hc_mult
-    num_partials = config.grad_w_partials("cuda", H, m)
-    return {
-        "engram_grad_w_reduce": build_engram_grad_w_reduce(H, m, num_partials),
-        "engram_grad_w_reduce_vector": build_engram_grad_w_reduce(
-            H, m, min(num_partials, VECTOR_MAX_PARTIALS), vector=True
-        ),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -11,23 +11,23 @@ offsets are read element by element (tiny; the same row serves ``(N-1) E / V`` t
 dynamic.
 """
 
-import functools
+
+import dataclasses
 
 import torch
 
 from ....limits import ENGRAM_HASH_COLUMNS, ENGRAM_HASH_LAYERS, ENGRAM_HASH_NGRAM, IntRange
-from .._build import jit_compile
+from ..._kernel import Kernel, compile_key, kernel_module
 
-__all__ = [
-    "build_engram_hash",
-    "column_vector",
-    "engram_hash",
-    "engram_hash_key",
-    "get_engram_hash_kernel",
-    "lowering_cases",
-]
 
-_THREADS = 256  # threads per block: a flat, memory-bound grid; any multiple of 32 serves as well
+@dataclasses.dataclass(frozen=True)
+class HashPlan:
+    """``threads`` per CTA of the flat, memory-bound grid (any multiple of 32 serves as well)."""
+
+    threads: int
+
+
+PLAN = HashPlan(threads=256)
 
 
 def column_vector(tables: int) -> int:
@@ -35,11 +35,27 @@ def column_vector(tables: int) -> int:
     return next(v for v in (4, 2, 1) if tables % v == 0)
 
 
-def engram_hash_key(ngram_token_ids: torch.Tensor, vocab_sizes: torch.Tensor,
-                    image_token_mask: torch.Tensor | None) -> tuple:
-    """Compile-time key ``(N, L, E, has_mask)`` (never the token count)."""
+@compile_key
+class HashKey:
+    """Compile-time key: the largest n-gram ``N = ngram``, ``L = layers``, ``E = tables`` and the mask (never the
+    token count)."""
+
+    ngram: int
+    layers: int
+    tables: int
+    has_mask: bool
+
+
+def _key(ngram_token_ids: torch.Tensor, vocab_sizes: torch.Tensor, image_token_mask: torch.Tensor | None) -> HashKey:
     layers, orders, tables = (int(n) for n in vocab_sizes.shape)
-    return (orders + 1, layers, tables, image_token_mask is not None)
+    return HashKey(orders + 1, layers, tables, image_token_mask is not None)
+
+
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """Independent of the hidden size: the Engram layer's ``N = 3, E = 8, L = 2`` with and without a mask, and
+    ``N = 4, E = 2, L = 3`` (``V = 2``) and ``N = 2, E = 1, L = 1`` (``V = 1``) with one."""
+    return {"engram_hash_n3e8l2": HashKey(3, 2, 8, False), "engram_hash_n3e8l2_mask": HashKey(3, 2, 8, True),
+            "engram_hash_n4e2l3_mask": HashKey(4, 3, 2, True), "engram_hash_n2e1l1_mask": HashKey(2, 1, 1, True)}
 
 
 def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool):
@@ -65,19 +81,20 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool):
     C = ENGRAM_HASH_COLUMNS["cuda"].require("engram_hash", (N - 1) * E)
     V = column_vector(E)
     G = C // V  # column groups of a token row
+    threads = PLAN.threads
     i32, i64 = T.int32, T.int64
     num_tokens = T.dynamic("num_tokens")
 
     @T.macro
     def body(ids, mult, vocab, offs, mask, output):
-        with T.Kernel(T.ceildiv(num_tokens * G, _THREADS), L, threads=_THREADS) as (bx, lay):
+        with T.Kernel(T.ceildiv(num_tokens * G, threads), L, threads=threads) as (bx, lay):
             tid = T.get_thread_binding()
             res = T.alloc_local((V,), i32)
             h = T.alloc_var(i64)
             r1 = T.alloc_var(i64)
             r2 = T.alloc_var(i64)
             inv = T.alloc_var(T.float64)
-            i = bx * _THREADS + tid
+            i = bx * threads + tid
             if i < num_tokens * G:
                 t = i // G
                 g = i % G
@@ -130,10 +147,7 @@ def build_engram_hash(ngram: int, layers: int, tables: int, has_mask: bool):
     return engram_hash_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_hash_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`engram_hash_key`), built once per key."""
-    return jit_compile("engram_hash", key, build_engram_hash(*key))
+KERNEL = Kernel("engram_hash", HashKey, build_engram_hash, derive=_key, cases=_cases)
 
 
 def engram_hash(
@@ -154,22 +168,11 @@ def engram_hash(
         image_token_mask: ``(T,)`` bool or None.
         output: ``(L, T, (N-1) E)`` int32, fresh from the op (its rows start ``4 V``-byte aligned).
     """
-    key = engram_hash_key(ngram_token_ids, vocab_sizes, image_token_mask)
-    kernel = get_engram_hash_kernel(*key)
+    kernel = KERNEL.compiled(KERNEL.key(ngram_token_ids, vocab_sizes, image_token_mask))
     args = [ngram_token_ids, multipliers, vocab_sizes, offsets]
     if image_token_mask is not None:
         args.append(image_token_mask)
     kernel(*args, output)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """The hash kernels (independent of the hidden size) as un-compiled prim_funcs: the Engram layer's
-    ``N = 3, E = 8, L = 2`` with and without a mask, and ``N = 4, E = 2, L = 3`` (``V = 2``) and
-    ``N = 2, E = 1, L = 1`` (``V = 1``) with one."""
-    del hidden_size, hc_mult
-    return {
-        "engram_hash_n3e8l2": build_engram_hash(3, 2, 8, False),
-        "engram_hash_n3e8l2_mask": build_engram_hash(3, 2, 8, True),
-        "engram_hash_n4e2l3_mask": build_engram_hash(4, 3, 2, True),
-        "engram_hash_n2e1l1_mask": build_engram_hash(2, 1, 1, True),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

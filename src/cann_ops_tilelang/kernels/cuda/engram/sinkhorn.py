@@ -29,43 +29,23 @@ memory-bound at the optimizer's table sizes:
 """
 
 import dataclasses
-import functools
+from dataclasses import astuple
 
 import torch
 
 from ....chips import H200
 from ....limits import ENGRAM_SINKHORN_COLS
-from .._build import jit_compile
+from ....policy import SINKHORN_STEP_PARTIALS
+from ..._kernel import Kernel, compile_key, kernel_module
 from .._cp_async import PRELUDE as CP_ASYNC_PRELUDE
 
-__all__ = [
-    "PLAN",
-    "build_engram_sinkhorn_finalize",
-    "build_engram_sinkhorn_finalize_apply",
-    "build_engram_sinkhorn_momentum_update",
-    "build_engram_sinkhorn_step",
-    "build_engram_sinkhorn_step_combine",
-    "build_engram_sinkhorn_step_reduce",
-    "engram_sinkhorn_finalize",
-    "engram_sinkhorn_finalize_key",
-    "engram_sinkhorn_momentum_update",
-    "engram_sinkhorn_momentum_update_key",
-    "engram_sinkhorn_step",
-    "engram_sinkhorn_step_key",
-    "engram_sinkhorn_step_reduce",
-    "engram_sinkhorn_step_reduce_key",
-    "get_engram_sinkhorn_finalize_kernel",
-    "get_engram_sinkhorn_momentum_update_kernel",
-    "get_engram_sinkhorn_step_combine_kernel",
-    "get_engram_sinkhorn_step_kernel",
-    "get_engram_sinkhorn_step_reduce_kernel",
-    "lowering_cases",
-    "momentum_plan",
-    "row_layout",
-    "rows_in_flight",
-    "step_slots",
-    "step_split",
-]
+
+@dataclasses.dataclass(frozen=True)
+class MomentumLayout:
+    """The momentum update's ``vectors`` 4-element vectors per thread of ``threads``-thread CTAs."""
+
+    vectors: int
+    threads: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +58,7 @@ class Plan:
     below it (docs/perf/h100/engram.md, 2026-12-05 (night))."""
 
     threads: int = 256
-    ctas: int = 4 * H200.sms  # step CTAs = rows of the column partials (engram.sinkhorn.SINKHORN_PARTIALS)
+    ctas: int = SINKHORN_STEP_PARTIALS["cuda"]  # step CTAs = rows of the column partials (device policy)
     step_resident: int = 4  # step CTAs per SM the register budget is set for (64 registers)
     row_vectors: int = 4  # 16-byte row vectors per thread in flight (step, finalize): 4 rows at D <= 128
     # NOTE 3 slots over 2: 9 % faster at R = 10^6, D = 128 (docs/perf/h200/engram.md)
@@ -88,8 +68,8 @@ class Plan:
     step_split: int = 4  # step CTAs per partial row where split (their rows added in order by a second kernel)
     step_split_rows: int = 448  # rows of a piece at least (one CTA per partial row below)
     # NOTE tuned at N = 256256 and 2560256 (4 x 128: 1.5-7 % faster) and 51.2e6 / 64e6 (1 x 256: up to 0.8 % faster)
-    momentum_small: tuple[int, int] = (4, 128)  # (vectors per thread, threads) below momentum_small_numel
-    momentum_large: tuple[int, int] = (1, 256)  # the same from momentum_small_numel elements on
+    momentum_small: MomentumLayout = MomentumLayout(vectors=4, threads=128)  # below momentum_small_numel
+    momentum_large: MomentumLayout = MomentumLayout(vectors=1, threads=256)  # from momentum_small_numel on
     momentum_small_numel: int = 1 << 22
     reduce_cols: int = 8  # step-reduce columns per CTA (32 CTAs at D = 256): 32-byte row pieces
     reduce_chunk: int = 512  # partial rows staged at once (16 KiB): one chunk for the 528 partials and a tail
@@ -100,21 +80,29 @@ PLAN = Plan()
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def row_layout(cols: int) -> tuple[int, int, int]:
-    """``(G, C, NG)``: lanes per row (the largest power of two up to 32 dividing ``D / 4``), 4-column vectors
-    per lane and row groups per CTA."""
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """A table row over ``lanes`` lanes (G) of ``chunks`` 4-column vectors each (C); ``groups`` rows per CTA (NG)."""
+
+    lanes: int
+    chunks: int
+    groups: int
+
+
+def row_layout(cols: int) -> RowLayout:
+    """Lanes per row: the largest power of two up to 32 dividing ``D / 4``."""
     cols = ENGRAM_SINKHORN_COLS.require("engram_sinkhorn", cols)
     lanes = 32
     while (cols // 4) % lanes:
         lanes //= 2
-    return lanes, cols // (4 * lanes), PLAN.threads // lanes
+    return RowLayout(lanes, cols // (4 * lanes), PLAN.threads // lanes)
 
 
 def rows_in_flight(cols: int) -> int:
     """Rows a thread loads before reducing any (``PLAN.row_vectors`` vectors, at least one row): 4 at D = 64
     and 128 (one vector per lane and row), 2 at D = 256, 1 from three vectors per lane (at most 32 row
     registers per thread)."""
-    return max(1, min(4, PLAN.row_vectors // row_layout(cols)[1]))
+    return max(1, min(4, PLAN.row_vectors // row_layout(cols).chunks))
 
 
 def step_split(rows: int) -> int:
@@ -126,26 +114,55 @@ def step_split(rows: int) -> int:
 def step_slots(cols: int) -> int:
     """Staging slots of the step at ``D = cols``: :data:`PLAN.step_slots` where they fit :data:`PLAN.step_staging`
     (16 KiB slots: D in {64, 128, 192, 256, 384, 512}), else as many as fit and at least 2."""
-    slot = rows_in_flight(cols) * row_layout(cols)[1] * PLAN.threads * 16
+    slot = rows_in_flight(cols) * row_layout(cols).chunks * PLAN.threads * 16
     return max(2, min(PLAN.step_slots, PLAN.step_staging // slot))
 
 
 # ---- momentum update ---------------------------------------------------------------------------------------
 
 
-def momentum_plan(numel: int) -> tuple[int, int]:
-    """``(vectors per thread, threads per CTA)`` of the momentum update of ``numel`` elements."""
+def momentum_plan(numel: int) -> MomentumLayout:
+    """The momentum update's layout at ``numel`` elements."""
     return PLAN.momentum_small if numel < PLAN.momentum_small_numel else PLAN.momentum_large
 
 
-def engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov) -> tuple:
-    """``(grad dtype, momentum dtype, nesterov, vectors per thread, threads)``; the element count is dynamic
-    (its size class picks the plan)."""
-    return (_DTYPES[grad.dtype], _DTYPES[momentum_buffer.dtype], bool(nesterov)) + momentum_plan(grad.numel())
+@compile_key
+class MomentumKey:
+    """Compile-time key of the momentum update: dtypes, Nesterov, the size class's layout (element count dynamic)."""
+
+    grad_dtype: str
+    momentum_dtype: str
+    nesterov: bool
+    vectors: int
+    threads: int
+
+
+@compile_key
+class ColsKey:
+    """Compile-time key of a kernel of the table width ``D = cols`` alone (row counts dynamic)."""
+
+    cols: int
+
+
+def _momentum_cases(hidden_size: int, hc_mult: int) -> dict:
+    """bf16 with Nesterov, fp32 without, each at both layouts (``_small``: below ``PLAN.momentum_small_numel``)."""
+    cases = {}
+    for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
+        dtype, variant = ("bf16" if m == "bfloat16" else "fp32"), ("nesterov" if nesterov else "plain")
+        name = f"engram_sinkhorn_momentum_update_{dtype}_{variant}"
+        cases[name] = MomentumKey(g, m, nesterov, *astuple(PLAN.momentum_large))
+        cases[f"{name}_small"] = MomentumKey(g, m, nesterov, *astuple(PLAN.momentum_small))
+    return cases
+
+
+def _cols_cases(name: str, suffix: str = ""):
+    """``<name>_d{D}<suffix>`` at the table widths D = 64, 128 (others: tests/engram/test_engram_sinkhorn.py)."""
+    return lambda hidden_size, hc_mult: {f"{name}_d{cols}{suffix}": ColsKey(cols) for cols in (64, 128)}
 
 
 def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, nesterov: bool,
-                                          vectors: int = PLAN.momentum_large[0], threads: int = PLAN.momentum_large[1]):
+                                          vectors: int = PLAN.momentum_large.vectors,
+                                          threads: int = PLAN.momentum_large.threads):
     """prim_func(grad (N,), momentum_buffer (N,) in/out, out (N,) f32, beta1 f32, one_minus_beta1 f32), ``N``
     dynamic (any element count); ``vectors`` 4-element vectors per thread of ``threads``-thread CTAs."""
     from tilelang import language as T
@@ -202,16 +219,15 @@ def build_engram_sinkhorn_momentum_update(grad_dtype: str, momentum_dtype: str, 
     return engram_sinkhorn_momentum_update_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_momentum_update_kernel(*key):
-    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_momentum_update_key`), built once per key."""
-    return jit_compile("engram_sinkhorn_momentum_update", key, build_engram_sinkhorn_momentum_update(*key))
+MOMENTUM_UPDATE = Kernel(
+    "engram_sinkhorn_momentum_update", MomentumKey, build_engram_sinkhorn_momentum_update, cases=_momentum_cases,
+    derive=lambda grad, momentum_buffer, nesterov: MomentumKey(
+        _DTYPES[grad.dtype], _DTYPES[momentum_buffer.dtype], bool(nesterov), *astuple(momentum_plan(grad.numel()))))
 
 
 def engram_sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov, out) -> None:
     """grad, momentum_buffer (any shape, N elements) bf16/fp32; momentum updated in place, out (N) fp32."""
-    kernel = get_engram_sinkhorn_momentum_update_kernel(
-        *engram_sinkhorn_momentum_update_key(grad, momentum_buffer, nesterov))
+    kernel = MOMENTUM_UPDATE.compiled(MOMENTUM_UPDATE.key(grad, momentum_buffer, nesterov))
     kernel(grad.view(-1), momentum_buffer.view(-1), out.view(-1), float(beta1), 1.0 - float(beta1))
 
 
@@ -221,7 +237,7 @@ def engram_sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov, out)
 def _row_macros(T, cols: int):
     """The finalize's row loads (``rows_in_flight`` rows of this row group and their scales, zeros past ``hi``)
     and the scaled iterate's row sums of squares (xor butterfly over the G lanes), which the step shares."""
-    lanes, chunks, _groups = row_layout(cols)
+    lanes, chunks, _groups = astuple(row_layout(cols))
     f32 = T.float32
     nv, fl = 4 * chunks, rows_in_flight(cols)
 
@@ -270,7 +286,7 @@ def _scatter_macro(T, cols: int):
     ``l`` ends with the sum of row :func:`scatter_row`; each addition pairs the lanes a butterfly pairs, in
     the same tree, so the sums are bitwise the butterfly's. One square root and division per lane then
     serve the ``fl`` rows (was one per row in every lane)."""
-    lanes, _chunks, _groups = row_layout(cols)
+    lanes, _chunks, _groups = astuple(row_layout(cols))
     fl = rows_in_flight(cols)
 
     # Python lists: the builder unrolls them with constant halves and xor masks (a range() would be a TIR loop)
@@ -291,9 +307,12 @@ def _scatter_macro(T, cols: int):
     return scatter_sumsq
 
 
-def engram_sinkhorn_step_key(matrix) -> tuple:
-    """``(D, split)``: ``split`` where :func:`step_split` is above 1; the row count is dynamic."""
-    return (int(matrix.shape[1]), step_split(int(matrix.shape[0])) > 1)
+@compile_key
+class StepKey:
+    """Compile-time key of the step: ``D = cols``, ``split`` where :func:`step_split` is above 1 (rows dynamic)."""
+
+    cols: int
+    split: bool = False
 
 
 def build_engram_sinkhorn_step(cols: int, split: bool = False):
@@ -303,7 +322,7 @@ def build_engram_sinkhorn_step(cols: int, split: bool = False):
     ``p * S + s`` takes piece ``s`` of partial ``p``'s rows."""
     from tilelang import language as T
 
-    lanes, chunks, groups = row_layout(cols)
+    lanes, chunks, groups = astuple(row_layout(cols))
     _, lane_sumsq, _, f32 = _row_macros(T, cols)
     scatter_sumsq = _scatter_macro(T, cols)
     rows = T.dynamic("num_rows")
@@ -422,10 +441,10 @@ def build_engram_sinkhorn_step(cols: int, split: bool = False):
     return engram_sinkhorn_step_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_step_kernel(*key):
-    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_step_key`), built once per key."""
-    return jit_compile("engram_sinkhorn_step", key, build_engram_sinkhorn_step(*key))
+STEP = Kernel("engram_sinkhorn_step", StepKey, build_engram_sinkhorn_step,
+              derive=lambda matrix: StepKey(int(matrix.shape[1]), step_split(int(matrix.shape[0])) > 1),
+              cases=lambda hidden_size, hc_mult: {f"engram_sinkhorn_step_d{cols}{tag}": StepKey(cols, split) for cols
+                                                  in (64, 128) for split, tag in ((False, ""), (True, "_split"))})
 
 
 def build_engram_sinkhorn_step_combine(cols: int):
@@ -459,29 +478,23 @@ def build_engram_sinkhorn_step_combine(cols: int):
     return engram_sinkhorn_step_combine_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_step_combine_kernel(cols: int):
-    """Compiled sub-partial sum of the step at ``D = cols``, built once per width."""
-    return jit_compile("engram_sinkhorn_step", (cols, "combine"), build_engram_sinkhorn_step_combine(cols))
+# the sum of the split step's sub-partials (its key from the step's launcher)
+STEP_COMBINE = Kernel("engram_sinkhorn_step_combine", ColsKey, build_engram_sinkhorn_step_combine,
+                      cases=_cols_cases("engram_sinkhorn_step", "_combine"))
 
 
 def engram_sinkhorn_step(matrix, row_scale, col_scale, eps, row_norm, col_sumsq_partial) -> None:
     """matrix (R, D) f32, row_scale (R,) in/out, col_scale (D,), row_norm (R,) out, partials (PLAN.ctas, D) out;
     where :func:`step_split` is above 1, the sub-partials go to a scratch buffer and a second kernel adds them."""
-    kernel = get_engram_sinkhorn_step_kernel(*engram_sinkhorn_step_key(matrix))
+    kernel = STEP.compiled(STEP.key(matrix))
     pieces = step_split(matrix.shape[0])
     sub = col_sumsq_partial if pieces == 1 else matrix.new_empty((PLAN.ctas * pieces, matrix.shape[1]))
     kernel(matrix, row_scale, col_scale, row_norm, sub, float(eps))
     if pieces > 1:
-        get_engram_sinkhorn_step_combine_kernel(matrix.shape[1])(sub, col_sumsq_partial)
+        STEP_COMBINE.compiled(ColsKey(int(matrix.shape[1])))(sub, col_sumsq_partial)
 
 
 # ---- step reduce ----------------------------------------------------------------------------------------
-
-
-def engram_sinkhorn_step_reduce_key(col_sumsq_partial) -> tuple:
-    """``(D,)``; the partial row count is dynamic."""
-    return (int(col_sumsq_partial.shape[1]),)
 
 
 def build_engram_sinkhorn_step_reduce(cols: int):
@@ -537,24 +550,26 @@ def build_engram_sinkhorn_step_reduce(cols: int):
     return engram_sinkhorn_step_reduce_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_step_reduce_kernel(*key):
-    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_step_reduce_key`), built once per key."""
-    return jit_compile("engram_sinkhorn_step_reduce", key, build_engram_sinkhorn_step_reduce(*key))
+STEP_REDUCE = Kernel("engram_sinkhorn_step_reduce", ColsKey, build_engram_sinkhorn_step_reduce,
+                     derive=lambda col_sumsq_partial: ColsKey(int(col_sumsq_partial.shape[1])),
+                     cases=_cols_cases("engram_sinkhorn_step_reduce"))
 
 
 def engram_sinkhorn_step_reduce(col_sumsq_partial, col_sumsq, col_scale, rows, eps) -> None:
     """partials (P >= 1, D) f32 -> col_sumsq (D,) f32 (written); col_scale (D,) f32 updated in place."""
-    kernel = get_engram_sinkhorn_step_reduce_kernel(*engram_sinkhorn_step_reduce_key(col_sumsq_partial))
+    kernel = STEP_REDUCE.compiled(STEP_REDUCE.key(col_sumsq_partial))
     kernel(col_sumsq_partial, col_sumsq, col_scale, int(rows), float(eps))
 
 
 # ---- finalize -------------------------------------------------------------------------------------------
 
 
-def engram_sinkhorn_finalize_key(matrix, param=None) -> tuple:
-    """``(D,)``, or ``(D, table dtype)`` for the apply variant; the row count is dynamic."""
-    return (int(matrix.shape[1]),) if param is None else (int(matrix.shape[1]), _DTYPES[param.dtype])
+@compile_key
+class ApplyKey:
+    """Compile-time key of the finalize's apply variant: ``D = cols`` and the table's dtype."""
+
+    cols: int
+    param_dtype: str
 
 
 def build_engram_sinkhorn_finalize(cols: int):
@@ -562,7 +577,7 @@ def build_engram_sinkhorn_finalize(cols: int):
     alpha f32), ``R`` dynamic."""
     from tilelang import language as T
 
-    lanes, chunks, groups = row_layout(cols)
+    lanes, chunks, groups = astuple(row_layout(cols))
     load_rows, _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl = 4 * chunks, rows_in_flight(cols)
@@ -611,7 +626,7 @@ def build_engram_sinkhorn_finalize_apply(cols: int, param_dtype: str):
     ``param <- (f32(param) * decay) - (u * lr)`` with every operation rounded on its own."""
     from tilelang import language as T
 
-    lanes, chunks, groups = row_layout(cols)
+    lanes, chunks, groups = astuple(row_layout(cols))
     load_rows, _, row_sumsq, f32 = _row_macros(T, cols)
     rows = T.dynamic("num_rows")
     nv, fl = 4 * chunks, rows_in_flight(cols)
@@ -660,41 +675,26 @@ def build_engram_sinkhorn_finalize_apply(cols: int, param_dtype: str):
     return engram_sinkhorn_finalize_apply_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_sinkhorn_finalize_kernel(*key):
-    """Compiled kernel for ``key`` (:func:`engram_sinkhorn_finalize_key`), built once per key."""
-    build = build_engram_sinkhorn_finalize if len(key) == 1 else build_engram_sinkhorn_finalize_apply
-    return jit_compile("engram_sinkhorn_finalize", key, build(*key))
+FINALIZE = Kernel("engram_sinkhorn_finalize", ColsKey, build_engram_sinkhorn_finalize,
+                  derive=lambda matrix: ColsKey(int(matrix.shape[1])), cases=_cols_cases("engram_sinkhorn_finalize"))
+# with a table: bf16 at D = 64, fp32 at D = 128 (the mixed dtypes are lowered once by test_engram_sinkhorn.py)
+FINALIZE_APPLY = Kernel("engram_sinkhorn_finalize_apply", ApplyKey, build_engram_sinkhorn_finalize_apply,
+                        derive=lambda matrix, param: ApplyKey(int(matrix.shape[1]), _DTYPES[param.dtype]),
+                        cases=lambda hidden_size, hc_mult: {"engram_sinkhorn_finalize_apply_bf16_d64": ApplyKey(
+                            64, "bfloat16"), "engram_sinkhorn_finalize_apply_fp32_d128": ApplyKey(128, "float32")})
 
 
 def engram_sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha, out=None, param=None, lr=0.0,
                              decay=1.0) -> None:
     """matrix (R, D) f32, row_scale (R,), col_scale (D,) -> out (R, D) f32 (pre-allocated), or with ``param``
     (R, D) bf16/fp32 instead: ``param <- param * decay - lr * U`` in place."""
-    kernel = get_engram_sinkhorn_finalize_kernel(*engram_sinkhorn_finalize_key(matrix, param))
     if param is None:
-        kernel(matrix, row_scale, col_scale, out, float(eps), float(alpha))
+        FINALIZE.compiled(FINALIZE.key(matrix))(matrix, row_scale, col_scale, out, float(eps), float(alpha))
     else:
-        kernel(matrix, row_scale, col_scale, param, float(eps), float(alpha), float(lr), float(decay))
+        FINALIZE_APPLY.compiled(FINALIZE_APPLY.key(matrix, param))(matrix, row_scale, col_scale, param, float(eps),
+                                                                   float(alpha), float(lr), float(decay))
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """The kernels at the optimizer's table widths (independent of ``hidden_size``): momentum for bf16/fp32
-    buffers with and without Nesterov (each at both plans), step, reduce and finalize at D = 64 and 128, the
-    finalize's apply variant for a bf16 table at D = 64 and an fp32 one at D = 128 (the other widths and the
-    mixed dtypes are lowered once by tests/engram/test_engram_sinkhorn.py)."""
-    cases = {}
-    for g, m, nesterov in (("bfloat16", "bfloat16", True), ("float32", "float32", False)):
-        dtype, variant = ("bf16" if m == "bfloat16" else "fp32"), ("nesterov" if nesterov else "plain")
-        name = f"engram_sinkhorn_momentum_update_{dtype}_{variant}"
-        cases[name] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_large)
-        cases[f"{name}_small"] = build_engram_sinkhorn_momentum_update(g, m, nesterov, *PLAN.momentum_small)
-    for cols in (64, 128):
-        cases[f"engram_sinkhorn_step_d{cols}"] = build_engram_sinkhorn_step(cols)
-        cases[f"engram_sinkhorn_step_d{cols}_split"] = build_engram_sinkhorn_step(cols, True)
-        cases[f"engram_sinkhorn_step_d{cols}_combine"] = build_engram_sinkhorn_step_combine(cols)
-        cases[f"engram_sinkhorn_step_reduce_d{cols}"] = build_engram_sinkhorn_step_reduce(cols)
-        cases[f"engram_sinkhorn_finalize_d{cols}"] = build_engram_sinkhorn_finalize(cols)
-    cases["engram_sinkhorn_finalize_apply_bf16_d64"] = build_engram_sinkhorn_finalize_apply(64, "bfloat16")
-    cases["engram_sinkhorn_finalize_apply_fp32_d128"] = build_engram_sinkhorn_finalize_apply(128, "float32")
-    return cases
+# The kernels at the optimizer's table widths, independent of hidden_size.
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOMENTUM_UPDATE, STEP, STEP_COMBINE, STEP_REDUCE, FINALIZE,
+                                                 FINALIZE_APPLY)

@@ -1,7 +1,7 @@
 """CUDA (TileLang) kernels of the mHC primitives (docs/ops/mhc.md), one module per op module.
 
 Each module (``expand``, ``fn_normw_merge``, ``gemm_with_sqrsum``, ...) holds its ops' launchers (named as the
-op, keyword arguments named as the op's), their ``*_key``, ``get_*_kernel`` and ``build_*`` functions and its
+op, keyword arguments named as the op's), their ``Kernel`` declarations (key, builder, compile cache) and its
 ``lowering_cases``; the op layer imports the module of an op on its first launch. This package only aggregates
 the lowering cases. Importing it imports neither TileLang nor a kernel module.
 """

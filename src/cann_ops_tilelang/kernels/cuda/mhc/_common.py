@@ -2,15 +2,18 @@
 
 Row kernels (expand, normw merge, pre apply mix, post) work at thread level on 8-element bf16 column vectors
 (one 16-byte access per row): :data:`VEC`, :func:`min_blocks`, :class:`RowLayout` / :func:`row_layout` and
-:func:`row_chunk`. Per-token kernels (reduce + RMSNorm, split mixes, Sinkhorn, head mix) take
-:data:`TOKENS_PER_CTA` tokens per CTA and the widest fp32 vector of a row (:func:`vec_width`). The pre-norm
-GEMM's forward and backward share :func:`check_gemm_weight`.
+:func:`row_chunk`; the streaming ones share the compile-time key :class:`RowKey` (:func:`row_key`). Per-token
+kernels (reduce + RMSNorm, split mixes, Sinkhorn, head mix) take
+:data:`TOKENS_PER_CTA` tokens per CTA and the widest fp32 vector of a row (:func:`vec_width`), their keys
+:class:`MixKey` / :class:`PartialsKey`. The pre-norm
+GEMM's forward and backward share :func:`check_gemm_weight` and :class:`GemmWeightKey`.
 """
 
 import dataclasses
 
 from ....chips import H200
-from ....limits import MHC_GEMM_BLOCK, IntRange
+from ....limits import MHC_GEMM_BLOCK, MHC_HC_MULT, MHC_HIDDEN, IntRange
+from ..._kernel import compile_key
 
 VEC = 8  # bf16 elements per 16-byte access
 
@@ -28,6 +31,43 @@ def check_gemm_weight(op: str, rows: int, cols: int) -> None:
     """``LimitError`` unless the GEMM weight ``(rows, cols) = (M3, K)`` is in :data:`GEMM_ROWS` x :data:`GEMM_WIDTH`."""
     GEMM_WIDTH.require(op, cols)
     GEMM_ROWS.require(op, rows)
+
+
+@compile_key
+class GemmWeightKey:
+    """Compile-time key of a GEMM kernel that depends on the weight's ``(M3, K) = (rows, cols)`` alone (the
+    forward's ``fn`` preparation, the backward's partial reduction)."""
+
+    cols: int
+    rows: int
+
+
+@compile_key
+class RowKey:
+    """Compile-time key of a row kernel (expand, pre apply mix, post, ...): ``H`` and ``m``, never the token count."""
+
+    hidden_size: int
+    hc_mult: int
+
+
+def row_key(op: str, hidden_size, hc_mult) -> RowKey:
+    """The :class:`RowKey` of ``op``'s launch, ``H`` and ``m`` checked against ``limits`` (``LimitError``)."""
+    return RowKey(MHC_HIDDEN.require(op, int(hidden_size)), MHC_HC_MULT.require(op, int(hc_mult)))
+
+
+@compile_key
+class MixKey:
+    """Compile-time key of a per-token kernel that depends on ``m`` alone (never ``H`` nor the token count)."""
+
+    hc_mult: int
+
+
+@compile_key
+class PartialsKey:
+    """Compile-time key of a per-token kernel writing ``num_partials`` per-worker partial rows."""
+
+    hc_mult: int
+    num_partials: int
 
 
 def min_blocks(threads: int, regs: int) -> int:

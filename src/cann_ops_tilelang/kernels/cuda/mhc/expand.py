@@ -8,25 +8,11 @@ each thread issues all its loads before it stores. ``H`` in ``limits.MHC_HIDDEN`
 """
 
 import dataclasses
-import functools
 
 import torch
 
-from ....limits import MHC_HC_MULT, MHC_HIDDEN
-from .._build import jit_compile
-from ._common import VEC, min_blocks
-
-__all__ = [
-    "build_expand_to_mhc_backward",
-    "build_expand_to_mhc_forward",
-    "expand_to_mhc_backward",
-    "expand_to_mhc_backward_key",
-    "expand_to_mhc_forward",
-    "expand_to_mhc_forward_key",
-    "get_expand_to_mhc_backward_kernel",
-    "get_expand_to_mhc_forward_kernel",
-    "lowering_cases",
-]
+from ..._kernel import Kernel, kernel_module
+from ._common import VEC, RowKey, min_blocks, row_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +25,8 @@ class FlatPlan:
 
 # Forward 128 x 2 (one wave at T = 512, H = 7168, where 256 x 1 / 512 x 1 take two); the backward (4 loads per
 # vector) 256 x 2, the others level or slower (docs/perf/h200/mhc.md, 2026-11-30).
-FORWARD = FlatPlan(threads=128, vectors=2)
-BACKWARD = FlatPlan(threads=256, vectors=2)
-
-
-def _check(op: str, hidden_size: int, hc_mult: int) -> None:
-    MHC_HIDDEN.require(op, hidden_size)
-    MHC_HC_MULT.require(op, hc_mult)
-
-
-def expand_to_mhc_forward_key(x: torch.Tensor, out: torch.Tensor) -> tuple:
-    """Compile-time key ``(H, m)`` (never the token count)."""
-    key = (int(x.shape[-1]), int(out.shape[1]))
-    _check("expand_to_mhc_forward", *key)
-    return key
+FORWARD_PLAN = FlatPlan(threads=128, vectors=2)
+BACKWARD_PLAN = FlatPlan(threads=256, vectors=2)
 
 
 def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int):
@@ -69,7 +43,7 @@ def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     nvec = H // VEC
-    threads, nvt = FORWARD.threads, FORWARD.vectors
+    threads, nvt = FORWARD_PLAN.threads, FORWARD_PLAN.vectors
     bf16 = T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
@@ -93,10 +67,8 @@ def build_expand_to_mhc_forward(hidden_size: int, hc_mult: int):
     return expand_to_mhc_forward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_expand_to_mhc_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`expand_to_mhc_forward_key`), built once per key."""
-    return jit_compile("expand_to_mhc_forward", key, build_expand_to_mhc_forward(*key))
+FORWARD = Kernel("expand_to_mhc_forward", RowKey, build_expand_to_mhc_forward, cases=RowKey,
+                 derive=lambda x, out: row_key("expand_to_mhc_forward", x.shape[-1], out.shape[1]))
 
 
 def expand_to_mhc_forward(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -106,15 +78,7 @@ def expand_to_mhc_forward(x: torch.Tensor, out: torch.Tensor) -> None:
         x: ``(T, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
         out: ``(T, m, H)`` bf16, written.
     """
-    kernel = get_expand_to_mhc_forward_kernel(*expand_to_mhc_forward_key(x, out))
-    kernel(x, out)
-
-
-def expand_to_mhc_backward_key(out_grad: torch.Tensor, x_grad: torch.Tensor) -> tuple:
-    """Compile-time key ``(H, m)`` (never the token count)."""
-    key = (int(out_grad.shape[-1]), int(out_grad.shape[1]))
-    _check("expand_to_mhc_backward", *key)
-    return key
+    FORWARD.compiled(FORWARD.key(x, out))(x, out)
 
 
 def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
@@ -131,7 +95,7 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
 
     H, m = hidden_size, hc_mult
     nvec = H // VEC
-    threads, nvt = BACKWARD.threads, BACKWARD.vectors
+    threads, nvt = BACKWARD_PLAN.threads, BACKWARD_PLAN.vectors
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
@@ -160,10 +124,9 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
     return expand_to_mhc_backward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_expand_to_mhc_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`expand_to_mhc_backward_key`), built once per key."""
-    return jit_compile("expand_to_mhc_backward", key, build_expand_to_mhc_backward(*key))
+BACKWARD = Kernel("expand_to_mhc_backward", RowKey, build_expand_to_mhc_backward, cases=RowKey,
+                  derive=lambda out_grad, x_grad: row_key("expand_to_mhc_backward", out_grad.shape[-1],
+                                                          out_grad.shape[1]))
 
 
 def expand_to_mhc_backward(out_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
@@ -173,13 +136,7 @@ def expand_to_mhc_backward(out_grad: torch.Tensor, x_grad: torch.Tensor) -> None
         out_grad: ``(T, m, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
         x_grad: ``(T, H)`` bf16, written.
     """
-    kernel = get_expand_to_mhc_backward_kernel(*expand_to_mhc_backward_key(out_grad, x_grad))
-    kernel(out_grad, x_grad)
+    BACKWARD.compiled(BACKWARD.key(out_grad, x_grad))(out_grad, x_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both kernels at ``hidden_size``, un-compiled: ``{case: prim_func}``."""
-    return {
-        "expand_to_mhc_forward": build_expand_to_mhc_forward(hidden_size, hc_mult),
-        "expand_to_mhc_backward": build_expand_to_mhc_backward(hidden_size, hc_mult),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -8,25 +8,12 @@ reference rounds them). ``K`` a multiple of 4 (the column tail is guarded).
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ....limits import IntRange
-from .._build import jit_compile
+from ..._kernel import Kernel, compile_key, kernel_module
 from ._common import min_blocks
-
-__all__ = [
-    "build_mhc_fn_normw_merge_backward",
-    "build_mhc_fn_normw_merge_forward",
-    "get_mhc_fn_normw_merge_backward_kernel",
-    "get_mhc_fn_normw_merge_forward_kernel",
-    "lowering_cases",
-    "mhc_fn_normw_merge_backward",
-    "mhc_fn_normw_merge_backward_key",
-    "mhc_fn_normw_merge_forward",
-    "mhc_fn_normw_merge_forward_key",
-]
 
 # the kernels' float4 column groups
 WIDTH = IntRange("K", 4, None, multiple_of=4)
@@ -48,11 +35,21 @@ class MergePlan:
 PLAN = MergePlan(threads=128, vectors=4, row_groups=8, col_groups=16)
 
 
-def mhc_fn_normw_merge_forward_key(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> tuple:
-    """Compile-time key ``(M3, K)``."""
+@compile_key
+class MergeKey:
+    """Compile-time key of both kernels: the ``(M3, K)`` projection's ``rows`` and ``cols``."""
+
+    rows: int
+    cols: int
+
+
+def _key(op: str, fn: torch.Tensor) -> MergeKey:
     rows, cols = (int(s) for s in fn.shape)
-    WIDTH.require("mhc_fn_normw_merge_forward", cols)
-    return (rows, cols)
+    return MergeKey(rows, WIDTH.require(op, cols))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> MergeKey:
+    return MergeKey(rows=hc_mult * (hc_mult + 2), cols=hc_mult * hidden_size)  # M3 = m(m+2), K = m * H
 
 
 def build_mhc_fn_normw_merge_forward(rows: int, cols: int):
@@ -99,10 +96,8 @@ def build_mhc_fn_normw_merge_forward(rows: int, cols: int):
     return mhc_fn_normw_merge_forward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_fn_normw_merge_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_fn_normw_merge_forward_key`), built once per key."""
-    return jit_compile("mhc_fn_normw_merge_forward", key, build_mhc_fn_normw_merge_forward(*key))
+FORWARD = Kernel("mhc_fn_normw_merge_forward", MergeKey, build_mhc_fn_normw_merge_forward, cases=_cases,
+                 derive=lambda fn, normw, out_fn: _key("mhc_fn_normw_merge_forward", fn))
 
 
 def mhc_fn_normw_merge_forward(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
@@ -113,15 +108,7 @@ def mhc_fn_normw_merge_forward(fn: torch.Tensor, normw: torch.Tensor, out_fn: to
         normw: ``(K,)`` f32.
         out_fn: ``(M3, K)`` f32, written.
     """
-    kernel = get_mhc_fn_normw_merge_forward_kernel(*mhc_fn_normw_merge_forward_key(fn, normw, out_fn))
-    kernel(fn, normw, out_fn)
-
-
-def mhc_fn_normw_merge_backward_key(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor) -> tuple:
-    """Compile-time key ``(M3, K)``."""
-    rows, cols = (int(s) for s in fn.shape)
-    WIDTH.require("mhc_fn_normw_merge_backward", cols)
-    return (rows, cols)
+    FORWARD.compiled(FORWARD.key(fn, normw, out_fn))(fn, normw, out_fn)
 
 
 def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
@@ -208,10 +195,8 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
     return mhc_fn_normw_merge_backward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_fn_normw_merge_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_fn_normw_merge_backward_key`), built once per key."""
-    return jit_compile("mhc_fn_normw_merge_backward", key, build_mhc_fn_normw_merge_backward(*key))
+BACKWARD = Kernel("mhc_fn_normw_merge_backward", MergeKey, build_mhc_fn_normw_merge_backward, cases=_cases,
+                  derive=lambda fn, normw, out_fn_grad: _key("mhc_fn_normw_merge_backward", fn))
 
 
 def mhc_fn_normw_merge_backward(
@@ -226,14 +211,7 @@ def mhc_fn_normw_merge_backward(
         fn_grad: ``(M3, K)`` f32, updated in place.
         normw_grad: ``(K,)`` f32, updated in place.
     """
-    kernel = get_mhc_fn_normw_merge_backward_kernel(*mhc_fn_normw_merge_backward_key(fn, normw, out_fn_grad))
-    kernel(fn, normw, out_fn_grad, fn_grad, normw_grad)
+    BACKWARD.compiled(BACKWARD.key(fn, normw, out_fn_grad))(fn, normw, out_fn_grad, fn_grad, normw_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both kernels at ``K = m * H``, ``M3 = m(m+2)``, un-compiled: ``{case: prim_func}``."""
-    m3, k = hc_mult * (hc_mult + 2), hc_mult * hidden_size
-    return {
-        "mhc_fn_normw_merge_forward": build_mhc_fn_normw_merge_forward(m3, k),
-        "mhc_fn_normw_merge_backward": build_mhc_fn_normw_merge_backward(m3, k),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

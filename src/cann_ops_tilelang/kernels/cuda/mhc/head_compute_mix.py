@@ -11,26 +11,14 @@ aligned data pointers and ``T > 0``.
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ....chips import H200
 from ....limits import MHC_HC_MULT, MHC_HEAD_MIX_PARTIALS
-from .._build import jit_compile
-from ._common import vec_width
+from ..._kernel import Kernel, kernel_module
+from ._common import MixKey, PartialsKey, vec_width
 
-__all__ = [
-    "build_mhc_head_compute_mix_backward",
-    "build_mhc_head_compute_mix_forward",
-    "get_mhc_head_compute_mix_backward_kernel",
-    "get_mhc_head_compute_mix_forward_kernel",
-    "lowering_cases",
-    "mhc_head_compute_mix_backward",
-    "mhc_head_compute_mix_backward_key",
-    "mhc_head_compute_mix_forward",
-    "mhc_head_compute_mix_forward_key",
-]
 
 # the backward's partial rows (the caller's buffers) that the kernel takes
 PARTIALS = MHC_HEAD_MIX_PARTIALS["cuda"]
@@ -49,13 +37,6 @@ class HeadMixPlan:
 # latency plus a short math chain per thread. Backward: 64 tokens per iteration (3 per worker at T = 24576 with
 # one worker per H200 SM) (docs/perf/h200/mhc.md, 2026-12-01).
 PLAN = HeadMixPlan(forward_tokens=128, backward_tokens=64)
-
-
-def mhc_head_compute_mix_forward_key(input_mix: torch.Tensor) -> tuple:
-    """Compile-time key ``(m,)``."""
-    hc_mult = int(input_mix.shape[1])
-    MHC_HC_MULT.require("mhc_head_compute_mix_forward", hc_mult)
-    return (hc_mult,)
 
 
 def build_mhc_head_compute_mix_forward(hc_mult: int):
@@ -98,10 +79,10 @@ def build_mhc_head_compute_mix_forward(hc_mult: int):
     return mhc_head_compute_mix_fwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_head_compute_mix_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_head_compute_mix_forward_key`)."""
-    return jit_compile("mhc_head_compute_mix_forward", key, build_mhc_head_compute_mix_forward(*key))
+FORWARD = Kernel("mhc_head_compute_mix_forward", MixKey, build_mhc_head_compute_mix_forward,
+                 derive=lambda input_mix: MixKey(MHC_HC_MULT.require("mhc_head_compute_mix_forward",
+                                                                     int(input_mix.shape[1]))),
+                 cases=lambda hidden_size, hc_mult: MixKey(hc_mult))
 
 
 def mhc_head_compute_mix_forward(
@@ -120,17 +101,14 @@ def mhc_head_compute_mix_forward(
         output_mix: ``(T, m)`` f32, written.
         pre_eps: runtime fp32 scalar.
     """
-    kernel = get_mhc_head_compute_mix_forward_kernel(*mhc_head_compute_mix_forward_key(input_mix))
-    kernel(input_mix, mhc_scale, mhc_base, output_mix, float(pre_eps))
+    FORWARD.compiled(FORWARD.key(input_mix))(input_mix, mhc_scale, mhc_base, output_mix, float(pre_eps))
 
 
-def mhc_head_compute_mix_backward_key(input_mix: torch.Tensor, mhc_base_grad_partial: torch.Tensor) -> tuple:
-    """Compile-time key ``(m, P)`` with ``P = mhc_base_grad_partial.shape[0]``."""
-    hc_mult = int(input_mix.shape[1])
-    num_partials = int(mhc_base_grad_partial.shape[0])
-    MHC_HC_MULT.require("mhc_head_compute_mix_backward", hc_mult)
-    PARTIALS.require("mhc_head_compute_mix_backward", num_partials)
-    return (hc_mult, num_partials)
+def _backward_key(input_mix: torch.Tensor, mhc_base_grad_partial: torch.Tensor) -> PartialsKey:
+    """``m`` and ``P = mhc_base_grad_partial.shape[0]``, in their ranges."""
+    op = "mhc_head_compute_mix_backward"
+    return PartialsKey(MHC_HC_MULT.require(op, int(input_mix.shape[1])),
+                       PARTIALS.require(op, int(mhc_base_grad_partial.shape[0])))
 
 
 def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
@@ -231,10 +209,9 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
     return mhc_head_compute_mix_bwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_head_compute_mix_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_head_compute_mix_backward_key`)."""
-    return jit_compile("mhc_head_compute_mix_backward", key, build_mhc_head_compute_mix_backward(*key))
+# lowering cases at one worker per H200 SM (the op takes the caller's partial rows)
+BACKWARD = Kernel("mhc_head_compute_mix_backward", PartialsKey, build_mhc_head_compute_mix_backward,
+                  derive=_backward_key, cases=lambda hidden_size, hc_mult: PartialsKey(hc_mult, H200.sms))
 
 
 def mhc_head_compute_mix_backward(
@@ -257,18 +234,9 @@ def mhc_head_compute_mix_backward(
         mhc_scale_grad_partial: ``(P, 1)`` f32, every row written (the caller sums over ``P``).
         mhc_base_grad_partial: ``(P, m)`` f32, every row written.
     """
-    key = mhc_head_compute_mix_backward_key(input_mix, mhc_base_grad_partial)
-    kernel = get_mhc_head_compute_mix_backward_kernel(*key)
-    kernel(
+    BACKWARD.compiled(BACKWARD.key(input_mix, mhc_base_grad_partial))(
         output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial, mhc_base_grad_partial
     )
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both kernels (independent of ``hidden_size``), the backward's at one worker per H200 SM, un-compiled:
-    ``{case: prim_func}``."""
-    del hidden_size
-    return {
-        "mhc_head_compute_mix_forward": build_mhc_head_compute_mix_forward(hc_mult),
-        "mhc_head_compute_mix_backward": build_mhc_head_compute_mix_backward(hc_mult, H200.sms),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -17,26 +17,13 @@ scalars of the CTA's token are staged once in shared memory before one barrier. 
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ....limits import MHC_HC_MULT, MHC_HIDDEN, MHC_RECOMPUTE_LAYERS, LimitError
-from .._build import jit_compile
+from ..._kernel import Kernel, compile_key, kernel_module
 from ._common import VEC, RowLayout, min_blocks, row_layout
 
-__all__ = [
-    "ARGUMENTS",
-    "LISTS",
-    "RecomputePlan",
-    "build_mhc_multilayer_recompute",
-    "get_mhc_multilayer_recompute_kernel",
-    "kernel_arguments",
-    "lowering_cases",
-    "mhc_multilayer_recompute",
-    "mhc_multilayer_recompute_key",
-    "recompute_layout",
-]
 
 OP = "mhc_multilayer_recompute"
 
@@ -99,11 +86,20 @@ def kernel_arguments(layers: int, post_layers: int) -> list[str]:
     return ["initial_residual"] + [f"{name}_{index}" for name, count in LISTS for index in range(counts[count])]
 
 
-def mhc_multilayer_recompute_key(initial_residual: torch.Tensor, pre_mix_list: list, layer_output_list: list) -> tuple:
-    """Compile-time key ``(H, m, L, Lp)`` (never the token count)."""
+@compile_key
+class RecomputeKey:
+    """Compile-time key: ``H``, ``m``, ``L = layers`` and ``Lp = post_layers`` (never the token count)."""
+
+    hidden_size: int
+    hc_mult: int
+    layers: int
+    post_layers: int
+
+
+def _key(initial_residual: torch.Tensor, pre_mix_list: list, layer_output_list: list) -> RecomputeKey:
     _, hc_mult, hidden_size = (int(s) for s in initial_residual.shape)
-    key = (hidden_size, hc_mult, len(pre_mix_list), len(layer_output_list))
-    _check(*key)
+    key = RecomputeKey(hidden_size, hc_mult, len(pre_mix_list), len(layer_output_list))
+    _check(key.hidden_size, key.hc_mult, key.layers, key.post_layers)
     return key
 
 
@@ -261,10 +257,12 @@ def build_mhc_multilayer_recompute(
     return mhc_multilayer_recompute_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_multilayer_recompute_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_multilayer_recompute_key`), built once per key."""
-    return jit_compile(OP, key, build_mhc_multilayer_recompute(*key))
+# lowering cases: every (L, Lp) of LOWERING_LAYERS, named mhc_multilayer_recompute_l<L>_p<Lp>
+LOWERING_LAYERS = ((1, 1), (3, 2), (3, 3), (10, 9), (10, 10))
+KERNEL = Kernel(OP, RecomputeKey, build_mhc_multilayer_recompute, derive=_key,
+                cases=lambda hidden_size, hc_mult: {
+                    f"{OP}_l{layers}_p{post}": RecomputeKey(hidden_size, hc_mult, layers, post)
+                    for layers, post in LOWERING_LAYERS})
 
 
 def mhc_multilayer_recompute(
@@ -288,20 +286,10 @@ def mhc_multilayer_recompute(
         layer_input_list: ``L`` tensors ``(T, H)`` bf16, written.
         residual_list: ``Lp`` tensors ``(T, m, H)`` bf16, written: the residual after each post stage.
     """
-    kernel = get_mhc_multilayer_recompute_kernel(
-        *mhc_multilayer_recompute_key(initial_residual, pre_mix_list, layer_output_list))
+    kernel = KERNEL.compiled(KERNEL.key(initial_residual, pre_mix_list, layer_output_list))
     kernel(initial_residual, *pre_mix_list, *layer_output_list, *post_mix_list, *comb_mix_list,
            *layer_input_list, *residual_list)
 
 
 # (L, Lp) of the lowering cases: one layer, both post counts at a short and at the target chain length
-LOWERING_LAYERS = ((1, 1), (3, 2), (3, 3), (10, 9), (10, 10))
-
-
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """The kernel at ``hidden_size`` for every ``(L, Lp)`` of :data:`LOWERING_LAYERS`, un-compiled:
-    ``{"mhc_multilayer_recompute_l<L>_p<Lp>": prim_func}``."""
-    return {
-        f"{OP}_l{layers}_p{post_layers}": build_mhc_multilayer_recompute(hidden_size, hc_mult, layers, post_layers)
-        for layers, post_layers in LOWERING_LAYERS
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -11,30 +11,13 @@ stages its next vectors by cp.async into a thread-private shared-memory ring. Ev
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ....chips import H200
-from ....limits import MHC_HC_MULT, MHC_HIDDEN, IntRange
-from .._build import jit_compile
-from ._common import VEC, RowLayout, min_blocks, row_chunk, row_layout
-
-__all__ = [
-    "PostBackwardSchedule",
-    "backward_layout",
-    "backward_schedule",
-    "build_mhc_post_backward",
-    "build_mhc_post_forward",
-    "forward_layout",
-    "get_mhc_post_backward_kernel",
-    "get_mhc_post_forward_kernel",
-    "lowering_cases",
-    "mhc_post_backward",
-    "mhc_post_backward_key",
-    "mhc_post_forward",
-    "mhc_post_forward_key",
-]
+from ....limits import IntRange
+from ..._kernel import Kernel, kernel_module
+from ._common import VEC, RowKey, RowLayout, min_blocks, row_chunk, row_key, row_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +43,6 @@ BACKWARD_HC_MULT = IntRange("hc_mult", 4, 4)
 def forward_layout(hidden_size: int) -> RowLayout:
     """Layout of the forward's ``(token, chunk)`` CTA (see :class:`PostPlan`)."""
     return row_layout(hidden_size, PLAN.forward_threads)
-
-
-def mhc_post_forward_key(x: torch.Tensor, residual: torch.Tensor) -> tuple:
-    """Compile-time key ``(H, m)`` (never the token count)."""
-    _, hc_mult, hidden_size = (int(s) for s in residual.shape)
-    MHC_HIDDEN.require("mhc_post_forward", hidden_size)
-    MHC_HC_MULT.require("mhc_post_forward", hc_mult)
-    return (hidden_size, hc_mult)
 
 
 def build_mhc_post_forward(hidden_size: int, hc_mult: int):
@@ -145,10 +120,9 @@ def build_mhc_post_forward(hidden_size: int, hc_mult: int):
     return mhc_post_forward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_post_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_post_forward_key`), built once per key."""
-    return jit_compile("mhc_post_forward", key, build_mhc_post_forward(*key))
+# also the kernel of the op's out= variant (mhc_post_forward_out)
+FORWARD = Kernel("mhc_post_forward", RowKey, build_mhc_post_forward, cases=RowKey,
+                 derive=lambda x, residual: row_key("mhc_post_forward", residual.shape[2], residual.shape[1]))
 
 
 def mhc_post_forward(
@@ -163,17 +137,15 @@ def mhc_post_forward(
         comb_res_mix: ``(T, m, m)`` f32, ``comb[t, i, o]`` from input stream ``i`` to output ``o``.
         out: ``(T, m, H)`` bf16, written (the op's new output).
     """
-    kernel = get_mhc_post_forward_kernel(*mhc_post_forward_key(x, residual))
+    kernel = FORWARD.compiled(FORWARD.key(x, residual))
     kernel(x, residual, post_layer_mix.reshape(residual.shape[0], residual.shape[1]), comb_res_mix, out)
 
 
-def mhc_post_backward_key(x: torch.Tensor, residual: torch.Tensor) -> tuple:
-    """Compile-time key ``(H, m)`` (never the token count); only ``m = 4`` is supported."""
-    _, hc_mult, hidden_size = (int(s) for s in residual.shape)
-    MHC_HIDDEN.require("mhc_post_backward", hidden_size)
-    MHC_HC_MULT.require("mhc_post_backward", hc_mult)
-    BACKWARD_HC_MULT.require("mhc_post_backward", hc_mult)
-    return (hidden_size, hc_mult)
+def _backward_key(x: torch.Tensor, residual: torch.Tensor) -> RowKey:
+    """``H`` and ``m`` of the backward's launch; only ``m = 4`` is supported."""
+    key = row_key("mhc_post_backward", residual.shape[2], residual.shape[1])
+    BACKWARD_HC_MULT.require("mhc_post_backward", key.hc_mult)
+    return key
 
 
 def backward_layout(hidden_size: int) -> RowLayout:
@@ -388,10 +360,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     return mhc_post_backward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_post_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_post_backward_key`), built once per key."""
-    return jit_compile("mhc_post_backward", key, build_mhc_post_backward(*key))
+BACKWARD = Kernel("mhc_post_backward", RowKey, build_mhc_post_backward, cases=RowKey, derive=_backward_key)
 
 
 def mhc_post_backward(
@@ -418,15 +387,9 @@ def mhc_post_backward(
         d_post: ``(T, m)`` f32 (``(T, m, 1)`` accepted), written.
         d_comb: ``(T, m, m)`` f32, written.
     """
-    kernel = get_mhc_post_backward_kernel(*mhc_post_backward_key(x, residual))
+    kernel = BACKWARD.compiled(BACKWARD.key(x, residual))
     n, m = residual.shape[0], residual.shape[1]
     kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, d_o, d_x, d_residual, d_post.view(n, m), d_comb)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both kernels at ``hidden_size``, un-compiled: ``{case: prim_func}`` (``mhc_post_forward_out`` launches
-    the forward's kernel)."""
-    return {
-        "mhc_post_forward": build_mhc_post_forward(hidden_size, hc_mult),
-        "mhc_post_backward": build_mhc_post_backward(hidden_size, hc_mult),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

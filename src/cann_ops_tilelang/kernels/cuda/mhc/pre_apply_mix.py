@@ -9,25 +9,11 @@ suitable multiple-of-32 divisor the last vector slots are guarded); the kernels 
 """
 
 import dataclasses
-import functools
 
 import torch
 
-from ....limits import MHC_HC_MULT, MHC_HIDDEN
-from .._build import jit_compile
-from ._common import VEC, RowLayout, min_blocks, row_chunk, row_layout
-
-__all__ = [
-    "build_mhc_pre_apply_mix_backward",
-    "build_mhc_pre_apply_mix_forward",
-    "get_mhc_pre_apply_mix_backward_kernel",
-    "get_mhc_pre_apply_mix_forward_kernel",
-    "lowering_cases",
-    "mhc_pre_apply_mix_backward",
-    "mhc_pre_apply_mix_backward_key",
-    "mhc_pre_apply_mix_forward",
-    "mhc_pre_apply_mix_forward_key",
-]
+from ..._kernel import Kernel, kernel_module
+from ._common import VEC, RowKey, RowLayout, min_blocks, row_chunk, row_key, row_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +33,6 @@ class ApplyMixPlan:
 PLAN = ApplyMixPlan(forward_threads=128, forward_fallback_threads=256, backward_threads=512)
 
 
-def _check(op: str, hidden_size: int, hc_mult: int) -> None:
-    MHC_HIDDEN.require(op, hidden_size)
-    MHC_HC_MULT.require(op, hc_mult)
-
-
 def forward_layout(hidden_size: int) -> RowLayout:
     """Layout of the forward's ``(token, chunk)`` CTA (see :class:`ApplyMixPlan`)."""
     layout = row_layout(hidden_size, PLAN.forward_threads)
@@ -61,13 +42,6 @@ def forward_layout(hidden_size: int) -> RowLayout:
 def backward_layout(hidden_size: int) -> RowLayout:
     """Layout of the backward's one-token CTA (see :class:`ApplyMixPlan`)."""
     return row_layout(hidden_size, PLAN.backward_threads)
-
-
-def mhc_pre_apply_mix_forward_key(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor) -> tuple:
-    """Compile-time key ``(H, m)`` (never the token count)."""
-    _, hc_mult, hidden_size = (int(s) for s in x.shape)
-    _check("mhc_pre_apply_mix_forward", hidden_size, hc_mult)
-    return (hidden_size, hc_mult)
 
 
 def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
@@ -126,10 +100,8 @@ def build_mhc_pre_apply_mix_forward(hidden_size: int, hc_mult: int):
     return mhc_pre_apply_mix_forward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_apply_mix_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_pre_apply_mix_forward_key`), built once per key."""
-    return jit_compile("mhc_pre_apply_mix_forward", key, build_mhc_pre_apply_mix_forward(*key))
+FORWARD = Kernel("mhc_pre_apply_mix_forward", RowKey, build_mhc_pre_apply_mix_forward, cases=RowKey,
+                 derive=lambda x, mix, out: row_key("mhc_pre_apply_mix_forward", x.shape[2], x.shape[1]))
 
 
 def mhc_pre_apply_mix_forward(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor) -> None:
@@ -140,15 +112,7 @@ def mhc_pre_apply_mix_forward(x: torch.Tensor, mix: torch.Tensor, out: torch.Ten
         mix: ``(T, m)`` f32.
         out: ``(T, H)`` bf16, written.
     """
-    kernel = get_mhc_pre_apply_mix_forward_kernel(*mhc_pre_apply_mix_forward_key(x, mix, out))
-    kernel(x, mix, out)
-
-
-def mhc_pre_apply_mix_backward_key(out_grad: torch.Tensor, x: torch.Tensor) -> tuple:
-    """Compile-time key ``(H, m)`` (never the token count)."""
-    _, hc_mult, hidden_size = (int(s) for s in x.shape)
-    _check("mhc_pre_apply_mix_backward", hidden_size, hc_mult)
-    return (hidden_size, hc_mult)
+    FORWARD.compiled(FORWARD.key(x, mix, out))(x, mix, out)
 
 
 def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
@@ -235,10 +199,8 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
     return mhc_pre_apply_mix_backward_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_apply_mix_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_pre_apply_mix_backward_key`), built once per key."""
-    return jit_compile("mhc_pre_apply_mix_backward", key, build_mhc_pre_apply_mix_backward(*key))
+BACKWARD = Kernel("mhc_pre_apply_mix_backward", RowKey, build_mhc_pre_apply_mix_backward, cases=RowKey,
+                  derive=lambda out_grad, x: row_key("mhc_pre_apply_mix_backward", x.shape[2], x.shape[1]))
 
 
 def mhc_pre_apply_mix_backward(
@@ -253,13 +215,7 @@ def mhc_pre_apply_mix_backward(
         x_grad: ``(T, m, H)`` bf16, accumulated in place (bf16 read-modify-write).
         mix_grad: ``(T, m)`` f32, written (the op's new output).
     """
-    kernel = get_mhc_pre_apply_mix_backward_kernel(*mhc_pre_apply_mix_backward_key(out_grad, x))
-    kernel(out_grad, x, mix, x_grad, mix_grad)
+    BACKWARD.compiled(BACKWARD.key(out_grad, x))(out_grad, x, mix, x_grad, mix_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both kernels at ``hidden_size``, un-compiled: ``{case: prim_func}``."""
-    return {
-        "mhc_pre_apply_mix_forward": build_mhc_pre_apply_mix_forward(hidden_size, hc_mult),
-        "mhc_pre_apply_mix_backward": build_mhc_pre_apply_mix_backward(hidden_size, hc_mult),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -28,22 +28,14 @@ accesses. The launcher takes validated, contiguous tensors and ``T > 0``.
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ....limits import MHC_HC_MULT, MHC_HIDDEN, MHC_SINKHORN_REPEAT, LimitError, mhc_gemm_splits
-from .._build import jit_compile
+from ..._kernel import Kernel, compile_key, kernel_module
 from ._common import VEC, RowLayout, min_blocks, row_chunk, row_layout
 from ._sinkhorn import sinkhorn_layout, sinkhorn_macros
 
-__all__ = [
-    "build_mhc_pre_big_fuse",
-    "get_mhc_pre_big_fuse_kernel",
-    "lowering_cases",
-    "mhc_pre_big_fuse",
-    "mhc_pre_big_fuse_key",
-]
 
 OP = "mhc_pre_big_fuse"
 
@@ -120,10 +112,18 @@ def grid_layout(hidden_size: int, plan: BigFusePlan | None = None, hc_mult: int 
             layout.nv // row_chunk(layout.nv))
 
 
-def mhc_pre_big_fuse_key(gemm_out_mul: torch.Tensor, residual: torch.Tensor, sinkhorn_repeat: int,
-                         n_splits: int) -> tuple:
-    """Compile-time key ``(S, H, m, R)`` (never the token count); ``LimitError`` unless ``S == n_splits``,
-    ``M3 = m*(m+2)`` and every size is in its ``limits`` range."""
+@compile_key
+class BigFuseKey:
+    """Compile-time key: ``S`` splits, ``H``, ``m`` and the Sinkhorn repeat count ``R`` (never the token count)."""
+
+    n_splits: int
+    hidden_size: int
+    hc_mult: int
+    repeat: int
+
+
+def _key(gemm_out_mul: torch.Tensor, residual: torch.Tensor, sinkhorn_repeat: int, n_splits: int) -> BigFuseKey:
+    """``LimitError`` unless ``S == n_splits``, ``M3 = m*(m+2)`` and every size is in its ``limits`` range."""
     splits, _, mult3 = (int(s) for s in gemm_out_mul.shape)
     _, hc_mult, hidden_size = (int(s) for s in residual.shape)
     if splits != int(n_splits):
@@ -131,7 +131,14 @@ def mhc_pre_big_fuse_key(gemm_out_mul: torch.Tensor, residual: torch.Tensor, sin
     if mult3 != hc_mult * (hc_mult + 2):
         raise LimitError(f"{OP}: gemm_out_mul has {mult3} mixes, expected m*(m+2) = {hc_mult * (hc_mult + 2)}")
     _check(hidden_size, hc_mult, splits, int(sinkhorn_repeat), plan_for(hidden_size))
-    return (splits, hidden_size, hc_mult, int(sinkhorn_repeat))
+    return BigFuseKey(splits, hidden_size, hc_mult, int(sinkhorn_repeat))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """16 splits with ``R`` in {10, 20}, one split with ``R = 20`` and the most splits ``m*H/64`` with ``R = 1``."""
+    most = mhc_gemm_splits(hc_mult * hidden_size).high
+    return {f"{OP}_s{s}_r{r}": BigFuseKey(s, hidden_size, hc_mult, r)
+            for s, r in ((16, 10), (16, 20), (1, 20), (most, 1))}
 
 
 def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat: int,
@@ -337,10 +344,7 @@ def build_mhc_pre_big_fuse(n_splits: int, hidden_size: int, hc_mult: int, repeat
     return mhc_pre_big_fuse_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_big_fuse_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_pre_big_fuse_key`), built once per key."""
-    return jit_compile(OP, key, build_mhc_pre_big_fuse(*key))
+KERNEL = Kernel(OP, BigFuseKey, build_mhc_pre_big_fuse, derive=_key, cases=_cases)
 
 
 def mhc_pre_big_fuse(
@@ -378,8 +382,7 @@ def mhc_pre_big_fuse(
         sinkhorn_repeat: ``R`` (compile-time).
         n_splits: ``S`` (must equal ``gemm_out_mul.shape[0]``).
     """
-    key = mhc_pre_big_fuse_key(gemm_out_mul, residual, sinkhorn_repeat, n_splits)
-    kernel = get_mhc_pre_big_fuse_kernel(*key)
+    kernel = KERNEL.compiled(KERNEL.key(gemm_out_mul, residual, sinkhorn_repeat, n_splits))
     num_tokens, hc_mult, hidden_size = residual.shape
     kernel(
         gemm_out_mul,
@@ -398,13 +401,4 @@ def mhc_pre_big_fuse(
     )
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """The kernel at ``hidden_size``, un-compiled, at 16 splits with ``R`` in {10, 20}, one split with ``R = 20``
-    and the most splits ``m*H/64`` with ``R = 1``: ``{case: prim_func}``."""
-    most = mhc_gemm_splits(hc_mult * hidden_size).high
-    return {
-        f"{OP}_s16_r10": build_mhc_pre_big_fuse(16, hidden_size, hc_mult, 10),
-        f"{OP}_s16_r20": build_mhc_pre_big_fuse(16, hidden_size, hc_mult, 20),
-        f"{OP}_s1_r20": build_mhc_pre_big_fuse(1, hidden_size, hc_mult, 20),
-        f"{OP}_s{most}_r1": build_mhc_pre_big_fuse(most, hidden_size, hc_mult, 1),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, KERNEL)

@@ -10,33 +10,17 @@ launchers take contiguous inputs with 16-byte aligned data pointers and ``T > 0`
 """
 
 import dataclasses
-import functools
 
 import torch
 
-from ....chips import H200
 from ....limits import MHC_HC_MULT
-from .._build import jit_compile
-from ._common import TOKENS_PER_CTA, ceil32, vec_width
+from ....policy import MHC_SPLIT_MIXES_PARTIALS
+from ..._kernel import Kernel, kernel_module
+from ._common import TOKENS_PER_CTA, MixKey, PartialsKey, ceil32, vec_width
 
-__all__ = [
-    "MHC_SPLIT_MIXES_PARTIALS",
-    "build_mhc_pre_split_mixes_backward",
-    "build_mhc_pre_split_mixes_backward_reduce",
-    "build_mhc_pre_split_mixes_forward",
-    "get_mhc_pre_split_mixes_backward_kernel",
-    "get_mhc_pre_split_mixes_backward_reduce_kernel",
-    "get_mhc_pre_split_mixes_forward_kernel",
-    "lowering_cases",
-    "mhc_pre_split_mixes_backward",
-    "mhc_pre_split_mixes_backward_key",
-    "mhc_pre_split_mixes_forward",
-    "mhc_pre_split_mixes_forward_key",
-]
 
-# Per-worker partial rows of the backward: one worker per H200 SM, a fixed number (not the device's SM count),
-# so that a token count always maps to the same partition and fakes allocate what the kernels write.
-MHC_SPLIT_MIXES_PARTIALS = H200.sms
+# Per-worker partial rows of the backward, MHC_SPLIT_MIXES_PARTIALS (device policy): one worker per H200 SM, a
+# fixed number (not the device's SM count), so that a token count always maps to the same partition.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +38,12 @@ class SplitMixesPlan:
 PLAN = SplitMixesPlan(backward_tokens=32, reduce_warps=8)
 
 
-def mhc_pre_split_mixes_forward_key(pre: torch.Tensor) -> tuple:
-    """Compile-time key ``(m,)`` (``m = pre.shape[1]``, in ``limits.MHC_HC_MULT``)."""
-    hc_mult = int(pre.shape[1])
-    MHC_HC_MULT.require("mhc_pre_split_mixes_forward", hc_mult)
-    return (hc_mult,)
+def _key(op: str, hc_mult) -> int:
+    return MHC_HC_MULT.require(op, int(hc_mult))
+
+
+def _partials(hidden_size: int, hc_mult: int) -> PartialsKey:
+    return PartialsKey(hc_mult, MHC_SPLIT_MIXES_PARTIALS)
 
 
 def build_mhc_pre_split_mixes_forward(hc_mult: int):
@@ -130,10 +115,9 @@ def build_mhc_pre_split_mixes_forward(hc_mult: int):
     return mhc_pre_split_mixes_fwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_split_mixes_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_pre_split_mixes_forward_key`)."""
-    return jit_compile("mhc_pre_split_mixes_forward", key, build_mhc_pre_split_mixes_forward(*key))
+FORWARD = Kernel("mhc_pre_split_mixes_forward", MixKey, build_mhc_pre_split_mixes_forward,
+                 derive=lambda pre: MixKey(_key("mhc_pre_split_mixes_forward", pre.shape[1])),
+                 cases=lambda hidden_size, hc_mult: MixKey(hc_mult))
 
 
 def mhc_pre_split_mixes_forward(
@@ -158,15 +142,8 @@ def mhc_pre_split_mixes_forward(
         post_mult_value: runtime fp32 scalar.
         pre_eps: runtime fp32 scalar.
     """
-    kernel = get_mhc_pre_split_mixes_forward_kernel(*mhc_pre_split_mixes_forward_key(pre))
+    kernel = FORWARD.compiled(FORWARD.key(pre))
     kernel(input_mixes, mhc_scale, mhc_base, pre, post, comb, float(post_mult_value), float(pre_eps))
-
-
-def mhc_pre_split_mixes_backward_key(post: torch.Tensor) -> tuple:
-    """Compile-time key ``(m, P)`` with ``P = MHC_SPLIT_MIXES_PARTIALS``."""
-    hc_mult = int(post.shape[1])
-    MHC_HC_MULT.require("mhc_pre_split_mixes_backward", hc_mult)
-    return (hc_mult, MHC_SPLIT_MIXES_PARTIALS)
 
 
 def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
@@ -380,16 +357,12 @@ def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     return mhc_pre_split_mixes_bwd_reduce_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_split_mixes_backward_kernel(*key):
-    """Compiled main kernel for ``key`` (see :func:`mhc_pre_split_mixes_backward_key`)."""
-    return jit_compile("mhc_pre_split_mixes_backward", key, build_mhc_pre_split_mixes_backward(*key))
-
-
-@functools.lru_cache(maxsize=None)
-def get_mhc_pre_split_mixes_backward_reduce_kernel(*key):
-    """Compiled partial-reduction kernel for ``key`` (see :func:`mhc_pre_split_mixes_backward_key`)."""
-    return jit_compile("mhc_pre_split_mixes_backward_reduce", key, build_mhc_pre_split_mixes_backward_reduce(*key))
+# the backward's two kernels share the key (m, P = MHC_SPLIT_MIXES_PARTIALS)
+BACKWARD = Kernel("mhc_pre_split_mixes_backward", PartialsKey, build_mhc_pre_split_mixes_backward, cases=_partials,
+                  derive=lambda post: PartialsKey(_key("mhc_pre_split_mixes_backward", post.shape[1]),
+                                                  MHC_SPLIT_MIXES_PARTIALS))
+BACKWARD_REDUCE = Kernel("mhc_pre_split_mixes_backward_reduce", PartialsKey, build_mhc_pre_split_mixes_backward_reduce,
+                         cases=_partials)
 
 
 def mhc_pre_split_mixes_backward(
@@ -424,23 +397,14 @@ def mhc_pre_split_mixes_backward(
         mhc_base_grad: ``(M3,)`` f32, overwritten.
         post_mult_value: runtime fp32 scalar.
     """
-    key = mhc_pre_split_mixes_backward_key(post)
-    m, P = key
+    key = BACKWARD.key(post)
+    m, P = key.hc_mult, key.num_partials
     partial = torch.empty((P, m * (m + 2) + 3), dtype=torch.float32, device=input_mixes.device)
-    get_mhc_pre_split_mixes_backward_kernel(*key)(
+    BACKWARD.compiled(key)(
         pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base, input_mixes_grad, partial,
         float(post_mult_value),
     )
-    get_mhc_pre_split_mixes_backward_reduce_kernel(*key)(partial, mhc_scale_grad, mhc_base_grad)
+    BACKWARD_REDUCE.compiled(key)(partial, mhc_scale_grad, mhc_base_grad)
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """The three kernels (independent of ``hidden_size``), the backward's at ``P = MHC_SPLIT_MIXES_PARTIALS``,
-    un-compiled: ``{case: prim_func}``."""
-    del hidden_size
-    partials = MHC_SPLIT_MIXES_PARTIALS
-    return {
-        "mhc_pre_split_mixes_forward": build_mhc_pre_split_mixes_forward(hc_mult),
-        "mhc_pre_split_mixes_backward": build_mhc_pre_split_mixes_backward(hc_mult, partials),
-        "mhc_pre_split_mixes_backward_reduce": build_mhc_pre_split_mixes_backward_reduce(hc_mult, partials),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD, BACKWARD_REDUCE)

@@ -10,41 +10,50 @@ issued before its math, ``float4`` accesses where the row allows; independent of
 scalar). Launchers take contiguous inputs with 16-byte aligned data pointers and ``T > 0``.
 """
 
-import functools
 
 import torch
 
 from ....limits import IntRange, LimitError
-from .._build import jit_compile
+from ..._kernel import Kernel, compile_key, kernel_module
 from ._common import TOKENS_PER_CTA, ceil32, vec_width
 
-__all__ = [
-    "build_mhc_reduce_partials_and_rmsnorm_backward",
-    "build_mhc_reduce_partials_and_rmsnorm_forward",
-    "get_mhc_reduce_partials_and_rmsnorm_backward_kernel",
-    "get_mhc_reduce_partials_and_rmsnorm_forward_kernel",
-    "lowering_cases",
-    "mhc_reduce_partials_and_rmsnorm_backward",
-    "mhc_reduce_partials_and_rmsnorm_backward_key",
-    "mhc_reduce_partials_and_rmsnorm_forward",
-    "mhc_reduce_partials_and_rmsnorm_forward_key",
-]
 
 # what the kernels take (wider than the ops' limits.MHC_RMS_GROUPS and limits.MHC_MIX)
 GROUPS = IntRange("RMS groups G", 1, 16)
 MIX = IntRange("M3", 1, 32)
 
 
-def mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted: torch.Tensor, n_splits: int) -> tuple:
-    """Compile-time key ``(S, G, M3)``; ``LimitError`` unless ``S == n_splits >= 1``, ``G`` in :data:`GROUPS` and
-    ``M3`` in :data:`MIX`."""
+@compile_key
+class ForwardKey:
+    """Compile-time key of the forward: ``S`` splits, ``G`` RMS groups, ``M3`` mixes (never the token count)."""
+
+    n_splits: int
+    n_groups: int
+    mult3: int
+
+
+@compile_key
+class BackwardKey:
+    """Compile-time key of the backward: ``G`` RMS groups, ``M3`` mixes."""
+
+    n_groups: int
+    mult3: int
+
+
+def _forward_key(out_mul_splitted: torch.Tensor, n_splits: int) -> ForwardKey:
+    """``LimitError`` unless ``S == n_splits >= 1``, ``G`` in :data:`GROUPS` and ``M3`` in :data:`MIX`."""
     op = "mhc_reduce_partials_and_rmsnorm_forward"
     splits, _, groups, mult3 = (int(s) for s in out_mul_splitted.shape)
     if splits != int(n_splits) or n_splits < 1:
         raise LimitError(f"{op}: out_mul_splitted has {splits} splits but n_splits={n_splits}")
-    GROUPS.require(op, groups)
-    MIX.require(op, mult3)
-    return (splits, groups, mult3)
+    return ForwardKey(splits, GROUPS.require(op, groups), MIX.require(op, mult3))
+
+
+def _forward_cases(hidden_size: int, hc_mult: int) -> dict:
+    """At 16 and 1 splits and with 2 RMS groups (the generic ``G`` path); independent of ``hidden_size``."""
+    m3, forward = hc_mult * (hc_mult + 2), "mhc_reduce_partials_and_rmsnorm_forward"
+    return {f"{forward}_s16": ForwardKey(16, 1, m3), f"{forward}_s1": ForwardKey(1, 1, m3),
+            f"{forward}_g2": ForwardKey(16, 2, m3)}
 
 
 def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, n_groups: int, mult3: int):
@@ -150,11 +159,8 @@ def build_mhc_reduce_partials_and_rmsnorm_forward(n_splits: int, n_groups: int, 
     return mhc_reduce_partials_and_rmsnorm_fwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_reduce_partials_and_rmsnorm_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_reduce_partials_and_rmsnorm_forward_key`)."""
-    prim_func = build_mhc_reduce_partials_and_rmsnorm_forward(*key)
-    return jit_compile("mhc_reduce_partials_and_rmsnorm_forward", key, prim_func)
+FORWARD = Kernel("mhc_reduce_partials_and_rmsnorm_forward", ForwardKey, build_mhc_reduce_partials_and_rmsnorm_forward,
+                 derive=_forward_key, cases=_forward_cases)
 
 
 def mhc_reduce_partials_and_rmsnorm_forward(
@@ -183,9 +189,7 @@ def mhc_reduce_partials_and_rmsnorm_forward(
         n_splits: ``S`` (must equal ``out_mul_splitted.shape[0]``).
     """
     S, T_, G, M3 = out_mul_splitted.shape
-    key = mhc_reduce_partials_and_rmsnorm_forward_key(out_mul_splitted, n_splits)
-    kernel = get_mhc_reduce_partials_and_rmsnorm_forward_kernel(*key)
-    kernel(
+    FORWARD.compiled(FORWARD.key(out_mul_splitted, n_splits))(
         out_mul_splitted.view(S, T_, G * M3),
         sqrsum_splitted,
         out_mul.view(T_, G * M3),
@@ -196,13 +200,11 @@ def mhc_reduce_partials_and_rmsnorm_forward(
     )
 
 
-def mhc_reduce_partials_and_rmsnorm_backward_key(out_mul: torch.Tensor) -> tuple:
-    """Compile-time key ``(G, M3)``; ``LimitError`` unless ``G`` is in :data:`GROUPS` and ``M3`` in :data:`MIX`."""
+def _backward_key(out_mul: torch.Tensor) -> BackwardKey:
+    """``LimitError`` unless ``G`` is in :data:`GROUPS` and ``M3`` in :data:`MIX`."""
     op = "mhc_reduce_partials_and_rmsnorm_backward"
     _, groups, mult3 = (int(s) for s in out_mul.shape)
-    GROUPS.require(op, groups)
-    MIX.require(op, mult3)
-    return (groups, mult3)
+    return BackwardKey(GROUPS.require(op, groups), MIX.require(op, mult3))
 
 
 def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
@@ -269,11 +271,9 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
     return mhc_reduce_partials_and_rmsnorm_bwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_reduce_partials_and_rmsnorm_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_reduce_partials_and_rmsnorm_backward_key`)."""
-    prim_func = build_mhc_reduce_partials_and_rmsnorm_backward(*key)
-    return jit_compile("mhc_reduce_partials_and_rmsnorm_backward", key, prim_func)
+BACKWARD = Kernel("mhc_reduce_partials_and_rmsnorm_backward", BackwardKey,
+                  build_mhc_reduce_partials_and_rmsnorm_backward,
+                  derive=_backward_key, cases=lambda hidden_size, hc_mult: BackwardKey(1, hc_mult * (hc_mult + 2)))
 
 
 def mhc_reduce_partials_and_rmsnorm_backward(
@@ -297,8 +297,7 @@ def mhc_reduce_partials_and_rmsnorm_backward(
         rms_eps: RMSNorm epsilon (runtime fp32 scalar).
     """
     T_, G, M3 = out_mul.shape
-    kernel = get_mhc_reduce_partials_and_rmsnorm_backward_kernel(*mhc_reduce_partials_and_rmsnorm_backward_key(out_mul))
-    kernel(
+    BACKWARD.compiled(BACKWARD.key(out_mul))(
         out_grad,
         out_mul.view(T_, G * M3),
         sqrsum,
@@ -309,15 +308,4 @@ def mhc_reduce_partials_and_rmsnorm_backward(
     )
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Every kernel variant (independent of ``hidden_size``), un-compiled: the forward at 16 and 1 splits and
-    with 2 RMS groups (the generic ``G`` path), and the backward: ``{case: prim_func}``."""
-    del hidden_size
-    m3 = hc_mult * (hc_mult + 2)
-    forward = "mhc_reduce_partials_and_rmsnorm_forward"
-    return {
-        f"{forward}_s16": build_mhc_reduce_partials_and_rmsnorm_forward(16, 1, m3),
-        f"{forward}_s1": build_mhc_reduce_partials_and_rmsnorm_forward(1, 1, m3),
-        f"{forward}_g2": build_mhc_reduce_partials_and_rmsnorm_forward(16, 2, m3),
-        "mhc_reduce_partials_and_rmsnorm_backward": build_mhc_reduce_partials_and_rmsnorm_backward(1, m3),
-    }
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -14,28 +14,14 @@ they are summed (``__fmul_rn``). ``m`` a power of two in ``limits.MHC_HC_MULT``,
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ....chips import H200
 from ....limits import MHC_HC_MULT, MHC_SINKHORN_REPEAT, LimitError
-from .._build import jit_compile
+from ..._kernel import Kernel, compile_key, kernel_module
 from ._common import ceil32
 from ._sinkhorn import sinkhorn_layout, sinkhorn_macros
-
-__all__ = [
-    "build_mhc_sinkhorn_backward",
-    "build_mhc_sinkhorn_forward",
-    "get_mhc_sinkhorn_backward_kernel",
-    "get_mhc_sinkhorn_forward_kernel",
-    "lowering_cases",
-    "mhc_sinkhorn_backward",
-    "mhc_sinkhorn_backward_key",
-    "mhc_sinkhorn_backward_token_block",
-    "mhc_sinkhorn_forward",
-    "mhc_sinkhorn_forward_key",
-]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +46,23 @@ def _check(op: str, hc_mult: int, repeat: int) -> None:
     MHC_SINKHORN_REPEAT["cuda"].require(op, repeat)
 
 
-def mhc_sinkhorn_forward_key(comb: torch.Tensor, repeat: int) -> tuple:
-    """Compile-time key ``(m, R)``."""
+@compile_key
+class SinkhornKey:
+    """Compile-time key of both kernels: ``m`` and the repeat count ``R`` (never the token count)."""
+
+    hc_mult: int
+    repeat: int
+
+
+def _forward_key(comb: torch.Tensor, repeat: int) -> SinkhornKey:
     hc_mult = int(comb.shape[-1])
     _check("mhc_sinkhorn_forward", hc_mult, int(repeat))
-    return (hc_mult, int(repeat))
+    return SinkhornKey(hc_mult, int(repeat))
+
+
+def _cases(op: str):
+    """``<op>_r{R}`` at ``R`` in {1, 10, 20} (independent of ``hidden_size``)."""
+    return lambda hidden_size, hc_mult: {f"{op}_r{r}": SinkhornKey(hc_mult, r) for r in (1, 10, 20)}
 
 
 def _sinkhorn_tokens_per_cta(hc_mult: int) -> int:
@@ -94,12 +92,11 @@ def mhc_sinkhorn_backward_token_block(hc_mult: int, repeat: int) -> int:
     return tb
 
 
-def mhc_sinkhorn_backward_key(x: torch.Tensor, repeat: int) -> tuple:
-    """Compile-time key ``(m, R)``."""
+def _backward_key(x: torch.Tensor, repeat: int) -> SinkhornKey:
     hc_mult = int(x.shape[-1])
     _check("mhc_sinkhorn_backward", hc_mult, int(repeat))
     mhc_sinkhorn_backward_token_block(hc_mult, int(repeat))  # validates the shared-memory need
-    return (hc_mult, int(repeat))
+    return SinkhornKey(hc_mult, int(repeat))
 
 
 def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
@@ -168,10 +165,8 @@ def build_mhc_sinkhorn_forward(hc_mult: int, repeat: int):
     return mhc_sinkhorn_fwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_sinkhorn_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_sinkhorn_forward_key`)."""
-    return jit_compile("mhc_sinkhorn_forward", key, build_mhc_sinkhorn_forward(*key))
+FORWARD = Kernel("mhc_sinkhorn_forward", SinkhornKey, build_mhc_sinkhorn_forward, derive=_forward_key,
+                 cases=_cases("mhc_sinkhorn_forward"))
 
 
 def mhc_sinkhorn_forward(comb: torch.Tensor, comb_out: torch.Tensor, repeat: int, eps: float) -> None:
@@ -184,8 +179,7 @@ def mhc_sinkhorn_forward(comb: torch.Tensor, comb_out: torch.Tensor, repeat: int
         eps: runtime fp32 scalar.
     """
     T_, m, _ = comb.shape
-    kernel = get_mhc_sinkhorn_forward_kernel(*mhc_sinkhorn_forward_key(comb, repeat))
-    kernel(comb.view(T_, m * m), comb_out.view(T_, m * m), float(eps))
+    FORWARD.compiled(FORWARD.key(comb, repeat))(comb.view(T_, m * m), comb_out.view(T_, m * m), float(eps))
 
 
 def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
@@ -350,10 +344,8 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
     return mhc_sinkhorn_bwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_sinkhorn_backward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_sinkhorn_backward_key`)."""
-    return jit_compile("mhc_sinkhorn_backward", key, build_mhc_sinkhorn_backward(*key))
+BACKWARD = Kernel("mhc_sinkhorn_backward", SinkhornKey, build_mhc_sinkhorn_backward, derive=_backward_key,
+                  cases=_cases("mhc_sinkhorn_backward"))
 
 
 def mhc_sinkhorn_backward(
@@ -369,15 +361,8 @@ def mhc_sinkhorn_backward(
         eps: runtime fp32 scalar.
     """
     T_, m, _ = x.shape
-    kernel = get_mhc_sinkhorn_backward_kernel(*mhc_sinkhorn_backward_key(x, repeat))
+    kernel = BACKWARD.compiled(BACKWARD.key(x, repeat))
     kernel(grad_output.view(T_, m * m), x.view(T_, m * m), grad_input.view(T_, m * m), float(eps))
 
 
-def lowering_cases(hidden_size: int, hc_mult: int = 4) -> dict:
-    """Both kernels at ``R`` in {1, 10, 20} (independent of ``hidden_size``), un-compiled: ``{case: prim_func}``."""
-    del hidden_size
-    cases = {}
-    for r in (1, 10, 20):
-        cases[f"mhc_sinkhorn_forward_r{r}"] = build_mhc_sinkhorn_forward(hc_mult, r)
-        cases[f"mhc_sinkhorn_backward_r{r}"] = build_mhc_sinkhorn_backward(hc_mult, r)
-    return cases
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

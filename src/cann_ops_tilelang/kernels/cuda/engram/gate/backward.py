@@ -12,25 +12,17 @@ warp's partial stored into every CTA's shared memory, one barrier, then one iden
 warp: bitwise-equal sums everywhere); (3) ``x``, ``k``, ``wf``: ``grad_x``, ``grad_k`` and ``beta * x * k``.
 Latency hiding (:class:`BwdPlan`): thread-private ``cp.async`` staging of x/k and prefetch of the next
 go/v (only ``cp.async.wait_group``, no barrier); where a second x/k buffer fits, a token-pipelined variant
-(:func:`build_engram_gate_bwd`) for at most ``_PIPE_MAX_PER`` tokens per worker. Measurements: the "gate
+(:func:`build_engram_gate_bwd`) for at most ``BWD_TUNING.pipelined_tokens_per_worker`` tokens per worker.
+Measurements: the "gate
 backward" entries of docs/perf/h200/engram.md.
 """
-
-import functools
 
 import torch
 
 from .....limits import IntRange, LimitError
-from ..._build import jit_compile
-from ._plan import BwdPlan, bwd_plan, num_partials
-
-__all__ = ["BwdPlan", "bwd_plan", "build_engram_gate_bwd", "engram_gate_bwd", "engram_gate_bwd_key",
-           "get_engram_gate_bwd_kernel", "num_partials"]
-
-_VEC = 8
-# the pipelined kernel for at most this many tokens per worker (T <= 2112 at P = 66), the unpipelined one
-# beyond (docs/perf/h200/engram.md, 2026-12-02 — gate backward: one worker per 2-CTA cluster (P = 66))
-_PIPE_MAX_PER = 32
+from .....policy import BWD_TUNING, BwdPlan, bwd_plan, num_partials
+from ...._kernel import Kernel, public_names
+from ._keys import BwdKey, backward_cases
 
 _PRELUDE = r"""
 __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float value) {
@@ -42,11 +34,10 @@ __device__ __forceinline__ void ops_st_cluster_f32(float* ptr, int rank, float v
 """
 
 
-def engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask, residual: bool = True) -> tuple:
-    """Compile-time key ``(H, m, P, has_mask, residual)`` (never the token count)."""
+def _key(hidden_states, grad_w_partial, image_token_mask, residual: bool = True) -> BwdKey:
     _, hc_mult, hidden_size = hidden_states.shape
-    partials = int(grad_w_partial.shape[0])
-    return (int(hidden_size), int(hc_mult), partials, image_token_mask is not None, bool(residual))
+    return BwdKey(int(hidden_size), int(hc_mult), int(grad_w_partial.shape[0]), image_token_mask is not None,
+                  bool(residual))
 
 
 def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, residual: bool = True,
@@ -73,7 +64,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     """
     from tilelang import language as T
 
-    plan = bwd_plan(hidden_size, hc_mult)  # limits.LimitError outside the Engram ranges
+    plan, vec = bwd_plan(hidden_size, hc_mult), BWD_TUNING.vec  # limits.LimitError outside the Engram ranges
     H, m = int(hidden_size), int(hc_mult)
     P = IntRange("num_partials", 1).require("engram_gate_bwd", num_partials)
     S, threads, nc = plan.split, plan.threads, plan.nc
@@ -81,7 +72,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     if pipelined and not plan.pipe:
         raise LimitError(f"engram_gate_bwd: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
     # the pipelined kernel implies S > 1, x/k staging, the go/v prefetch, wf in shared memory, tile in registers
-    # (plan.pipe is set only where _plan._pipe_fits says all hold)
+    # (plan.pipe is set only where policy._pipe_fits says all hold)
     pipe = pipelined
     if threads % 32 != 0:
         # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
@@ -94,7 +85,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     scalars_ahead = S == 1
     nwarps = threads // 32
     HC = H // S  # columns per CTA
-    nvec = HC // _VEC
+    nvec = HC // vec
     scale = float(H**-0.5)
     hidden_f = float(H)
     f32, bf16 = T.float32, T.bfloat16
@@ -103,7 +94,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     @T.macro
     def cp16(dst, row, col, src, t, h, c):
         # One thread's 16-byte cp.async of the 8 bf16 src[t, h, c:c+8] into dst[row, col:col+8].
-        T.ptx_cp_async(T.access_ptr(dst[row, col], "w", _VEC), T.access_ptr(src[t, h, c], "r", _VEC), _VEC)
+        T.ptx_cp_async(T.access_ptr(dst[row, col], "w", vec), T.access_ptr(src[t, h, c], "r", vec), vec)
 
     @T.macro
     def prefetch(go, kv, dst, r0, t, t_stop, tid, c0):
@@ -113,8 +104,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         if t < t_stop:
             for i in T.unroll(nc):
                 for h in T.unroll(m):
-                    cp16(dst, r0 + h, (i * threads + tid) * _VEC, go, t, h, c0 + (i * threads + tid) * _VEC)
-                cp16(dst, r0 + m, (i * threads + tid) * _VEC, kv, t, m, c0 + (i * threads + tid) * _VEC)
+                    cp16(dst, r0 + h, (i * threads + tid) * vec, go, t, h, c0 + (i * threads + tid) * vec)
+                cp16(dst, r0 + m, (i * threads + tid) * vec, kv, t, m, c0 + (i * threads + tid) * vec)
         T.ptx_commit_group()
 
     @T.macro
@@ -122,10 +113,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         # Direct (register) loads of the thread's go rows and v columns of token t.
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                for k in T.vectorized(_VEC):
-                    gor[i, h, k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
-            for k in T.vectorized(_VEC):
-                vr[i, k] = kv[t, m, c0 + (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(vec):
+                    gor[i, h, k] = go[t, h, c0 + (i * threads + tid) * vec + k]
+            for k in T.vectorized(vec):
+                vr[i, k] = kv[t, m, c0 + (i * threads + tid) * vec + k]
 
     @T.macro
     def stage(x, kv, dst, r0, t, tid, c0):
@@ -133,8 +124,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         # rows r0 .. r0 + 2m of dst (x, then k).
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                cp16(dst, r0 + h, (i * threads + tid) * _VEC, x, t, h, c0 + (i * threads + tid) * _VEC)
-                cp16(dst, r0 + m + h, (i * threads + tid) * _VEC, kv, t, h, c0 + (i * threads + tid) * _VEC)
+                cp16(dst, r0 + h, (i * threads + tid) * vec, x, t, h, c0 + (i * threads + tid) * vec)
+                cp16(dst, r0 + m + h, (i * threads + tid) * vec, kv, t, h, c0 + (i * threads + tid) * vec)
         T.ptx_commit_group()
 
     @T.macro
@@ -145,7 +136,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         # lane l writes columns 4l .. 4l+3 (+128 for the second half), from lane l / 2 (+16).
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                for k in T.unroll(_VEC):
+                for k in T.unroll(vec):
                     if gw_regs:
                         wr[k] = gwr[i, h, k]
                     else:
@@ -158,7 +149,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     for e in T.unroll(4):
                         wo[e] = T.if_then_else(lane % 2 == 0, wo[e], wo[4 + e])
                     for e in T.vectorized(4):
-                        grad_w[row, h, c0 + (i * threads + wid * 32) * _VEC + half * 128 + lane * 4 + e] = wo[e]
+                        grad_w[row, h, c0 + (i * threads + wid * 32) * vec + half * 128 + lane * 4 + e] = wo[e]
 
     @T.macro
     def load_scalars(dot, gate, rstd_x, rstd_k, sc, gl, t, tid):
@@ -187,37 +178,37 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         for i in T.unroll(nc):
             for h in T.unroll(m):
                 if not residual:
-                    for k in T.vectorized(_VEC):
+                    for k in T.vectorized(vec):
                         cp[k] = T.cast(0.0, bf16)
                 elif pre_gov:
-                    for k in T.vectorized(_VEC):
-                        cp[k] = gov_s[r0 + h, (i * threads + tid) * _VEC + k]
+                    for k in T.vectorized(vec):
+                        cp[k] = gov_s[r0 + h, (i * threads + tid) * vec + k]
                 else:
-                    for k in T.vectorized(_VEC):
-                        cp[k] = go[t, h, c0 + (i * threads + tid) * _VEC + k]
-                for k in T.vectorized(_VEC):
-                    grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = cp[k]
+                    for k in T.vectorized(vec):
+                        cp[k] = go[t, h, c0 + (i * threads + tid) * vec + k]
+                for k in T.vectorized(vec):
+                    grad_x[t, h, c0 + (i * threads + tid) * vec + k] = cp[k]
         if pre_gov:
             prefetch(go, kv, gov_s, gov0, t_pf, t_stop, tid, c0)
         for i in T.unroll(nc):
             for h in T.unroll(m + 1):
-                for k in T.vectorized(_VEC):
-                    grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(0.0, bf16)
+                for k in T.vectorized(vec):
+                    grad_kv[t, h, c0 + (i * threads + tid) * vec + k] = T.cast(0.0, bf16)
 
     @T.macro
     def phase1_vec(gor, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0):
         # Column vector i of phase 1 (go in gor, v in vr): the dL/dg partials and the value gradient.
-        for k in T.unroll(_VEC):
+        for k in T.unroll(vec):
             vf[k] = T.cast(vr[i, k], f32)
         for h in T.unroll(m):
-            for k in T.unroll(_VEC):
+            for k in T.unroll(vec):
                 acc[h] += T.cast(gor[i, h, k], f32) * vf[k]
-        for k in T.unroll(_VEC):
+        for k in T.unroll(vec):
             gv[k] = T.cast(gor[i, 0, k], f32) * gl[0]
             for h in T.unroll(1, m):
                 gv[k] += T.cast(gor[i, h, k], f32) * gl[h]
-        for k in T.vectorized(_VEC):
-            grad_kv[t, m, c0 + (i * threads + tid) * _VEC + k] = T.cast(gv[k], bf16)
+        for k in T.vectorized(vec):
+            grad_kv[t, m, c0 + (i * threads + tid) * vec + k] = T.cast(gv[k], bf16)
 
     @T.macro
     def publish_scalars(scs, sc, parity, clamp, tid):
@@ -265,19 +256,19 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     def phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0):
         # Column vector i of stream h in phase 2 (x, k, wf in xr, kr, wr): grad_x (+ go if residual), grad_k, grad_wf.
         if residual:
-            for k in T.vectorized(_VEC):
+            for k in T.vectorized(vec):
                 cp[k] = gor[i, h, k]
-            for k in T.vectorized(_VEC):
-                grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+            for k in T.vectorized(vec):
+                grad_x[t, h, c0 + (i * threads + tid) * vec + k] = T.cast(
                     T.cast(cp[k], f32) + beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16
                 )
         else:
-            for k in T.vectorized(_VEC):
-                grad_x[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(
+            for k in T.vectorized(vec):
+                grad_x[t, h, c0 + (i * threads + tid) * vec + k] = T.cast(
                     beta[h] * (kr[k] * wr[k] - xr[k] * ax[h]), bf16)
-        for k in T.vectorized(_VEC):
-            grad_kv[t, h, c0 + (i * threads + tid) * _VEC + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
-        for k in T.unroll(_VEC):
+        for k in T.vectorized(vec):
+            grad_kv[t, h, c0 + (i * threads + tid) * vec + k] = T.cast(beta[h] * (xr[k] * wr[k] - kr[k] * ak[h]), bf16)
+        for k in T.unroll(vec):
             if gw_regs:
                 gwr[i, h, k] += beta[h] * xr[k] * kr[k]
             else:
@@ -317,10 +308,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 for i in T.unroll(nc):
                     if pre_gov:
                         for h in T.unroll(m):
-                            for k in T.vectorized(_VEC):
-                                gor[i, h, k] = gov_s[h, (i * threads + tid) * _VEC + k]
-                        for k in T.vectorized(_VEC):
-                            vr[i, k] = gov_s[m, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                gor[i, h, k] = gov_s[h, (i * threads + tid) * vec + k]
+                        for k in T.vectorized(vec):
+                            vr[i, k] = gov_s[m, (i * threads + tid) * vec + k]
                     else:
                         load_gov(go, kv, gor, vr, t, tid, c0)
                     phase1_vec(gor, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
@@ -330,8 +321,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 publish_scalars(scs, sc, parity, clamp, tid)
                 if wf_pipe:
                     # phase 2's first wf vector, issued before the reduction (independent of it)
-                    for k in T.vectorized(_VEC):
-                        wq[0, k] = wf[0, c0 + tid * _VEC + k]
+                    for k in T.vectorized(vec):
+                        wq[0, k] = wf[0, c0 + tid * vec + k]
                 for h in T.unroll(m):
                     acc[h] = T.warp_reduce_sum(acc[h])
                 if S == 1:
@@ -351,29 +342,29 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                 for i in T.unroll(nc):
                     for h in T.unroll(m):
                         if stage_xk:
-                            for k in T.vectorized(_VEC):
-                                xr[k] = xk_s[h, (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                kr[k] = xk_s[m + h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                xr[k] = xk_s[h, (i * threads + tid) * vec + k]
+                            for k in T.vectorized(vec):
+                                kr[k] = xk_s[m + h, (i * threads + tid) * vec + k]
                         else:
-                            for k in T.vectorized(_VEC):
-                                xr[k] = x[t, h, c0 + (i * threads + tid) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                kr[k] = kv[t, h, c0 + (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                xr[k] = x[t, h, c0 + (i * threads + tid) * vec + k]
+                            for k in T.vectorized(vec):
+                                kr[k] = kv[t, h, c0 + (i * threads + tid) * vec + k]
                         if wf_smem:
-                            for k in T.vectorized(_VEC):
-                                wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                wr[k] = wf_s[h, (i * threads + tid) * vec + k]
                         elif wf_pipe:
                             if i * m + h + 1 < nc * m:
-                                for k in T.vectorized(_VEC):
+                                for k in T.vectorized(vec):
                                     wq[(i * m + h + 1) % 2, k] = wf[
-                                        (h + 1) % m, c0 + ((i + (h + 1) // m) * threads + tid) * _VEC + k
+                                        (h + 1) % m, c0 + ((i + (h + 1) // m) * threads + tid) * vec + k
                                     ]
-                            for k in T.vectorized(_VEC):
+                            for k in T.vectorized(vec):
                                 wr[k] = wq[(i * m + h) % 2, k]
                         else:
-                            for k in T.vectorized(_VEC):
-                                wr[k] = wf[h, c0 + (i * threads + tid) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                wr[k] = wf[h, c0 + (i * threads + tid) * vec + k]
                         phase2_vec(grad_x, grad_kv, gwr, gw_s, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
@@ -393,10 +384,10 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             acc[h] = 0.0
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                for k in T.vectorized(_VEC):
-                    gon[i, h, k] = sb[r0 + h, (i * threads + tid) * _VEC + k]
-            for k in T.vectorized(_VEC):
-                vr[i, k] = sb[r0 + m, (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(vec):
+                    gon[i, h, k] = sb[r0 + h, (i * threads + tid) * vec + k]
+            for k in T.vectorized(vec):
+                vr[i, k] = sb[r0 + m, (i * threads + tid) * vec + k]
             phase1_vec(gon, vr, vf, gv, gl, acc, grad_kv, i, t, tid, c0)
         publish_scalars(scs, sc, parity, clamp, tid)
         for h in T.unroll(m):
@@ -412,12 +403,12 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         # Phase 2 of token t from its x/k buffer (t % 2): grad_x, grad_k, the weight-gradient registers.
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                for k in T.vectorized(_VEC):
-                    xr[k] = sb[2 * m * (t % 2) + h, (i * threads + tid) * _VEC + k]
-                for k in T.vectorized(_VEC):
-                    kr[k] = sb[2 * m * (t % 2) + m + h, (i * threads + tid) * _VEC + k]
-                for k in T.vectorized(_VEC):
-                    wr[k] = wf_s[h, (i * threads + tid) * _VEC + k]
+                for k in T.vectorized(vec):
+                    xr[k] = sb[2 * m * (t % 2) + h, (i * threads + tid) * vec + k]
+                for k in T.vectorized(vec):
+                    kr[k] = sb[2 * m * (t % 2) + m + h, (i * threads + tid) * vec + k]
+                for k in T.vectorized(vec):
+                    wr[k] = wf_s[h, (i * threads + tid) * vec + k]
                 phase2_vec(grad_x, grad_kv, gwr, None, gor, xr, kr, wr, cp, beta, ax, ak, i, h, t, tid, c0)
 
     @T.macro
@@ -427,7 +418,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
         betas(red, scs, gl, acc, beta, ax, ak, parity, lane)
         for i in T.unroll(nc):
             for h in T.unroll(m):
-                for k in T.vectorized(_VEC):
+                for k in T.vectorized(vec):
                     gor[i, h, k] = gon[i, h, k]
 
     @T.macro
@@ -497,8 +488,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
-            gwr = T.alloc_local((nc, m, _VEC), f32) if gw_regs else None
-            gw_s = None if gw_regs else T.alloc_shared((m, _VEC, nvec), f32)
+            gwr = T.alloc_local((nc, m, vec), f32) if gw_regs else None
+            gw_s = None if gw_regs else T.alloc_shared((m, vec, nvec), f32)
             if pipe:
                 # rows [2m*b, 2m*b + 2m): x/k buffer b (token t in buffer t % 2); rows [gov0, gov0 + m]: go/v
                 xk_s = T.alloc_shared((gov0 + m + 1, HC), bf16)
@@ -510,15 +501,15 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             wf_s = T.alloc_shared((m, HC), f32) if wf_smem else None  # wf, own columns only (loaded once)
             red = T.alloc_shared((2, m, 32), f32)
             scs = T.alloc_shared((2, 4, m), f32)  # per-stream scalars, written by thread h < m
-            gor = T.alloc_local((nc, m, _VEC), bf16)
-            cp = T.alloc_local((_VEC,), bf16)
-            vr = T.alloc_local((nc, _VEC), bf16)
-            vf = T.alloc_local((_VEC,), f32)
-            gv = T.alloc_local((_VEC,), f32)
-            xr = T.alloc_local((_VEC,), f32)
-            kr = T.alloc_local((_VEC,), f32)
-            wr = T.alloc_local((_VEC,), f32)
-            wq = T.alloc_local((2, _VEC), f32) if wf_pipe else None  # wf of the current / next (vector, stream) step
+            gor = T.alloc_local((nc, m, vec), bf16)
+            cp = T.alloc_local((vec,), bf16)
+            vr = T.alloc_local((nc, vec), bf16)
+            vf = T.alloc_local((vec,), f32)
+            gv = T.alloc_local((vec,), f32)
+            xr = T.alloc_local((vec,), f32)
+            kr = T.alloc_local((vec,), f32)
+            wr = T.alloc_local((vec,), f32)
+            wq = T.alloc_local((2, vec), f32) if wf_pipe else None  # wf of the current / next (vector, stream) step
             gl = T.alloc_local((m,), f32)
             acc = T.alloc_local((m,), f32)
             beta = T.alloc_local((m,), f32)
@@ -529,7 +520,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             gln = T.alloc_local((m,), f32) if scalars_ahead or pipe else None
             scn = T.alloc_local((3,), f32) if scalars_ahead or pipe else None
             parity = T.alloc_local((1,), T.int32)  # reduction buffer of this token
-            gon = T.alloc_local((nc, m, _VEC), bf16) if pipe else None  # the next token's go (pipelined)
+            gon = T.alloc_local((nc, m, vec), bf16) if pipe else None  # the next token's go (pipelined)
 
             parity[0] = 0
             if pipe:
@@ -541,11 +532,11 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                     ak[h] = 0.0
                 for i in T.unroll(nc):
                     for h in T.unroll(m):
-                        for k in T.unroll(_VEC):
+                        for k in T.unroll(vec):
                             gor[i, h, k] = T.cast(0.0, bf16)
             for i in T.unroll(nc):
                 for h in T.unroll(m):
-                    for k in T.unroll(_VEC):
+                    for k in T.unroll(vec):
                         if gw_regs:
                             gwr[i, h, k] = 0.0
                         else:
@@ -569,8 +560,8 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
                         for h in T.unroll(m):
                             for j in T.unroll(2):
                                 T.ptx_cp_async(
-                                    T.access_ptr(wf_s[h, (i * threads + tid) * _VEC + j * 4], "w", 4),
-                                    T.access_ptr(wf[h, c0 + (i * threads + tid) * _VEC + j * 4], "r", 4),
+                                    T.access_ptr(wf_s[h, (i * threads + tid) * vec + j * 4], "w", 4),
+                                    T.access_ptr(wf[h, c0 + (i * threads + tid) * vec + j * 4], "r", 4),
                                     4,
                                 )
                     T.ptx_commit_group()
@@ -646,16 +637,16 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     return engram_gate_bwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_gate_bwd_kernel(*key):
-    """Compiled kernels for ``key`` (see :func:`engram_gate_bwd_key`), built once per key (never per token
-    count): ``(kernel, pipelined kernel or None)``; the launcher takes the pipelined one for at most
-    ``_PIPE_MAX_PER`` tokens per worker."""
-    H, m, _, _, _ = key
-    kernel = jit_compile("engram_gate_bwd", key, build_engram_gate_bwd(*key))
-    if not bwd_plan(H, m).pipe:
-        return kernel, None
-    return kernel, jit_compile("engram_gate_bwd_pipelined", key, build_engram_gate_bwd(*key, pipelined=True))
+def _build_pipelined(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, residual: bool = True):
+    return build_engram_gate_bwd(hidden_size, hc_mult, num_partials, has_mask, residual, pipelined=True)
+
+
+PIPELINED = Kernel("engram_gate_bwd_pipelined", BwdKey, _build_pipelined, cases=backward_cases(pipelined=True))
+# One compile per key (never per token count) gives both variants: ``(kernel, pipelined kernel or None)``; the
+# launcher takes the pipelined one for at most ``BWD_TUNING.pipelined_tokens_per_worker`` tokens per worker.
+BACKWARD = Kernel("engram_gate_bwd", BwdKey, build_engram_gate_bwd, derive=_key, cases=backward_cases(pipelined=False),
+                  compile=lambda key: (BACKWARD.jit(key), PIPELINED.compiled(key)
+                                       if bwd_plan(key.hidden_size, key.hc_mult).pipe else None))
 
 
 def engram_gate_bwd(
@@ -689,12 +680,16 @@ def engram_gate_bwd(
         grad_w_partial: ``(P, m, H)`` f32, every row written (row ``p`` = worker ``p``'s sum).
         residual: the forward added the residual (``grad_x`` includes ``grad_out``); False: it did not.
     """
-    key = engram_gate_bwd_key(hidden_states, grad_w_partial, image_token_mask, residual)
-    kernel, pipelined = get_engram_gate_bwd_kernel(*key)
-    if pipelined is not None and -(-hidden_states.shape[0] // key[2]) <= _PIPE_MAX_PER:
+    key = BACKWARD.key(hidden_states, grad_w_partial, image_token_mask, residual)
+    kernel, pipelined = BACKWARD.compiled(key)
+    per_worker = -(-hidden_states.shape[0] // key.num_partials)
+    if pipelined is not None and per_worker <= BWD_TUNING.pipelined_tokens_per_worker:
         kernel = pipelined
     args = [grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k]
-    if key[3]:
+    if key.has_mask:
         args.append(image_token_mask)
     args += [float(clamp_value), grad_hidden_states, grad_kv, grad_w_partial]
     kernel(*args)
+
+
+__all__ = public_names(__name__)

@@ -14,21 +14,54 @@ writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
 without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see
 :func:`engram_gate_fwd`). The token count is a dynamic dimension."""
 
-import functools
+import dataclasses
 
 import torch
 
 from .....limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, LimitError
-from ..._build import jit_compile
+from ...._kernel import Kernel, public_names
+from ._keys import FwdKey, forward_cases
 
-__all__ = ["build_engram_gate_fwd", "engram_gate_fwd", "engram_gate_fwd_key", "fwd_layout", "get_engram_gate_fwd_kernel"]
+@dataclasses.dataclass(frozen=True)
+class FwdPlan:
+    """Tuning of the forward's thread layout (:func:`fwd_layout`): ``vec`` bf16 elements per 16-byte access; at
+    most ``max_groups`` summation groups per stream and ``max_vectors`` column vectors per group lane; one warp
+    per stream where a row takes at most ``warp_local_vectors`` vectors per thread unguarded, with
+    ``warp_local_sm_threads / (32 m)`` (at most ``warp_local_blocks``) CTAs per SM; else ``min_blocks`` CTAs per
+    SM (fewer where they would exceed ``sm_threads``)."""
 
-_VEC = 8  # bf16 elements per 16-byte access
-_MIN_BLOCKS = 2  # resident CTAs per SM the register budget is sized for (see fwd_layout)
+    vec: int
+    max_groups: int
+    max_vectors: int
+    warp_local_vectors: int
+    warp_local_sm_threads: int
+    warp_local_blocks: int
+    min_blocks: int
+    sm_threads: int
 
 
-def fwd_layout(hidden_size: int, hc_mult: int, residual: bool = True) -> tuple[int, int, int, bool, int]:
-    """Thread layout ``(wps, gps, nv, guarded, min_blocks)`` of the forward kernel (``residual``: the mode).
+# Chosen on the H200 (see fwd_layout): docs/perf/h200/engram.md, 2026-11-30 and 2026-12-01.
+FWD_PLAN = FwdPlan(vec=8, max_groups=4, max_vectors=8, warp_local_vectors=16, warp_local_sm_threads=512,
+                   warp_local_blocks=4, min_blocks=2, sm_threads=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdLayout:
+    """The forward's thread layout at ``(H, m)``: ``warps_per_stream`` warps serve a stream's
+    ``groups_per_stream`` summation groups of 32 lanes, each lane owning ``vectors`` column vectors per group;
+    ``guarded``: the last vector slot can fall outside ``H``; ``min_blocks``: resident CTAs per SM the register
+    budget is sized for."""
+
+    warps_per_stream: int
+    groups_per_stream: int
+    vectors: int
+    guarded: bool
+    min_blocks: int
+
+
+def fwd_layout(hidden_size: int, hc_mult: int, residual: bool = True, plan: FwdPlan = FWD_PLAN) -> FwdLayout:
+    """Thread layout (:class:`FwdLayout`: ``wps, gps, nv, guarded, min_blocks`` below) of the forward kernel
+    (``residual``: the mode).
 
     A stream's three sums are formed in ``gps`` summation groups of 32 lanes (group ``w``, lane ``l``
     owns the column vectors ``i * 32 * gps + 32 * w + l``, ``i < nv``), each reduced by a warp butterfly,
@@ -46,24 +79,24 @@ def fwd_layout(hidden_size: int, hc_mult: int, residual: bool = True) -> tuple[i
     as many warps per stream at 128 registers: at 64 ptxas spilled that kernel in every schedule tried
     (docs/perf/h100/engram.md, 2026-12-05 (later) — gate forward without the residual: thread layout).
     """
-    n32 = hidden_size // (32 * _VEC)
-    max_gps = max(1, min(4, 32 // hc_mult))
-    gps = next((g for g in (4, 2, 1) if g <= max_gps and n32 % g == 0 and n32 // g <= 8), max_gps)
+    n32 = hidden_size // (32 * plan.vec)
+    max_gps = max(1, min(plan.max_groups, 32 // hc_mult))
+    groups = [g for g in (4, 2, 1) if g <= plan.max_groups]
+    gps = next((g for g in groups if g <= max_gps and n32 % g == 0 and n32 // g <= plan.max_vectors), max_gps)
     nv = -(-n32 // gps)
     guarded = nv * gps != n32
-    if n32 <= 16 and not guarded:
-        return 1, gps, nv, False, max(1, min(4, 512 // (32 * hc_mult)))  # <= 128 registers per thread
+    if n32 <= plan.warp_local_vectors and not guarded:  # <= 128 registers per thread
+        return FwdLayout(1, gps, nv, False, max(1, min(plan.warp_local_blocks,
+                                                       plan.warp_local_sm_threads // (32 * hc_mult))))
     wps = gps if residual else max(1, gps // 2)
-    return wps, gps, nv, guarded, max(1, min(_MIN_BLOCKS, 1024 // (hc_mult * 32 * gps)))
+    return FwdLayout(wps, gps, nv, guarded, max(1, min(plan.min_blocks, plan.sm_threads // (hc_mult * 32 * gps))))
 
 
-def engram_gate_fwd_key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch.Tensor | None,
-                        residual: bool = True) -> tuple:
-    """Compile-time key ``(H, m, has_mask, inplace, residual)`` (never the token count; saving the statistics
-    or not is the same kernel, see :func:`engram_gate_fwd`)."""
+def _key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch.Tensor | None,
+         residual: bool = True) -> FwdKey:
     _, hc_mult, hidden_size = hidden_states.shape
     inplace = out.data_ptr() == hidden_states.data_ptr()
-    return (int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace), bool(residual))
+    return FwdKey(int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace), bool(residual))
 
 
 def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplace: bool, residual: bool = True):
@@ -88,13 +121,15 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     m = ENGRAM_HC_MULT.require("engram_gate_fwd", hc_mult)
     if inplace and not residual:
         raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
-    wps, gps, nv, guarded, min_blocks = fwd_layout(H, m, residual)
+    layout, vec = fwd_layout(H, m, residual), FWD_PLAN.vec
+    wps, gps, nv, guarded, min_blocks = (layout.warps_per_stream, layout.groups_per_stream, layout.vectors,
+                                         layout.guarded, layout.min_blocks)
     q = gps // wps  # summation groups per warp
     warp_local = wps == 1  # one warp per stream: no shared-memory step, no barrier
     tps = 32 * wps  # threads per stream
     gw = 32 * gps  # column vectors per step i (all groups of a stream)
     threads = m * tps
-    nvec = H // _VEC
+    nvec = H // vec
     scale = float(H**-0.5)  # host double, used as an fp32 immediate
     inv_hidden = float(H)
     f32, bf16 = T.float32, T.bfloat16
@@ -112,11 +147,11 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
             lt = tid % tps
             lane = tid % 32
             g0 = (lt // 32) * q  # this warp's first summation group
-            xr = T.alloc_local((nv, q, _VEC), bf16)  # x (v without the residual), kept for pass 2
-            xs = T.alloc_local((_VEC,), bf16)  # x streamed, without the residual
-            kf = T.alloc_local((_VEC,), f32)
-            wr = T.alloc_local((_VEC,), f32)
-            vr = T.alloc_local((_VEC,), f32)
+            xr = T.alloc_local((nv, q, vec), bf16)  # x (v without the residual), kept for pass 2
+            xs = T.alloc_local((vec,), bf16)  # x streamed, without the residual
+            kf = T.alloc_local((vec,), f32)
+            wr = T.alloc_local((vec,), f32)
+            vr = T.alloc_local((vec,), f32)
             part = T.alloc_local((q, 3), f32)
             st = T.alloc_local((4,), f32)  # raw, rstd_x, rstd_k, gate
             red = None if warp_local else T.alloc_shared((3, m * gps), f32)
@@ -135,32 +170,32 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
-                            for k in T.vectorized(_VEC):
-                                xr[i, u, k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                xr[i, u, k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k]
             elif live:
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
-                            for k in T.vectorized(_VEC):
-                                xr[i, u, k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                            for k in T.vectorized(vec):
+                                xr[i, u, k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * vec + k]
             if live:
                 for i in T.unroll(nv):
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
                             if not residual:
-                                for k in T.vectorized(_VEC):
-                                    xs[k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                kf[k] = kv[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-                            for k in T.vectorized(_VEC):
-                                wr[k] = wf[h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
+                                for k in T.vectorized(vec):
+                                    xs[k] = x[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k]
+                            for k in T.vectorized(vec):
+                                kf[k] = kv[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k]
+                            for k in T.vectorized(vec):
+                                wr[k] = wf[h, (i * gw + (g0 + u) * 32 + lane) * vec + k]
                             if residual:
-                                for k in T.unroll(_VEC):
+                                for k in T.unroll(vec):
                                     part[u, 0] += T.cast(xr[i, u, k], f32) * T.cast(xr[i, u, k], f32)
                                     part[u, 1] += kf[k] * kf[k]
                                     part[u, 2] += T.cast(xr[i, u, k], f32) * wr[k] * kf[k]
                             else:
-                                for k in T.unroll(_VEC):
+                                for k in T.unroll(vec):
                                     part[u, 0] += T.cast(xs[k], f32) * T.cast(xs[k], f32)
                                     part[u, 1] += kf[k] * kf[k]
                                     part[u, 2] += T.cast(xs[k], f32) * wr[k] * kf[k]
@@ -205,14 +240,14 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                     for u in T.unroll(q):
                         if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
                             if residual:
-                                for k in T.vectorized(_VEC):
-                                    vr[k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * _VEC + k]
-                                for k in T.vectorized(_VEC):
-                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
+                                for k in T.vectorized(vec):
+                                    vr[k] = kv[t, m, (i * gw + (g0 + u) * 32 + lane) * vec + k]
+                                for k in T.vectorized(vec):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k] = T.cast(
                                         T.cast(xr[i, u, k], f32) + st[3] * vr[k], bf16)
                             else:  # v is in xr (bf16, exact in fp32)
-                                for k in T.vectorized(_VEC):
-                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(
+                                for k in T.vectorized(vec):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k] = T.cast(
                                         st[3] * T.cast(xr[i, u, k], f32), bf16)
             else:
                 if not residual:
@@ -220,14 +255,14 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
                     for i in T.unroll(nv):
                         for u in T.unroll(q):
                             if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
-                                for k in T.vectorized(_VEC):
-                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = T.cast(0.0, bf16)
+                                for k in T.vectorized(vec):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k] = T.cast(0.0, bf16)
                 elif not inplace:
                     for i in T.unroll(nv):
                         for u in T.unroll(q):
                             if (not guarded) or (i * gw + (g0 + u) * 32 + lane < nvec):
-                                for k in T.vectorized(_VEC):
-                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * _VEC + k] = xr[i, u, k]
+                                for k in T.vectorized(vec):
+                                    out[t, h, (i * gw + (g0 + u) * 32 + lane) * vec + k] = xr[i, u, k]
 
     # Each parameter needs its own annotation object (a shared one would alias the buffers).
     xs, kvs, ws, ms, ss = (num_tokens, m, H), (num_tokens, m + 1, H), (m, H), (num_tokens,), (num_tokens, m)
@@ -260,10 +295,7 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     return engram_gate_fwd_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_engram_gate_fwd_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`engram_gate_fwd_key`), built once per key."""
-    return jit_compile("engram_gate_fwd", key, build_engram_gate_fwd(*key))
+FORWARD = Kernel("engram_gate_fwd", FwdKey, build_engram_gate_fwd, derive=_key, cases=forward_cases)
 
 
 def engram_gate_fwd(
@@ -299,19 +331,21 @@ def engram_gate_fwd(
     without the statistics stores was slower (docs/perf/h200/engram.md, 2026-12-01 — gate forward: statistics
     always written), and the output is bitwise the same either way.
     """
-    key = engram_gate_fwd_key(hidden_states, out, image_token_mask, residual)
-    kernel = get_engram_gate_fwd_kernel(*key)
-    _, _, has_mask, inplace, _ = key
+    key = FORWARD.key(hidden_states, out, image_token_mask, residual)
+    kernel = FORWARD.compiled(key)
     if dot is None:
         num_tokens, hc_mult = hidden_states.shape[0], hidden_states.shape[1]
         rows = -(-num_tokens // 16) * 16
         scratch = torch.empty((4, rows, hc_mult), dtype=torch.float32, device=hidden_states.device)
         dot, gate_score, rstd_x, rstd_k = scratch[:, :num_tokens].unbind(0)
     args = [hidden_states, kv, weight_fused]
-    if has_mask:
+    if key.has_mask:
         args.append(image_token_mask)
     args += [float(eps), float(clamp_value)]
-    if not inplace:
+    if not key.inplace:
         args.append(out)
     args += [dot, gate_score, rstd_x, rstd_k]
     kernel(*args)
+
+
+__all__ = public_names(__name__)

@@ -27,26 +27,14 @@ Rows past ``T`` (never loaded: predicated cp.async) are zeroed in the x and g ti
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from .....chips import H200
 from .....limits import MHC_GEMM_BLOCK
-from ..._build import jit_compile
-from .._common import check_gemm_weight
+from ...._kernel import Kernel, compile_key, public_names
+from .._common import GemmWeightKey, check_gemm_weight
 
-__all__ = [
-    "PLAN",
-    "build_mhc_gemm_with_sqrsum_backward",
-    "build_mhc_gemm_with_sqrsum_backward_reduce",
-    "get_mhc_gemm_with_sqrsum_backward_kernel",
-    "get_mhc_gemm_with_sqrsum_backward_reduce_kernel",
-    "mhc_gemm_with_sqrsum_backward",
-    "mhc_gemm_with_sqrsum_backward_key",
-    "mhc_gemm_with_sqrsum_backward_partials",
-    "mhc_gemm_with_sqrsum_backward_stages",
-]
 
 _PAD = 32  # each of g_hi / g_lo padded to 32 columns of G (M3 <= 32): the 64-row A^T of the fn_grad product
 
@@ -115,12 +103,20 @@ def mhc_gemm_with_sqrsum_backward_stages(num_partials: int, cols: int) -> int:
     return PLAN.stages if one_wave or num_partials > 1 else 1
 
 
-def mhc_gemm_with_sqrsum_backward_key(fn: torch.Tensor, num_partials: int) -> tuple:
-    """Compile-time key ``(K, M3, stages)`` for ``num_partials`` partitions: the stages are
-    :func:`mhc_gemm_with_sqrsum_backward_stages`' two choices, never the token count nor the partition count."""
+@compile_key
+class BackwardKey:
+    """Compile-time key of the main kernel: ``K = cols``, ``M3 = rows`` and the pipeline ``stages``
+    (:func:`mhc_gemm_with_sqrsum_backward_stages`' two choices), never the token count nor the partition count."""
+
+    cols: int
+    rows: int
+    stages: int
+
+
+def _key(fn: torch.Tensor, num_partials: int) -> BackwardKey:
     rows, cols = (int(s) for s in fn.shape)
     check_gemm_weight("mhc_gemm_with_sqrsum_backward", rows, cols)
-    return (cols, rows, mhc_gemm_with_sqrsum_backward_stages(num_partials, cols))
+    return BackwardKey(cols, rows, mhc_gemm_with_sqrsum_backward_stages(num_partials, cols))
 
 
 def _bf16_pair(v):
@@ -325,16 +321,19 @@ def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int):
     return mhc_gemm_with_sqrsum_backward_reduce_cuda
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_gemm_with_sqrsum_backward_kernel(*key):
-    """Compiled main kernel for ``key`` (see :func:`mhc_gemm_with_sqrsum_backward_key`), built once per key."""
-    return jit_compile("mhc_gemm_with_sqrsum_backward", key, build_mhc_gemm_with_sqrsum_backward(*key))
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """The main kernel (its token partition count is a launch argument) and its single-stage variant ``_1stage``."""
+    k, m3 = hc_mult * hidden_size, hc_mult * (hc_mult + 2)
+    return {"mhc_gemm_with_sqrsum_backward": BackwardKey(k, m3, PLAN.stages),
+            "mhc_gemm_with_sqrsum_backward_1stage": BackwardKey(k, m3, 1)}
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_gemm_with_sqrsum_backward_reduce_kernel(*key):
-    """Compiled partial reduction for ``(K, M3)``."""
-    return jit_compile("mhc_gemm_with_sqrsum_backward_reduce", key, build_mhc_gemm_with_sqrsum_backward_reduce(*key))
+BACKWARD = Kernel("mhc_gemm_with_sqrsum_backward", BackwardKey, build_mhc_gemm_with_sqrsum_backward, derive=_key,
+                  cases=_cases)
+# the reduction of the partitions' partials (its key from the backward's launcher)
+BACKWARD_REDUCE = Kernel(
+    "mhc_gemm_with_sqrsum_backward_reduce", GemmWeightKey, build_mhc_gemm_with_sqrsum_backward_reduce,
+    cases=lambda hidden_size, hc_mult: GemmWeightKey(hc_mult * hidden_size, hc_mult * (hc_mult + 2)))
 
 
 def mhc_gemm_with_sqrsum_backward(
@@ -359,12 +358,15 @@ def mhc_gemm_with_sqrsum_backward(
     """
     n = x.shape[0]
     num_partials = mhc_gemm_with_sqrsum_backward_partials(n, int(fn.shape[1]))
-    key = mhc_gemm_with_sqrsum_backward_key(fn, num_partials)
-    cols, rows, _ = key
+    key = BACKWARD.key(fn, num_partials)
+    cols, rows = key.cols, key.rows
     args = (out_mul_grad.reshape(n, rows), sqrsum_grad.reshape(n), x.view(n, cols), fn, x_grad.view(n, cols))
     if num_partials == 1:
-        get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, fn_grad.view(1, rows, cols))
+        BACKWARD.compiled(key)(*args, fn_grad.view(1, rows, cols))
         return
     part = torch.empty((num_partials, rows, cols), dtype=torch.float32, device=fn.device)
-    get_mhc_gemm_with_sqrsum_backward_kernel(*key)(*args, part)
-    get_mhc_gemm_with_sqrsum_backward_reduce_kernel(cols, rows)(part.view(num_partials, rows * cols), fn_grad.view(-1))
+    BACKWARD.compiled(key)(*args, part)
+    BACKWARD_REDUCE.compiled(GemmWeightKey(cols, rows))(part.view(num_partials, rows * cols), fn_grad.view(-1))
+
+
+__all__ = public_names(__name__)

@@ -19,31 +19,16 @@ only). Two schedules, the same arithmetic in the same order (bitwise equal resul
 """
 
 import dataclasses
-import functools
 
 import torch
 
 from ..... import config
 from .....chips import H200
 from .....limits import MHC_GEMM_BLOCK, IntRange, LimitError, mhc_gemm_splits
-from ..._build import jit_compile
+from ...._kernel import Kernel, compile_key, public_names
 from ..._cp_async import PRELUDE as CP_ASYNC_PRELUDE
-from .._common import check_gemm_weight
+from .._common import GemmWeightKey, check_gemm_weight
 
-__all__ = [
-    "PLAN",
-    "build_mhc_gemm_fn_split",
-    "build_mhc_gemm_with_sqrsum_forward",
-    "build_mhc_gemm_with_sqrsum_forward_main",
-    "build_mhc_gemm_with_sqrsum_forward_resident",
-    "get_mhc_gemm_fn_split_kernel",
-    "get_mhc_gemm_with_sqrsum_forward_kernel",
-    "mhc_gemm_with_sqrsum_forward",
-    "mhc_gemm_with_sqrsum_forward_block_k",
-    "mhc_gemm_with_sqrsum_forward_ctas_per_split",
-    "mhc_gemm_with_sqrsum_forward_key",
-    "mhc_gemm_with_sqrsum_forward_resident_stages",
-]
 
 _BLOCK_K = MHC_GEMM_BLOCK  # split granularity (the interface's 64-column blocks) and the narrow K step
 KERNEL_SPLITS = IntRange("n_splits", 1)  # what the kernels take (the ops: limits.mhc_gemm_splits(K))
@@ -112,22 +97,41 @@ def mhc_gemm_with_sqrsum_forward_resident_stages(cols: int, rows: int, n_splits:
     return stages if stages >= PLAN.resident_min_stages * per_128 else 0
 
 
-def _fwd_key(cols: int, rows: int, n_splits: int, num_sms: int) -> tuple:
-    """:func:`mhc_gemm_with_sqrsum_forward_key` from the sizes and the SM count, for any ``n_splits >= 1`` the
-    kernels take (splits past ``K / 64`` own no block and write zeros; the op refuses them)."""
+@compile_key
+class ForwardKey:
+    """Compile-time key of the forward's main kernel: ``K = cols``, ``M3 = rows``, ``S = n_splits``, the pipeline
+    step ``block_k`` and ``resident_stages`` (0: the streaming schedule), never the token count."""
+
+    cols: int
+    rows: int
+    n_splits: int
+    block_k: int
+    resident_stages: int
+
+
+def forward_key(cols: int, rows: int, n_splits: int, num_sms: int) -> ForwardKey:
+    """The forward's key from the sizes and the SM count, for any ``n_splits >= 1`` the kernels take (splits past
+    ``K / 64`` own no block and write zeros; the op refuses them)."""
     check_gemm_weight("mhc_gemm_with_sqrsum_forward", rows, cols)
     KERNEL_SPLITS.require("mhc_gemm_with_sqrsum_forward", n_splits)
     block_k = mhc_gemm_with_sqrsum_forward_block_k(cols, n_splits)
     stages = mhc_gemm_with_sqrsum_forward_resident_stages(cols, rows, n_splits, block_k, num_sms)
-    return (cols, rows, n_splits, block_k, stages)
+    return ForwardKey(cols, rows, n_splits, block_k, stages)
 
 
-def mhc_gemm_with_sqrsum_forward_key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> tuple:
-    """Compile-time key ``(K, M3, S, block_k, resident_stages)`` on ``x``'s CUDA device (never the token
-    count; ``resident_stages`` is 0 for the streaming schedule)."""
+def _key(x: torch.Tensor, fn: torch.Tensor, n_splits: int) -> ForwardKey:
+    """The key on ``x``'s CUDA device (its SM count)."""
     rows, cols = (int(s) for s in fn.shape)
     mhc_gemm_splits(cols).require("mhc_gemm_with_sqrsum_forward", n_splits)
-    return _fwd_key(cols, rows, int(n_splits), config.num_sms(x.device.index))
+    return forward_key(cols, rows, int(n_splits), config.num_sms(x.device.index))
+
+
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """Schedules as on the H200's SMs: ``_s16`` (the CUDA default split count; resident up to H = 5632, streaming
+    at 7168), ``_s1`` (streaming), ``_s7`` (uneven splits: resident at H = 1280, else streaming), ``_s80`` (many
+    splits, streaming; one block per split at H = 1280)."""
+    k, m3 = hc_mult * hidden_size, hc_mult * (hc_mult + 2)
+    return {f"mhc_gemm_with_sqrsum_forward_s{s}": forward_key(k, m3, s, H200.sms) for s in (16, 1, 7, 80)}
 
 
 def _tf32_split_macro():
@@ -493,16 +497,11 @@ def build_mhc_gemm_with_sqrsum_forward_main(cols: int, rows: int, n_splits: int,
     return build_mhc_gemm_with_sqrsum_forward(cols, rows, n_splits, block_k)
 
 
-@functools.lru_cache(maxsize=None)
-def get_mhc_gemm_fn_split_kernel(*key):
-    """Compiled ``fn`` preparation for ``(K, M3)``, built once per key."""
-    return jit_compile("mhc_gemm_fn_split", key, build_mhc_gemm_fn_split(*key))
-
-
-@functools.lru_cache(maxsize=None)
-def get_mhc_gemm_with_sqrsum_forward_kernel(*key):
-    """Compiled kernel for ``key`` (see :func:`mhc_gemm_with_sqrsum_forward_key`), built once per key."""
-    return jit_compile("mhc_gemm_with_sqrsum_forward", key, build_mhc_gemm_with_sqrsum_forward_main(*key))
+# the streaming schedule's fn preparation (its key from the forward's launcher)
+FN_SPLIT = Kernel("mhc_gemm_fn_split", GemmWeightKey, build_mhc_gemm_fn_split, cases=lambda hidden_size, hc_mult: {
+    "mhc_gemm_with_sqrsum_forward_fn_split": GemmWeightKey(hc_mult * hidden_size, hc_mult * (hc_mult + 2))})
+FORWARD = Kernel("mhc_gemm_with_sqrsum_forward", ForwardKey, build_mhc_gemm_with_sqrsum_forward_main, derive=_key,
+                 cases=_cases)
 
 
 def mhc_gemm_with_sqrsum_forward_ctas_per_split(num_tokens: int, n_splits: int, num_sms: int) -> int:
@@ -526,13 +525,15 @@ def mhc_gemm_with_sqrsum_forward(
         out_mul_part: ``(S, T, M3)`` f32, written.
         sqrsum_part: ``(S, T)`` f32, written.
     """
-    key = mhc_gemm_with_sqrsum_forward_key(x, fn, n_splits)
-    cols, rows = key[0], key[1]
+    key = FORWARD.key(x, fn, n_splits)
     x2 = x.view(x.shape[0], -1)
-    if key[4]:  # resident schedule: fn itself, the CTAs per split (one wave)
-        ctas = mhc_gemm_with_sqrsum_forward_ctas_per_split(x.shape[0], key[2], config.num_sms(x.device.index))
-        get_mhc_gemm_with_sqrsum_forward_kernel(*key)(x2, fn, out_mul_part, sqrsum_part, ctas)
+    if key.resident_stages:  # resident schedule: fn itself, the CTAs per split (one wave)
+        ctas = mhc_gemm_with_sqrsum_forward_ctas_per_split(x.shape[0], key.n_splits, config.num_sms(x.device.index))
+        FORWARD.compiled(key)(x2, fn, out_mul_part, sqrsum_part, ctas)
         return
-    fhl = torch.empty((2 * rows, cols), dtype=torch.bfloat16, device=fn.device)
-    get_mhc_gemm_fn_split_kernel(cols, rows)(fn, fhl)
-    get_mhc_gemm_with_sqrsum_forward_kernel(*key)(x2, fhl, out_mul_part, sqrsum_part)
+    fhl = torch.empty((2 * key.rows, key.cols), dtype=torch.bfloat16, device=fn.device)
+    FN_SPLIT.compiled(GemmWeightKey(key.cols, key.rows))(fn, fhl)
+    FORWARD.compiled(key)(x2, fhl, out_mul_part, sqrsum_part)
+
+
+__all__ = public_names(__name__)
