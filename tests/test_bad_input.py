@@ -321,10 +321,10 @@ def test_check_messages_exactly():
 
 def test_public_kind_checks_name_numpy_and_list_elements():
     """The public functions' kind checks (before the dispatcher) name the received type as the checks do."""
-    call = valid_call("engram_gate_fwd")
+    call = valid_call("engram_gate_forward")
     with pytest.raises(TypeError) as info:
-        ops.engram_gate_fwd(**{**call, "save_for_backward": np.bool_(False)})
-    assert str(info.value) == ("cann_ops_tilelang::engram_gate_fwd: argument 'save_for_backward': expected a bool, "
+        ops.engram_gate_forward(**{**call, "save_for_backward": np.bool_(False)})
+    assert str(info.value) == ("cann_ops_tilelang::engram_gate_forward: argument 'save_for_backward': expected a bool, "
                                "got numpy.bool False")
     call = valid_call("mhc_multilayer_recompute")
     with pytest.raises(TypeError) as info:
@@ -368,7 +368,7 @@ def test_post_wrappers_check_leading_dims_before_reshaping():
     out = torch.empty(TOKENS, MHC_HIDDEN, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"mhc_post_forward_out: argument 'out': expected shape \(3, 4, 256\)"):
         ops.mhc_post_forward(x, residual, post, comb, out=out)
-    with pytest.raises(ValueError, match=r"mhc_post_backward: argument 'd_o'"):
+    with pytest.raises(ValueError, match=r"mhc_post_backward: argument 'grad_out'"):
         ops.mhc_post_backward(x, residual, post, comb, torch.empty(TOKENS * 4, MHC_HIDDEN, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"mhc_post_forward_out: argument 'out': expected a buffer that shares no "
                                          r"memory with 'residual'"), without_cpu_references():
@@ -396,7 +396,7 @@ def test_post_wrappers_refuse_what_a_flat_view_cannot_take():
         (lambda: ops.mhc_post_forward(x, np.zeros(tuple(residual.shape)), post, comb), TypeError,
          r"mhc_post_forward: argument 'residual': expected a torch.Tensor, got numpy.ndarray"),
         (lambda: ops.mhc_post_backward(x, residual, post, comb, np.zeros(tuple(residual.shape))), TypeError,
-         r"mhc_post_backward: argument 'd_o': expected a torch.Tensor"),
+         r"mhc_post_backward: argument 'grad_out': expected a torch.Tensor"),
         (lambda: ops.mhc_post_forward(x, residual, post, comb, out=torch.empty(residual.shape, dtype=bf16,
                                                                                 device="meta")),
          ValueError, r"mhc_post_forward_out: argument 'out': expected a tensor on cpu"),
@@ -421,12 +421,12 @@ def test_engram_gate_checks_kv_and_mask_before_reshaping():
         engram_gate(x, kv, wh, wh, image_token_mask=torch.zeros(1, TOKENS, dtype=torch.bool))
 
 
-def test_engram_gate_fwd_flags_are_bools():
+def test_engram_gate_forward_flags_are_bools():
     x = torch.randn(TOKENS, 4, ENGRAM_HIDDEN, dtype=torch.bfloat16)
     kv = torch.randn(TOKENS, 5, ENGRAM_HIDDEN, dtype=torch.bfloat16)
     x0 = x.clone()
-    with pytest.raises(TypeError, match="engram_gate_fwd: argument 'inplace': expected a bool, got str 'False'"):
-        ops.engram_gate_fwd(x, kv, torch.ones(4, ENGRAM_HIDDEN), 1e-6, 1e-6, False, None, "False")
+    with pytest.raises(TypeError, match="engram_gate_forward: argument 'inplace': expected a bool, got str 'False'"):
+        ops.engram_gate_forward(x, kv, torch.ones(4, ENGRAM_HIDDEN), 1e-6, 1e-6, False, None, "False")
     assert torch.equal(x, x0)
 
 
@@ -441,11 +441,11 @@ def test_main_grad_must_be_contiguous():
 
 
 def test_scalars_that_do_not_survive_fp32():
-    call = valid_call("engram_gate_bwd")
+    call = valid_call("engram_gate_backward")
     for value, text in ((1e-50, "stays so in fp32"), (-1e-40, "number > 0"), (1e300, "finite in fp32"), (float("nan"), "finite")):
         call["clamp_value"] = value
-        with pytest.raises(ValueError, match=f"engram_gate_bwd: argument 'clamp_value': expected .*{text}"):
-            ops.engram_gate_bwd(**call)
+        with pytest.raises(ValueError, match=f"engram_gate_backward: argument 'clamp_value': expected .*{text}"):
+            ops.engram_gate_backward(**call)
     call["clamp_value"] = 1e-30  # small but a normal fp32 number: valid (the CPU reference kernel runs)
-    grads = ops.engram_gate_bwd(**call)
+    grads = ops.engram_gate_backward(**call)
     assert all(torch.isfinite(g.float()).all() for g in grads)

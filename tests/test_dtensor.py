@@ -40,8 +40,8 @@ MHC_HIDDEN, ENGRAM_HIDDEN = 256, 512  # the modeling checks' hidden sizes
 # values are O(1..100) sums of up to 9 * 1024 products, so 1e-5 relative is far above the rounding seen.
 RTOL, ATOL = 1e-5, 1e-5
 # results holding per-worker partial rows over tokens: only their row sum is the contract
-ROW_SUM_RESULTS = {("engram_gate_bwd", "returns[2]"), ("mhc_head_compute_mix_backward", "mhc_scale_grad_partial"),
-                   ("mhc_head_compute_mix_backward", "mhc_base_grad_partial"), ("engram_sinkhorn_step", "returns[1]")}
+ROW_SUM_RESULTS = {("engram_gate_backward", "returns[2]"), ("mhc_head_compute_mix_backward", "grad_mhc_scale_partial"),
+                   ("mhc_head_compute_mix_backward", "grad_mhc_base_partial"), ("engram_sinkhorn_step", "returns[1]")}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -158,8 +158,8 @@ def check_fallback_and_refusal(mesh, rank: int) -> dict:
     public = ops.registered_ops()["mhc_pre_split_mixes_backward"]
     call = make_call("mhc_pre_split_mixes_backward")
     codes = dict(public.op_state.sharding.strategies[0][0])
-    codes["mhc_scale_grad"] = "R"
-    before = call["mhc_scale_grad"].clone()
+    codes["grad_mhc_scale"] = "R"
+    before = call["grad_mhc_scale"].clone()
     d = {k: _distribute(v, codes.get(k, "R"), mesh, rank) if isinstance(v, torch.Tensor) else v
          for k, v in call.items()}
     try:
@@ -167,7 +167,7 @@ def check_fallback_and_refusal(mesh, rank: int) -> dict:
         out["refusal"] = {"raised": False}
     except RuntimeError as exc:
         out["refusal"] = {"raised": True, "message": str(exc),
-                          "untouched": bool(torch.equal(d["mhc_scale_grad"].full_tensor(), before))}
+                          "untouched": bool(torch.equal(d["grad_mhc_scale"].full_tensor(), before))}
     return out
 
 
@@ -577,9 +577,9 @@ def test_op_on_sharded_dtensors_matches_the_unsharded_call(report, name):
 def test_partial_results_are_partial_and_token_results_sharded(report):
     by_op = {(r["op"], r["strategy"]): r["checks"] for r in report["strategies"]}
     assert by_op[("mhc_gemm_with_sqrsum_backward", 0)]["returns[0]"]["placement"] == "(Partial(sum),)"
-    assert by_op[("engram_gate_bwd", 0)]["returns[2]"]["placement"] == "(Partial(sum),)"
-    assert by_op[("engram_gate_bwd", 0)]["returns[0]"]["placement"] == "(Shard(dim=0),)"
-    assert by_op[("mhc_pre_split_mixes_backward", 0)]["mhc_base_grad"]["placement"] == "(Partial(sum),)"
+    assert by_op[("engram_gate_backward", 0)]["returns[2]"]["placement"] == "(Partial(sum),)"
+    assert by_op[("engram_gate_backward", 0)]["returns[0]"]["placement"] == "(Shard(dim=0),)"
+    assert by_op[("mhc_pre_split_mixes_backward", 0)]["grad_mhc_base"]["placement"] == "(Partial(sum),)"
     assert by_op[("mhc_gemm_with_sqrsum_forward", 0)]["returns[0]"]["placement"] == "(Shard(dim=1),)"
     # Partial results (sums over tokens) were compared within fp32 tolerance, every other one bit for bit
     hows = [(check["placement"], check["how"]) for checks in by_op.values() for check in checks.values()]
@@ -595,8 +595,8 @@ def test_replicated_written_buffer_falls_back_to_gathering(report):
 
 def test_written_buffer_that_no_strategy_keeps_is_refused(report):
     refusal = report["fallback_refusal"]["refusal"]
-    assert refusal["raised"], "a Replicate mhc_scale_grad next to Shard(0) tokens must raise"
-    assert "cannot be redistributed" in refusal["message"] and "mhc_scale_grad" in refusal["message"]
+    assert refusal["raised"], "a Replicate grad_mhc_scale next to Shard(0) tokens must raise"
+    assert "cannot be redistributed" in refusal["message"] and "grad_mhc_scale" in refusal["message"]
     assert refusal["untouched"]
 
 

@@ -329,3 +329,19 @@ def test_fakes_import_no_kernel_module():
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+_OLD_SPELLINGS = re.compile(r"^(\w+_grad(_\w+)?|d_\w+|grad_(output|input))$")
+
+
+@pytest.mark.parametrize("name", sorted(ops.registered_ops()))
+def test_names_ops_forward_backward_and_gradients_grad_name(name):
+    """docs/layout.md#names: no `_fwd` / `_bwd` op, gradients `grad_<name>` (no `<name>_grad`, `d_<name>`,
+    `grad_output`), in the schema and in the outputs the launcher takes."""
+    public = ops.registered_ops()[name]
+    assert not re.search(r"_(fwd|bwd)(_|$)", name), name
+    names = [a.name for a in public.op._schema.arguments] + list(public.declaration.outputs)
+    assert [n for n in names if _OLD_SPELLINGS.match(n)] == [], name
+    if name.endswith("_backward"):
+        grads = [n for n in names if n.startswith("grad")]
+        assert grads and all(n.startswith("grad_") for n in grads), name

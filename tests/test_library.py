@@ -56,15 +56,15 @@ def test_bad_arguments_never_reach_the_backend(stub_backend):
 def test_zero_tokens_launch_nothing(stub_backend):
     x = torch.empty(0, 4, 512, dtype=torch.bfloat16)
     kv = torch.empty(0, 5, 512, dtype=torch.bfloat16)
-    result = ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(x, kv, torch.ones(4, 512), 1e-6, 1e-6)
+    result = ops.registered_ops()["engram_gate_forward"].backend_kernel("cuda")(x, kv, torch.ones(4, 512), 1e-6, 1e-6)
     assert [t.shape for t in result] == [(0, 4, 512), (0, 4), (0, 4), (0, 4), (0, 4)]
     mixes = torch.empty(0, 24)
-    scale_grad, base_grad = torch.full((3,), 5.0), torch.full((24,), 5.0)
+    grad_scale, grad_base = torch.full((3,), 5.0), torch.full((24,), 5.0)
     ops.registered_ops()["mhc_pre_split_mixes_backward"].backend_kernel("cuda")(
         torch.empty(0, 4), torch.empty(0, 4), torch.empty(0, 16), mixes, torch.empty(0, 4), torch.ones(3),
-        torch.ones(24), torch.empty(0, 24), scale_grad, base_grad, 2.0)
+        torch.ones(24), torch.empty(0, 24), grad_scale, grad_base, 2.0)
     # sums over no tokens are zeros, written without a launch
-    assert torch.equal(scale_grad, torch.zeros(3)) and torch.equal(base_grad, torch.zeros(24))
+    assert torch.equal(grad_scale, torch.zeros(3)) and torch.equal(grad_base, torch.zeros(24))
     assert stub_backend == []
 
 
@@ -134,11 +134,11 @@ def test_misaligned_vector_arguments_never_reach_the_backend(stub_backend):
     x = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
     kv = torch.zeros(3, 5, 512, dtype=torch.bfloat16)
     mask = torch.zeros(4, dtype=torch.bool)[1:]
-    ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(x, kv, torch.ones(4, 512), 1e-6, 1e-6, True, mask)
-    assert [name for name, _ in stub_backend][2:] == ["engram_gate_fwd"]
+    ops.registered_ops()["engram_gate_forward"].backend_kernel("cuda")(x, kv, torch.ones(4, 512), 1e-6, 1e-6, True, mask)
+    assert [name for name, _ in stub_backend][2:] == ["engram_gate_forward"]
     empty = flat[1:1].view(0, 4, 512)
     assert empty.numel() == 0 and empty.storage_offset() == 1
-    ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")(empty, torch.empty(0, 5, 512, dtype=torch.bfloat16),
+    ops.registered_ops()["engram_gate_forward"].backend_kernel("cuda")(empty, torch.empty(0, 5, 512, dtype=torch.bfloat16),
                                                                  torch.ones(4, 512), 1e-6, 1e-6)
     assert len(stub_backend) == 3  # zero tokens: no launch
 
@@ -182,22 +182,22 @@ def test_outputs_name_every_returned_tensor_once(outputs, returns, match):
 
 def test_default_launch_passes_arguments_and_outputs_by_name(stub_backend):
     """An op without a binding of its own launches ``kernels.<kernel>(**arguments, **{output name: output})``: one
-    output (mhc_pre_apply_mix_backward's mix_grad), several (mhc_post_backward's four), none (an ``out=`` variant
+    output (mhc_pre_apply_mix_backward's grad_mix), several (mhc_post_backward's four), none (an ``out=`` variant
     launching another op's launcher under its own argument names)."""
     states = ops.registered_ops()
     assert states["mhc_post_backward"].op_state.launch == states["mhc_post_backward"].op_state.default_launch
     x, mix = torch.randn(3, 4, 256).bfloat16(), torch.softmax(torch.randn(3, 4), -1)
-    out_grad, x_grad = torch.randn(3, 256).bfloat16(), torch.empty(3, 4, 256, dtype=torch.bfloat16)
-    mix_grad = states["mhc_pre_apply_mix_backward"].backend_kernel("cuda")(out_grad, x, mix, x_grad)
+    grad_out, grad_x = torch.randn(3, 256).bfloat16(), torch.empty(3, 4, 256, dtype=torch.bfloat16)
+    grad_mix = states["mhc_pre_apply_mix_backward"].backend_kernel("cuda")(grad_out, x, mix, grad_x)
     residual, post, comb = torch.randn(3, 4, 256).bfloat16(), torch.rand(3, 4), torch.rand(3, 4, 4)
-    grads = states["mhc_post_backward"].backend_kernel("ascend")(out_grad, residual, post, comb, x)
+    grads = states["mhc_post_backward"].backend_kernel("ascend")(grad_out, residual, post, comb, x)
     out = torch.empty(3, 4, 256, dtype=torch.bfloat16)
-    assert states["mhc_post_forward_out"].backend_kernel("cuda")(out_grad, residual, post, comb, out) is None
+    assert states["mhc_post_forward_out"].backend_kernel("cuda")(grad_out, residual, post, comb, out) is None
     (first, a), (second, b), (third, c) = stub_backend
-    assert first == "mhc_pre_apply_mix_backward" and a["mix_grad"] is mix_grad and a["x_grad"] is x_grad
-    assert list(a) == ["out_grad", "x", "mix", "x_grad", "mix_grad"]
+    assert first == "mhc_pre_apply_mix_backward" and a["grad_mix"] is grad_mix and a["grad_x"] is grad_x
+    assert list(a) == ["grad_out", "x", "mix", "grad_x", "grad_mix"]
     assert second == "mhc_post_backward"
-    assert all(b[k] is g for k, g in zip(("d_x", "d_residual", "d_post", "d_comb"), grads, strict=True))
+    assert all(b[k] is g for k, g in zip(("grad_x", "grad_residual", "grad_post", "grad_comb"), grads, strict=True))
     assert third == "mhc_post_forward" and c["out"] is out and list(c) == ["x", "residual", "post_layer_mix",
                                                                           "comb_res_mix", "out"]
 
@@ -208,7 +208,7 @@ def test_device_kernel_fills_the_defaults_the_dispatcher_leaves_out(stub_backend
     x = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
     kv = torch.zeros(3, 5, 512, dtype=torch.bfloat16)
     w = torch.ones(4, 512)
-    run = ops.registered_ops()["engram_gate_fwd"].backend_kernel("cuda")
+    run = ops.registered_ops()["engram_gate_forward"].backend_kernel("cuda")
     run(x, kv, w, 1e-6, 1e-6)
     run(x, kv, w, 1e-6, 1e-6, True, None, True)
     run(hidden_states=x, kv=kv, weight_fused=w, eps=1e-6, clamp_value=1e-6)

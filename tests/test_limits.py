@@ -124,9 +124,9 @@ def test_builders_refuse_hidden_sizes_past_the_edges(builder):
     for hidden in (limits.ENGRAM_HIDDEN.low - 256, limits.ENGRAM_HIDDEN.high + 256):
         with pytest.raises(LimitError, match="hidden size"):
             if builder == "cuda":
-                gate.build_engram_gate_fwd(hidden, M, False, False)
+                gate.build_engram_gate_forward(hidden, M, False, False)
             else:
-                gate.build_engram_gate_fwd(hidden, M, True, False, False, CORES)
+                gate.build_engram_gate_forward(hidden, M, True, False, False, CORES)
 
 
 # --- validation: one step past every edge, on fake tensors of each backend's device -----------------------
@@ -147,7 +147,7 @@ def test_validation_refuses_one_step_past_every_edge(device):
     bf = torch.bfloat16
     cases = []
     for hidden in (limits.ENGRAM_HIDDEN.low - 256, limits.ENGRAM_HIDDEN.high + 256, 768 + 128):
-        cases.append(("engram_fused_weight", "weight_hidden", lambda h=hidden: ops.engram_gate_fwd(
+        cases.append(("engram_fused_weight", "weight_hidden", lambda h=hidden: ops.engram_gate_forward(
             empty(2, M, h, dtype=bf), empty(2, M + 1, h, dtype=bf), empty(M, h), 1e-6, 1e-6), "hidden_states"))
     for hidden in (limits.MHC_HIDDEN.low - 64, limits.MHC_HIDDEN.high + 64, 320 + 32):
         cases.append(("", "", lambda h=hidden: ops.expand_to_mhc_forward(empty(2, h, dtype=bf),
@@ -163,7 +163,7 @@ def test_validation_refuses_one_step_past_every_edge(device):
         p = limits.MHC_HEAD_MIX_PARTIALS["cuda"].high + 1
         cases.append(("", "", lambda: ops.mhc_head_compute_mix_backward(
             empty(2, M), empty(2, M), empty(1), empty(M), empty(2, M), empty(p, 1), empty(p, M)),
-            "mhc_scale_grad_partial"))
+            "grad_mhc_scale_partial"))
     for _, _, call, arg in cases:
         with pytest.raises(ValueError, match=f"argument '{arg}': expected"):
             call()

@@ -215,7 +215,7 @@ def test_path_extraction():
     tree = "## Layout\n\n```\nsrc/pkg/\n  a.py     comment\n  sub/\n    b/     more\n  c/\ntools/   x\n```\n"
     assert layout_tree_paths(tree) == ["src/pkg/", "src/pkg/a.py", "src/pkg/sub/", "src/pkg/sub/b/", "src/pkg/c/",
                                        "tools/"]
-    assert _slug("`engram_gate_fwd` (out of place)") == "engram_gate_fwd-out-of-place"
+    assert _slug("`engram_gate_forward` (out of place)") == "engram_gate_forward-out-of-place"
     assert _slug("fused_weight") == "fused_weight"
 
 
@@ -242,7 +242,7 @@ def test_quickstart_runs_on_the_cpu_references(capsys):
     torch.manual_seed(0)
     exec(compile(code, "README.md (quickstart)", "exec"), {})
     out = capsys.readouterr().out
-    match = re.search(r"engram_gate_fwd matches PyTorch; max \|diff\| = (\S+)", out)
+    match = re.search(r"engram_gate_forward matches PyTorch; max \|diff\| = (\S+)", out)
     assert match and 0 <= float(match[1]) < 0.1
 
 
@@ -435,7 +435,7 @@ def _check_printed(out: str) -> None:
     for line in out.splitlines():
         if ": " in line and line.rsplit(": ", 1)[1] in ("True", "False"):
             assert line.endswith(": True"), line
-    match = re.search(r"engram_gate_fwd matches PyTorch; max \|diff\| = (\S+)", out)
+    match = re.search(r"engram_gate_forward matches PyTorch; max \|diff\| = (\S+)", out)
     assert match is None or 0 <= float(match[1]) < 0.1, out
 
 

@@ -6,6 +6,7 @@ autograd wrappers of :mod:`cann_ops_tilelang.modeling`. Importing the package re
 it touches no device and imports neither TileLang nor torch_npu.
 """
 
+from . import _deprecated
 from ._library import registered_ops
 from ._version import __version__
 from .engram import *  # noqa: F403 - the Engram ops
@@ -14,3 +15,6 @@ from .mhc import *  # noqa: F403 - the mHC primitives
 from .mhc import __all__ as _mhc_all
 
 __all__ = ["__version__", "registered_ops", *_engram_all, *_mhc_all]
+
+_deprecated.install_op_aliases()
+__getattr__ = _deprecated.module_getattr(__name__, globals())  # the names renamed in 0.2, for one release

@@ -421,15 +421,15 @@ def _run_on_device(device: str, tokens: int, hidden_size: int, steps: int) -> No
     wh, we = randn(m, hidden_size), randn(m, hidden_size)
     print(f"the Engram gate's ops once at T={tokens}, m={m}, H={hidden_size} (first call compiles):")
     wf = ops.engram_fused_weight(wh, we)
-    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6)
-    gx, gkv, part = ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, 1e-6)
+    out, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, 1e-6, 1e-6)
+    gx, gkv, part = ops.engram_gate_backward(x, x, kv, wf, dot, g, rx, rk, 1e-6)
     gwh = torch.zeros(m, hidden_size, device=device)
     gwe = torch.zeros_like(gwh)
     calls = {
         "engram_fused_weight": lambda: ops.engram_fused_weight(wh, we),
-        "engram_gate_fwd": lambda: ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6),
-        "engram_gate_fwd (no stats)": lambda: ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6, False),
-        "engram_gate_bwd": lambda: ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, 1e-6),
+        "engram_gate_forward": lambda: ops.engram_gate_forward(x, kv, wf, 1e-6, 1e-6),
+        "engram_gate_forward (no stats)": lambda: ops.engram_gate_forward(x, kv, wf, 1e-6, 1e-6, False),
+        "engram_gate_backward": lambda: ops.engram_gate_backward(x, x, kv, wf, dot, g, rx, rk, 1e-6),
         "engram_grad_w_reduce": lambda: ops.engram_grad_w_reduce(part, wh, we, gwh, gwe),
     }
     for name, fn in calls.items():

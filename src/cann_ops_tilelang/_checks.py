@@ -23,7 +23,7 @@ _FP32_TINY = 1.1754943508222875e-38
 
 
 class OpError:
-    """Builds error messages for one op: ``OpError("engram_gate_fwd").value("kv", "...")``."""
+    """Builds error messages for one op: ``OpError("engram_gate_forward").value("kv", "...")``."""
 
     def __init__(self, op: str):
         self.op = op

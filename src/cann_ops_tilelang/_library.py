@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import _sharding, config
+from . import _deprecated, _sharding, config
 from ._checks import OpError, describe, misalignment, overlap, type_name
 
 __all__ = ["NAMESPACE", "OpDeclaration", "declare", "register_sharding_rules", "registered_families", "registered_ops"]
@@ -488,8 +488,12 @@ def declare(
         if decl.mutates_args:
             _LIBRARY.impl(name, op.version_kernel(overload), "ADInplaceOrView", with_keyset=True)
 
+        renamed = _deprecated.RENAMED_ARGUMENTS.get(name)
+
         @functools.wraps(prepare)
         def public(*args: Any, **kwargs: Any) -> Any:
+            if renamed and kwargs:  # old keyword names, for one release
+                kwargs = _deprecated.rename_keywords(name, renamed, kwargs)
             if not torch.compiler.is_compiling():  # a traced graph gets the schema's own conversion
                 op.check_call(args, kwargs)
                 if _sharding.PENDING and "torch.distributed.tensor" in sys.modules:

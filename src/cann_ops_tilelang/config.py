@@ -35,7 +35,7 @@ __all__ = [
 
 logger = logging.getLogger("cann_ops_tilelang")
 
-# `grad_w_partials` (rows of engram_gate_bwd's weight-gradient partials per device type, fixed so that fakes
+# `grad_w_partials` (rows of engram_gate_backward's weight-gradient partials per device type, fixed so that fakes
 # need no device) is the device policy of policy.py, re-exported here.
 
 

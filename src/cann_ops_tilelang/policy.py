@@ -17,7 +17,7 @@ from . import limits
 from .chips import ASCEND_950, H200
 from .limits import ENGRAM_HC_MULT, ENGRAM_HIDDEN, LimitError
 
-# Workers behind the per-worker partial rows of ``engram_gate_bwd``'s weight gradient, per backend: the H200's SMs
+# Workers behind the per-worker partial rows of ``engram_gate_backward``'s weight gradient, per backend: the H200's SMs
 # (one worker per SM, or per cluster where the CUDA backward splits the columns, see :func:`grad_w_partials`) and
 # the Ascend 950's vector cores over the 4 streams (16 partial rows x 4 streams).
 GRAD_W_WORKERS = {"cuda": H200.sms, "ascend": ASCEND_950.vector_cores // 4}
@@ -41,7 +41,7 @@ def per_backend(table: dict, device_type: str):
 
 
 def grad_w_partials(device_type: str, hidden_size: int, hc_mult: int = 4) -> int:
-    """Rows ``P`` of the weight-gradient partials written by ``engram_gate_bwd`` on a device type at ``(H, m)``:
+    """Rows ``P`` of the weight-gradient partials written by ``engram_gate_backward`` on a device type at ``(H, m)``:
     ``GRAD_W_WORKERS["ascend"]`` on Ascend; on CUDA (and any device without kernels) the H200's 132 SMs divided by
     the backward's cluster split at ``(H, m)`` (66 at H = 7168: one worker per 2-CTA cluster, 132 at H = 4096)."""
     if limits.backend_of(device_type) == "ascend":
@@ -116,7 +116,7 @@ def column_plan(columns: int, hc_mult: int) -> BwdPlan:
     cap = 1024 if stage_xk else 512
     nc = next((c for c in range(1, n32 + 1) if n32 % c == 0 and nvec // c <= cap), None)
     if nc is None:
-        raise LimitError(f"engram_gate_bwd: unsupported hidden_size (columns per CTA {columns})")
+        raise LimitError(f"engram_gate_backward: unsupported hidden_size (columns per CTA {columns})")
     threads = nvec // nc
     gw_regs = threads <= BWD_TUNING.gw_regs_threads and nc * m * BWD_TUNING.vec <= BWD_TUNING.gw_regs_max
     smem = fixed + (0 if gw_regs else tile) + (xk_bytes if stage_xk else 0)
@@ -149,8 +149,8 @@ def bwd_plan(hidden_size: int, hc_mult: int = 4) -> BwdPlan:
     stages only at the other H up to 7168 (H = 4352, 4864, ...), whose weight-gradient tile stays in shared
     memory.
     """
-    H = ENGRAM_HIDDEN.require("engram_gate_bwd", hidden_size)
-    m = ENGRAM_HC_MULT.require("engram_gate_bwd", hc_mult)
+    H = ENGRAM_HIDDEN.require("engram_gate_backward", hidden_size)
+    m = ENGRAM_HC_MULT.require("engram_gate_backward", hc_mult)
     plan = column_plan(H, m)
     S = BWD_TUNING.split
     if not plan.gw_regs and H % (256 * S) == 0:

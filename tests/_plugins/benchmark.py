@@ -6,10 +6,10 @@ Tests marked ``benchmark`` are deselected unless the ``-m`` expression names ``b
     @pytest.mark.benchmark
     @requires_device
     @pytest.mark.parametrize("tokens", [4096, 65536])
-    def test_bench_engram_gate_fwd(bench, tokens):
+    def test_bench_engram_gate_forward(bench, tokens):
         x = ...
         bench.side_by_side(f"fwd-t{tokens}", {
-            "ours": lambda: cann_ops_tilelang.engram_gate_fwd(x, ...),
+            "ours": lambda: cann_ops_tilelang.engram_gate_forward(x, ...),
             "eager": lambda: ref(x),
         }, bytes=x.nbytes * 3)
 

@@ -9,7 +9,7 @@ size: 64 at the smallest H, up to the 1024 of ``limits.ENGRAM_SINKHORN_COLS`` at
 """
 
 import torch
-from engram_ref import engram_fused_weight_ref, engram_gate_fwd_ref, make_hash_inputs, make_inputs
+from engram_ref import engram_fused_weight_ref, engram_gate_forward_ref, make_hash_inputs, make_inputs
 
 from cann_ops_tilelang import limits
 
@@ -40,22 +40,22 @@ def engram_fused_weight_call(tokens, hidden, *, seed=0, device="cpu"):
     return _on(device, {"weight_hidden": wh, "weight_embed": we})
 
 
-def engram_gate_fwd_call(tokens, hidden, *, seed=0, device="cpu", masked=True, save_for_backward=True,
+def engram_gate_forward_call(tokens, hidden, *, seed=0, device="cpu", masked=True, save_for_backward=True,
                          residual=True):
     _, x, kv, _, _, wf, mask = _gate(tokens, hidden, seed, masked)
     return _on(device, {"hidden_states": x, "kv": kv, "weight_fused": wf, "eps": EPS, "clamp_value": CLAMP,
                         "save_for_backward": save_for_backward, "image_token_mask": mask, "residual": residual})
 
 
-def engram_gate_fwd_inplace_call(tokens, hidden, *, seed=0, device="cpu", masked=True):
+def engram_gate_forward_inplace_call(tokens, hidden, *, seed=0, device="cpu", masked=True):
     _, x, kv, _, _, wf, mask = _gate(tokens, hidden, seed, masked)
     return _on(device, {"hidden_states": x, "kv": kv, "weight_fused": wf, "eps": EPS, "clamp_value": CLAMP,
                         "image_token_mask": mask})
 
 
-def engram_gate_bwd_call(tokens, hidden, *, seed=0, device="cpu", masked=True, residual=True):
+def engram_gate_backward_call(tokens, hidden, *, seed=0, device="cpu", masked=True, residual=True):
     gen, x, kv, _, _, wf, mask = _gate(tokens, hidden, seed, masked)
-    _, dot, gate, rstd_x, rstd_k = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, residual)
+    _, dot, gate, rstd_x, rstd_k = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask, residual)
     grad_out = torch.randn(tokens, M, hidden, generator=gen).to(BF16)
     return _on(device, {"grad_out": grad_out, "hidden_states": x, "kv": kv, "weight_fused": wf, "dot": dot,
                         "gate_score": gate, "rstd_x": rstd_x, "rstd_k": rstd_k, "clamp_value": CLAMP,

@@ -31,7 +31,7 @@ def _signed_sqrt(z: torch.Tensor, clamp_value: float) -> torch.Tensor:
     return torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp_value)), z)
 
 
-def engram_gate_fwd_ref(
+def engram_gate_forward_ref(
     hidden_states: torch.Tensor,
     kv: torch.Tensor,
     weight_fused: torch.Tensor,
@@ -41,7 +41,7 @@ def engram_gate_fwd_ref(
     image_token_mask: torch.Tensor | None = None,
     residual: bool = True,
 ):
-    """fp32 reference of ``engram_gate_fwd`` with the op's output contract.
+    """fp32 reference of ``engram_gate_forward`` with the op's output contract.
 
     Returns:
         ``(output bf16 (T, m, H), dot, gate_score, rstd_x, rstd_k)``; the statistics are ``(T, m)``
@@ -69,9 +69,9 @@ def engram_gate_fwd_ref(
     return (out.contiguous(), *[s.contiguous() for s in stats])
 
 
-def engram_gate_fwd_inplace_ref(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask=None) -> None:
+def engram_gate_forward_inplace_ref(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask=None) -> None:
     """In-place variant: writes the reference output into ``hidden_states``."""
-    out = engram_gate_fwd_ref(hidden_states, kv, weight_fused, eps, clamp_value, False, image_token_mask)[0]
+    out = engram_gate_forward_ref(hidden_states, kv, weight_fused, eps, clamp_value, False, image_token_mask)[0]
     hidden_states.copy_(out)
 
 
@@ -82,7 +82,7 @@ def worker_ranges(tokens: int, partials: int) -> list[tuple[int, int]]:
     return [(min(p * per, tokens), min((p + 1) * per, tokens)) for p in range(partials)]
 
 
-def engram_gate_bwd_ref(
+def engram_gate_backward_ref(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
     kv: torch.Tensor,
@@ -97,7 +97,7 @@ def engram_gate_bwd_ref(
     partials: int = 1,
     outputs=None,
 ):
-    """fp32 reference of ``engram_gate_bwd`` from the closed-form gradients (docs/ops/engram.md#gate); with
+    """fp32 reference of ``engram_gate_backward`` from the closed-form gradients (docs/ops/engram.md#gate); with
     the op's ``outputs``, its partial rows as they are allocated.
 
     Computes in the dtype of ``dot`` (fp32 normally; float64 in the autograd cross-check).

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from _plugins.device import requires_cuda
-from engram_ref import engram_fused_weight_ref, engram_gate_bwd_ref, engram_gate_fwd_ref, gate_model, engram_grad_w_reduce_ref, make_inputs
+from engram_ref import engram_fused_weight_ref, engram_gate_backward_ref, engram_gate_forward_ref, gate_model, engram_grad_w_reduce_ref, make_inputs
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import config
@@ -70,13 +70,13 @@ def test_bench_gate_fwd(bench, device, tokens, hidden, save):
     if HAVE_PEER:
         import tile_kernels
 
-        peer = lambda: tile_kernels.engram.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save)  # noqa: E731
-    ref_c = compiled(engram_gate_fwd_ref)
+        peer = lambda: tile_kernels.engram.engram_gate_forward(x, kv, wf, EPS, CLAMP, save)  # noqa: E731
+    ref_c = compiled(engram_gate_forward_ref)
     io = nbytes(x, kv, wf) + x.numel() * 2 + (4 * 4 * tokens * 4 if save else 0)
     bench.side_by_side(f"gate_fwd-T{tokens}-H{hidden}-save{int(save)}", {
-        "ours": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, save),
+        "ours": lambda: ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, save),
         "peer": peer,
-        "eager": lambda: engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, save),
+        "eager": lambda: engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, save),
         "inductor": lambda: ref_c(x, kv, wf, EPS, CLAMP, save),
     }, bytes=io)
 
@@ -86,20 +86,20 @@ def test_bench_gate_bwd(bench, device, tokens, hidden):
     x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
     wf = engram_fused_weight_ref(wh, we)
     go = torch.randn_like(x, dtype=torch.float32).bfloat16()
-    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True)
     peer = None
     if HAVE_PEER:
         import tile_kernels
 
-        peer = lambda: tile_kernels.engram.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP)  # noqa: E731
+        peer = lambda: tile_kernels.engram.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP)  # noqa: E731
     partials = config.grad_w_partials("cuda", hidden)
-    ref_c = compiled(engram_gate_bwd_ref)
+    ref_c = compiled(engram_gate_backward_ref)
     io = nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv) + partials * 4 * hidden * 4
     bench.side_by_side(f"gate_bwd-T{tokens}-H{hidden}", {
-        "ours": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
+        "ours": lambda: ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP),
         "peer": peer,
         # what a user would write: one weight-gradient sum over all tokens
-        "eager": lambda: engram_gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials=1),
+        "eager": lambda: engram_gate_backward_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials=1),
         "inductor": lambda: ref_c(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, partials=1),
     }, bytes=io)
 
@@ -170,13 +170,13 @@ def test_bench_gate_train_step(bench, device, tokens, hidden):
 
     # the four kernels alone, on the tensors the step hands them
     wf = ops.engram_fused_weight(wh, we)
-    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)
-    _, _, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True)
+    _, _, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP)
     gwh, gwe = torch.zeros(4, hidden, device=device), torch.zeros(4, hidden, device=device)
     kernels = [
         lambda: ops.engram_fused_weight(wh, we),
-        lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True),
-        lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
+        lambda: ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True),
+        lambda: ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP),
         lambda: ops.engram_grad_w_reduce(part, wh, we, gwh, gwe),
     ]
     fwd_io = nbytes(wh, we) + 2 * nbytes(wf) + nbytes(x, kv) + x.numel() * 2 + 4 * 4 * tokens * 4
@@ -201,15 +201,15 @@ def test_bench_gate_no_residual(bench, device, tokens, hidden):
     x, kv, wh, we, _ = make_inputs(tokens, hidden, device=device)
     wf = engram_fused_weight_ref(wh, we)
     go = torch.randn_like(x, dtype=torch.float32).bfloat16()
-    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True)
     fwd = bench.side_by_side(f"gate_fwd_noresidual-T{tokens}-H{hidden}", {
-        "residual": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True),
-        "noresidual": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, residual=False),
-        "subtract": lambda: ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True)[0] - x,
+        "residual": lambda: ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True),
+        "noresidual": lambda: ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, residual=False),
+        "subtract": lambda: ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True)[0] - x,
     }, bytes=nbytes(x, kv, wf) + x.numel() * 2 + 4 * 4 * tokens * 4)
     bwd = bench.side_by_side(f"gate_bwd_noresidual-T{tokens}-H{hidden}", {
-        "residual": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP),
-        "noresidual": lambda: ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, False),
+        "residual": lambda: ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP),
+        "noresidual": lambda: ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP, None, False),
     }, bytes=nbytes(go, x, kv, wf, dot, g, rx, rk) + nbytes(x, kv))
     for name, times in (("forward", fwd), ("backward", bwd)):
         limit = max(times["residual"] * (1 + _NO_SLOWER_PCT / 100), times["residual"] + _NO_SLOWER_US)

@@ -7,8 +7,8 @@ from _plugins import cases
 from _plugins.levels import level_choice
 from engram_ref import (
     engram_fused_weight_ref,
-    engram_gate_bwd_ref,
-    engram_gate_fwd_ref,
+    engram_gate_backward_ref,
+    engram_gate_forward_ref,
     gate_model,
     engram_grad_w_reduce_ref,
     make_inputs,
@@ -45,9 +45,9 @@ def gate_calls(tokens, masked, seed):
     """The example calls (tests/engram/engram_cases.py) of the gate's ops: the fused weight, the forward saving the
     statistics or not, in place, the backward (given the reference forward's statistics), the weight reduction."""
     gate = dict(masked=masked)
-    variants = [("engram_fused_weight", {}), ("engram_gate_fwd", {**gate, "save_for_backward": True}),
-                ("engram_gate_fwd", {**gate, "save_for_backward": False}), ("engram_gate_fwd_inplace", gate),
-                ("engram_gate_bwd", gate), ("engram_grad_w_reduce", {})]
+    variants = [("engram_fused_weight", {}), ("engram_gate_forward", {**gate, "save_for_backward": True}),
+                ("engram_gate_forward", {**gate, "save_for_backward": False}), ("engram_gate_forward_inplace", gate),
+                ("engram_gate_backward", gate), ("engram_grad_w_reduce", {})]
     return [(name, cases.call(name, tokens, HIDDEN, seed=seed, **variant)) for name, variant in variants]
 
 
@@ -57,13 +57,13 @@ def gate_calls(tokens, masked, seed):
 def test_fakes_match_references(tokens, masked, save, seed):
     """The fakes on the example calls against the reference functions' own results."""
     fused = cases.call("engram_fused_weight", tokens, HIDDEN, seed=seed)
-    fwd = cases.call("engram_gate_fwd", tokens, HIDDEN, seed=seed, masked=masked, save_for_backward=save)
-    bwd = cases.call("engram_gate_bwd", tokens, HIDDEN, seed=seed, masked=masked)
+    fwd = cases.call("engram_gate_forward", tokens, HIDDEN, seed=seed, masked=masked, save_for_backward=save)
+    bwd = cases.call("engram_gate_backward", tokens, HIDDEN, seed=seed, masked=masked)
     partials = config.grad_w_partials("cpu", HIDDEN)
     real = {
         "fused": [engram_fused_weight_ref(**fused)],
-        "fwd": list(engram_gate_fwd_ref(**fwd)),
-        "bwd": list(engram_gate_bwd_ref(**bwd, partials=partials)),
+        "fwd": list(engram_gate_forward_ref(**fwd)),
+        "bwd": list(engram_gate_backward_ref(**bwd, partials=partials)),
     }
     mode = FakeTensorMode()
 
@@ -73,8 +73,8 @@ def test_fakes_match_references(tokens, masked, save, seed):
     with mode:
         fake = {
             "fused": [ops.engram_fused_weight(**faked(fused))],
-            "fwd": list(torch.ops.cann_ops_tilelang.engram_gate_fwd(**faked(fwd))),
-            "bwd": list(ops.engram_gate_bwd(**faked(bwd))),
+            "fwd": list(torch.ops.cann_ops_tilelang.engram_gate_forward(**faked(fwd))),
+            "bwd": list(ops.engram_gate_backward(**faked(bwd))),
         }
     for key in real:
         assert [metadata(t) for t in fake[key]] == [metadata(t) for t in real[key]], key
@@ -94,7 +94,7 @@ def test_opcheck(tokens, masked, seed):
 
 
 def gate_model_compiled(x, kv, wf, mask):
-    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
+    out, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask)
     return out.float() * 2, dot + g, rx * rk
 
 
@@ -138,13 +138,13 @@ def test_grad_w_reduce_of_no_partials_leaves_the_buffers(seed):
 
 def test_compile_inplace_and_bwd_graphs(seed):
     def step(x, kv, wf, mask):
-        out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
-        gx, gkv, part = ops.engram_gate_bwd(out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+        out, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask)
+        gx, gkv, part = ops.engram_gate_backward(out, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
         gwh = torch.zeros_like(wf)
         gwe = torch.zeros_like(wf)
         ops.engram_grad_w_reduce(part, x[0], x[1], gwh, gwe)
         y = x.clone()
-        ops.engram_gate_fwd(y, kv, wf, EPS, CLAMP, False, mask, inplace=True)
+        ops.engram_gate_forward(y, kv, wf, EPS, CLAMP, False, mask, inplace=True)
         return gx, gkv, gwh, gwe, y
 
     torch._dynamo.reset()
@@ -179,7 +179,7 @@ def test_reference_backward_vs_float64_autograd(tokens, masked, seed):
         rk = torch.rsqrt(kd[:, :m].square().mean(-1) + eps)
         z = raw * rx * rk / x.shape[-1] ** 0.5
         g = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp)), z))
-        gx, gkv, part = engram_gate_bwd_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, partials=3)
+        gx, gkv, part = engram_gate_backward_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, partials=3)
         gwh = torch.zeros_like(wf)
         gwe = torch.zeros_like(wf)
         gw = part.sum(0)
@@ -234,8 +234,8 @@ def test_autograd_wrapper_main_grad(seed):
     module(x, kv.view(16, -1), mask).backward(go)
     assert module.weight_hidden.grad is None and module.weight_embed.grad is None
     # the expected increment: the reference partials reduced in order, as grad_w_reduce does
-    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, engram_fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
-    _, _, part = engram_gate_bwd_ref(go, x, kv, engram_fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
+    out, dot, g, rx, rk = engram_gate_forward_ref(x, kv, engram_fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
+    _, _, part = engram_gate_backward_ref(go, x, kv, engram_fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
                               partials=config.grad_w_partials("cpu", HIDDEN))
     want_h, want_e = prior_h.clone(), prior_e.clone()
     engram_grad_w_reduce_ref(part, wh, we, want_h, want_e)

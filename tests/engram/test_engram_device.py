@@ -9,8 +9,8 @@ from _plugins.device import requires_cuda, requires_device, requires_npu
 from _plugins.levels import level_choice
 from engram_ref import (
     engram_fused_weight_ref,
-    engram_gate_bwd_ref,
-    engram_gate_fwd_ref,
+    engram_gate_backward_ref,
+    engram_gate_forward_ref,
     gate_model,
     engram_grad_w_reduce_ref,
     make_inputs,
@@ -70,7 +70,7 @@ def test_misaligned_view_is_rejected_on_device(device, seed):
     assert_equal(ops.engram_fused_weight(wh, we), engram_fused_weight_ref(wh, we))
 
 
-# --- engram_gate_fwd ----------------------------------------------------------------------------------
+# --- engram_gate_forward ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("hidden", HIDDEN)
@@ -80,8 +80,8 @@ def test_gate_fwd(tokens, hidden, masked, device, seed):
     x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
     wf = engram_fused_weight_ref(wh, we)
     x0 = x.clone()
-    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)
-    r_out, r_dot, r_g, r_rx, r_rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    out, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask)
+    r_out, r_dot, r_g, r_rx, r_rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask)
     assert_equal(x, x0)
     torch.testing.assert_close(out, r_out, rtol=8e-3, atol=8e-3)
     text = slice(None) if mask is None else ~mask
@@ -94,16 +94,16 @@ def test_gate_fwd(tokens, hidden, masked, device, seed):
         for stat in (dot, g, rx, rk):
             assert torch.equal(stat[mask], torch.zeros_like(stat[mask]))
     # bitwise contracts: no statistics, and in place, give the very same output
-    out_nosave, *nones = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, False, mask)
+    out_nosave, *nones = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, False, mask)
     assert nones == [None] * 4
     assert_equal(out_nosave, out)
     y = x.clone()
-    out_inplace, *nones = ops.engram_gate_fwd(y, kv, wf, EPS, CLAMP, False, mask, inplace=True)
+    out_inplace, *nones = ops.engram_gate_forward(y, kv, wf, EPS, CLAMP, False, mask, inplace=True)
     assert out_inplace is y and nones == [None] * 4
     assert_equal(y, out)
 
 
-# --- engram_gate_bwd ----------------------------------------------------------------------------------
+# --- engram_gate_backward ----------------------------------------------------------------------------------
 
 
 def check_gate_bwd(tokens, hidden, masked, device, seed, mask=None):
@@ -111,9 +111,9 @@ def check_gate_bwd(tokens, hidden, masked, device, seed, mask=None):
     mask = drawn if mask is None else mask.to(device)
     wf = engram_fused_weight_ref(wh, we)
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
-    _, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
-    gx, gkv, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
-    r_gx, r_gkv, r_part = engram_gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=part.shape[0])
+    _, dot, g, rx, rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask)  # statistics from the fp32 reference
+    gx, gkv, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+    r_gx, r_gkv, r_part = engram_gate_backward_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, partials=part.shape[0])
     torch.testing.assert_close(gx, r_gx, rtol=8e-3, atol=7e-3)
     torch.testing.assert_close(gkv, r_gkv, rtol=7e-3, atol=7e-3)
     gw, r_gw = part.sum(0), r_part.sum(0)
@@ -172,10 +172,10 @@ def test_gate_bwd_image_tokens_at_worker_edges(tokens, hidden, device, seed):
 def test_gate_bwd_is_deterministic(device, seed):
     x, kv, wh, we, mask = inputs(509, 4096, True, device, seed)
     wf = engram_fused_weight_ref(wh, we)
-    _, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
-    first = ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+    _, dot, g, rx, rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    first = ops.engram_gate_backward(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
     for _ in range(3):
-        for a, b in zip(ops.engram_gate_bwd(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask), first):
+        for a, b in zip(ops.engram_gate_backward(x, x, kv, wf, dot, g, rx, rk, CLAMP, mask), first):
             assert_equal(a, b)
 
 
@@ -280,9 +280,9 @@ def test_grad_w_reduce_schedules_agree_bitwise(partials, device, seed):
 def test_opcheck_on_device(masked, device, seed):
     """The gate's ops on their example calls (tests/engram/engram_cases.py) at T = 37, H = 512, on the device."""
     gate = dict(masked=masked)
-    variants = [("engram_fused_weight", {}), ("engram_gate_fwd", {**gate, "save_for_backward": True}),
-                ("engram_gate_fwd", {**gate, "save_for_backward": False}), ("engram_gate_fwd_inplace", gate),
-                ("engram_gate_bwd", gate), ("engram_grad_w_reduce", {"partials": 7})]
+    variants = [("engram_fused_weight", {}), ("engram_gate_forward", {**gate, "save_for_backward": True}),
+                ("engram_gate_forward", {**gate, "save_for_backward": False}), ("engram_gate_forward_inplace", gate),
+                ("engram_gate_backward", gate), ("engram_grad_w_reduce", {"partials": 7})]
     for name, variant in variants:
         args = cases.call(name, 37, 512, seed=seed, device=device, **variant)
         torch.library.opcheck(getattr(torch.ops.cann_ops_tilelang, name).default, tuple(args.values()))
@@ -315,8 +315,8 @@ def check_wrapper_vs_model(masked, device, seed, residual):
     torch.testing.assert_close(ours[0].grad.float(), ref32[0].grad, rtol=8e-3, atol=7e-3)
     torch.testing.assert_close(ours[1].grad.float().view(ref32[1].shape), ref32[1].grad, rtol=8e-3, atol=7e-3)
     wf = ops.engram_fused_weight(wh, we)
-    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask, residual=residual)
-    _, _, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, residual)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask, residual=residual)
+    _, _, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, residual)
     want_h, want_e = torch.zeros_like(wf), torch.zeros_like(wf)
     ops.engram_grad_w_reduce(part, wh, we, want_h, want_e)
     assert_equal(ours[2].grad, want_h.bfloat16())
@@ -342,8 +342,8 @@ def test_autograd_wrapper_main_grad(device, seed):
     module(x, kv.view(tokens, -1), mask).backward(go)
     assert module.weight_hidden.grad is None and module.weight_embed.grad is None
     wf = ops.engram_fused_weight(wh, we)
-    _, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, 1e-6, 1e-6, True, mask)
-    _, _, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, 1e-6, mask)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, 1e-6, 1e-6, True, mask)
+    _, _, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, 1e-6, mask)
     want_h, want_e = prior[0].clone(), prior[1].clone()
     ops.engram_grad_w_reduce(part, wh, we, want_h, want_e)
     assert_equal(module.weight_hidden.main_grad, want_h)
@@ -438,17 +438,17 @@ def test_gate_fwd_no_residual_guarded_rows(hidden, masked, device, seed):
 def check_gate_fwd_no_residual(tokens, hidden, masked, device, seed):
     x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
     wf = engram_fused_weight_ref(wh, we)
-    out, dot, g, rx, rk = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
-    r_out = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)[0]
+    out, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
+    r_out = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)[0]
     torch.testing.assert_close(out, r_out, rtol=8e-3, atol=8e-3)
-    for a, b in zip((dot, g, rx, rk), ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, mask)[1:]):
+    for a, b in zip((dot, g, rx, rk), ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask)[1:]):
         assert_equal(a, b)
     text = slice(None) if mask is None else ~mask
     own = (g.unsqueeze(-1) * kv[:, -1:].float()).bfloat16()
     assert_equal(out[text], own[text])
     if mask is not None:
         assert_equal(out[mask], torch.zeros_like(out[mask]))
-    out_nosave, *nones = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, False, mask, residual=False)
+    out_nosave, *nones = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, False, mask, residual=False)
     assert nones == [None] * 4
     assert_equal(out_nosave, out)
 
@@ -457,12 +457,12 @@ def check_gate_bwd_no_residual(tokens, hidden, masked, device, seed):
     x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
     wf = engram_fused_weight_ref(wh, we)
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().to(device)
-    _, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
-    gx, gkv, part = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False)
-    r_gx = engram_gate_bwd_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False, partials=part.shape[0])[0]
+    _, dot, g, rx, rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    gx, gkv, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False)
+    r_gx = engram_gate_backward_ref(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False, partials=part.shape[0])[0]
     torch.testing.assert_close(gx, r_gx, rtol=8e-3, atol=7e-3)
     # grad_kv and the partials do not depend on the residual: byte-equal to the residual backward's
-    _, gkv_res, part_res = ops.engram_gate_bwd(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
+    _, gkv_res, part_res = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask)
     assert_equal(gkv, gkv_res)
     assert_equal(part, part_res)
     if mask is not None:

@@ -37,7 +37,7 @@ HIDDEN = [4096, 7168]
 # op module -> the launchers of its kernel module (each lowering case is named after the one that launches it)
 LAUNCHERS = {
     "fused_weight": ("engram_fused_weight",),
-    "gate": ("engram_gate_fwd", "engram_gate_bwd"),
+    "gate": ("engram_gate_forward", "engram_gate_backward"),
     "grad_w_reduce": ("engram_grad_w_reduce",),
     "sinkhorn": ("engram_sinkhorn_momentum_update", "engram_sinkhorn_step", "engram_sinkhorn_step_reduce",
                  "engram_sinkhorn_finalize"),
@@ -132,16 +132,16 @@ def test_builders_refuse_values_outside_the_ranges():
     from cann_ops_tilelang.limits import LimitError
 
     calls = [
-        (lambda: ascend_gate.build_engram_gate_fwd(4096, 2, True, False, False, 64), "hc_mult must be 4"),
-        (lambda: ascend_gate.build_engram_gate_fwd(8448, 4, True, False, False, 64), r"in \[512, 8192\]"),
-        (lambda: ascend_gate.build_engram_gate_fwd(4096, 4, True, False, False, 63), "num_cores"),
-        (lambda: ascend_gate.build_engram_gate_bwd(4160, 4, False, 16, 64), "a multiple of 256"),
-        (lambda: ascend_gate.build_engram_gate_bwd(4096, 4, False, 0, 64), "num_partials"),
+        (lambda: ascend_gate.build_engram_gate_forward(4096, 2, True, False, False, 64), "hc_mult must be 4"),
+        (lambda: ascend_gate.build_engram_gate_forward(8448, 4, True, False, False, 64), r"in \[512, 8192\]"),
+        (lambda: ascend_gate.build_engram_gate_forward(4096, 4, True, False, False, 63), "num_cores"),
+        (lambda: ascend_gate.build_engram_gate_backward(4160, 4, False, 16, 64), "a multiple of 256"),
+        (lambda: ascend_gate.build_engram_gate_backward(4096, 4, False, 0, 64), "num_partials"),
         (lambda: ascend_fused.build_engram_fused_weight(100, 64), "engram_fused_weight"),
         (lambda: ascend_reduce.build_engram_grad_w_reduce(ascend_reduce.max_partials() + 1, 4 * 4096, 64),
          "num_partials"),
-        (lambda: cuda_gate.build_engram_gate_fwd(256, 4, False, False), "engram_gate_fwd"),
-        (lambda: cuda_gate.build_engram_gate_bwd(4096, 4, 0, False), "num_partials"),
+        (lambda: cuda_gate.build_engram_gate_forward(256, 4, False, False), "engram_gate_forward"),
+        (lambda: cuda_gate.build_engram_gate_backward(4096, 4, 0, False), "num_partials"),
         (lambda: cuda_gate.bwd_plan(4096, 3), "hc_mult must be 4"),
         (lambda: cuda_fused.build_engram_fused_weight(100), "engram_fused_weight"),
         (lambda: cuda_reduce.build_engram_grad_w_reduce(9216, 4, 66), "engram_grad_w_reduce"),
@@ -219,21 +219,21 @@ def test_gate_no_residual_kernels():
     ones only where documented (the backward's ``grad_x`` drops ``go``)."""
     from cann_ops_tilelang.kernels.cuda.engram.gate import backward, forward
 
-    for build, kwargs in ((forward.build_engram_gate_fwd, dict(hidden_size=4096, hc_mult=4, has_mask=True,
+    for build, kwargs in ((forward.build_engram_gate_forward, dict(hidden_size=4096, hc_mult=4, has_mask=True,
                                                                inplace=True, residual=False)),
-                          (lambda **kw: ascend_gate.build_engram_gate_fwd(4096, 4, False, True, True, 64, **kw),
+                          (lambda **kw: ascend_gate.build_engram_gate_forward(4096, 4, False, True, True, 64, **kw),
                            dict(residual=False))):
         with pytest.raises(ValueError, match="no in-place kernel without the residual"):
             build(**kwargs)
     cases = cuda_gate.lowering_cases(7168)
     for mask in ("mask", "nomask"):
-        with_res = cuda_build.lower_source(cases[f"engram_gate_fwd_{mask}"])
-        without = cuda_build.lower_source(cases[f"engram_gate_fwd_noresidual_{mask}"])
+        with_res = cuda_build.lower_source(cases[f"engram_gate_forward_{mask}"])
+        without = cuda_build.lower_source(cases[f"engram_gate_forward_noresidual_{mask}"])
         assert with_res != without
-        bwd_res = cuda_build.lower_source(cases[f"engram_gate_bwd_{mask}"])
-        bwd_nores = cuda_build.lower_source(cases[f"engram_gate_bwd_noresidual_{mask}"])
+        bwd_res = cuda_build.lower_source(cases[f"engram_gate_backward_{mask}"])
+        bwd_nores = cuda_build.lower_source(cases[f"engram_gate_backward_noresidual_{mask}"])
         assert bwd_res != bwd_nores
-    assert {f"engram_gate_bwd_noresidual_pipelined_{m}" for m in ("mask", "nomask")} <= set(cases)
+    assert {f"engram_gate_backward_noresidual_pipelined_{m}" for m in ("mask", "nomask")} <= set(cases)
     assert backward.bwd_plan(7168, 4).pipe
 
 
@@ -297,14 +297,14 @@ def test_gate_bwd_split_schedule():
     pipelined = [h for h in range(512, 8193, 256) if backward.bwd_plan(h, 4).pipe]
     assert pipelined == [h for h in range(4608, 8192, 512)], pipelined
     with pytest.raises(ValueError, match="no pipelined schedule at hidden_size 4096"):
-        backward.build_engram_gate_bwd(4096, 4, 132, False, pipelined=True)
-    assert {"gate/engram_gate_bwd_pipelined_mask", "gate/engram_gate_bwd_pipelined_nomask"} <= set(
+        backward.build_engram_gate_backward(4096, 4, 132, False, pipelined=True)
+    assert {"gate/engram_gate_backward_pipelined_mask", "gate/engram_gate_backward_pipelined_nomask"} <= set(
         cuda_engram.lowering_cases(7168)
     )
-    source = cuda_build.lower_source(backward.build_engram_gate_bwd(7168, 4, 66, False))
+    source = cuda_build.lower_source(backward.build_engram_gate_backward(7168, 4, 66, False))
     assert "cluster_arrive" in source and "st.shared::cluster" in source
-    source = cuda_build.lower_source(backward.build_engram_gate_bwd(4096, 4, 132, False))
-    assert "cluster" not in source.split("engram_gate_bwd_cuda_kernel", 1)[1]
+    source = cuda_build.lower_source(backward.build_engram_gate_backward(4096, 4, 132, False))
+    assert "cluster" not in source.split("engram_gate_backward_cuda_kernel", 1)[1]
 
 
 @pytest.mark.parametrize("hidden,partials,tokens,expected", [
@@ -334,7 +334,7 @@ def test_gate_bwd_launcher_picks_the_pipelined_kernel_by_tokens_per_worker(monke
     stats = torch.empty(tokens, 4, **meta)
     part = torch.empty(partials, 4, hidden, **meta)
     # keyword arguments, as the op layer calls the launcher (through the kernel module ``gate``)
-    cuda_gate.engram_gate_bwd(
+    cuda_gate.engram_gate_backward(
         grad_out=x, hidden_states=x, kv=kv, weight_fused=torch.empty(4, hidden, **meta), dot=stats,
         gate_score=stats, rstd_x=stats, rstd_k=stats, image_token_mask=None, clamp_value=1e-6,
         grad_hidden_states=torch.empty_like(x), grad_kv=torch.empty_like(kv), grad_w_partial=part,
@@ -456,7 +456,7 @@ def test_vector_access_check_sees_vectors_cp_async_and_tma():
 
     fused = cuda_build.lower_source(cuda_engram.lowering_cases(512)["fused_weight/engram_fused_weight"])
     assert vector_accesses(fused) == {"weight_hidden": 16, "weight_embed": 16, "weight_fused": 16}
-    bwd = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(4096)["gate/engram_gate_bwd_nomask"]))
+    bwd = vector_accesses(cuda_build.lower_source(cuda_engram.lowering_cases(4096)["gate/engram_gate_backward_nomask"]))
     assert bwd["grad_out"] == 16 and "dot" not in bwd  # cp.async-staged rows; scalars read one at a time
     reduce = vector_accesses(
         cuda_build.lower_source(cuda_engram.lowering_cases(512)["grad_w_reduce/engram_grad_w_reduce"])

@@ -21,8 +21,8 @@ from _plugins.device import requires_device
 from engram_ref import (
     calc_diff,
     engram_fused_weight_ref,
-    engram_gate_bwd_ref,
-    engram_gate_fwd_ref,
+    engram_gate_backward_ref,
+    engram_gate_forward_ref,
     engram_layer_model,
     gate_model,
     make_inputs,
@@ -354,8 +354,8 @@ def test_gate_flags_take_bools_only(seed):
     x3, kv3, wf = x, kv.view(4, 5, HIDDEN), engram_fused_weight_ref(wh.detach(), we.detach())
     for flags in ({"save_for_backward": np.bool_(True)}, {"inplace": np.bool_(False)}, {"residual": np.bool_(True)}):
         (arg,) = flags
-        with pytest.raises(TypeError, match=f"engram_gate_fwd: argument '{arg}': expected a bool, got numpy.bool"):
-            ops.engram_gate_fwd(x3, kv3, wf, EPS, CLAMP, **flags)
+        with pytest.raises(TypeError, match=f"engram_gate_forward: argument '{arg}': expected a bool, got numpy.bool"):
+            ops.engram_gate_forward(x3, kv3, wf, EPS, CLAMP, **flags)
 
 
 def test_gate_misuse_names_the_function_and_the_argument(seed):
@@ -573,8 +573,8 @@ def test_gate_no_residual_reference_is_the_residual_output_without_x(masked, see
     """``residual=False``: output ``bf16(g·v)`` (zeros on masked tokens), the same statistics; the backward's
     ``grad_x`` lacks exactly ``go`` (masked tokens: 0), ``grad_kv`` and the partials are unchanged."""
     x, kv, wh, we, wf, mask = gate_args(33, masked, seed)
-    res = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask)
-    nores = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
+    res = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask)
+    nores = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
     for a, b in zip(res[1:], nores[1:]):
         assert torch.equal(a, b)
     gated = (res[2].unsqueeze(-1) * kv[:, 4:].float()).bfloat16()
@@ -582,8 +582,8 @@ def test_gate_no_residual_reference_is_the_residual_output_without_x(masked, see
         gated[mask] = 0
     assert torch.equal(nores[0], gated)
     go = torch.randn(x.shape, generator=gen(seed + 1)).bfloat16()
-    full = engram_gate_bwd_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, partials=3)
-    part = engram_gate_bwd_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, False, partials=3)
+    full = engram_gate_backward_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, partials=3)
+    part = engram_gate_backward_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, False, partials=3)
     assert torch.equal(full[1], part[1]) and torch.equal(full[2], part[2])
     # masked tokens: go with the residual, 0 without; others: go + the gate's term, the term alone
     torch.testing.assert_close(full[0] - go.float(), part[0], rtol=0, atol=2e-6)
@@ -606,7 +606,7 @@ def test_gate_no_residual_backward_vs_float64_autograd(masked, seed):
         rk = torch.rsqrt(kd[:, :4].square().mean(-1) + eps)
         z = raw * rx * rk / HIDDEN**0.5
         g = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp)), z))
-        gx, gkv, part = engram_gate_bwd_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, False, partials=3)
+        gx, gkv, part = engram_gate_backward_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, False, partials=3)
         gw = part.sum(0)
     for name, got, want in (("x", gx, x64.grad), ("kv", gkv, kv64.grad), ("wh", gw * we64.detach(), wh64.grad),
                             ("we", gw * wh64.detach(), we64.grad)):
@@ -615,12 +615,12 @@ def test_gate_no_residual_backward_vs_float64_autograd(masked, seed):
 
 def test_gate_no_residual_opcheck_and_wrapper(seed):
     x, kv, wh, we, wf, mask = gate_args(7, True, seed)
-    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP, True, mask, False)
-    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_gate_fwd.default,
+    out, dot, g, rx, rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask, False)
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_gate_forward.default,
                           (x, kv, wf, EPS, CLAMP, True, mask, False))
-    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_gate_bwd.default,
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.engram_gate_backward.default,
                           (out, x, kv, wf, dot, g, rx, rk, CLAMP, mask, False))
-    got = ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, False, mask, residual=False)
+    got = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, False, mask, residual=False)
     assert torch.equal(got[0], out) and got[1:] == (None,) * 4
     # the autograd wrapper: output and gradients against the fp32 model without the residual
     go = torch.randn(x.shape, generator=gen(seed + 2)).bfloat16()
@@ -637,13 +637,13 @@ def test_gate_no_residual_opcheck_and_wrapper(seed):
 
 def test_gate_no_residual_refusals(seed):
     x, kv, wh, we, wf, mask = gate_args(5, False, seed)
-    with pytest.raises(ValueError, match="engram_gate_fwd: argument 'inplace': .*residual=False"):
-        ops.engram_gate_fwd(x.clone(), kv, wf, EPS, CLAMP, False, None, inplace=True, residual=False)
-    with pytest.raises(TypeError, match="engram_gate_fwd: argument 'residual'"):
-        ops.engram_gate_fwd(x, kv, wf, EPS, CLAMP, True, None, residual=1)
-    out, dot, g, rx, rk = engram_gate_fwd_ref(x, kv, wf, EPS, CLAMP)
-    with pytest.raises(TypeError, match="engram_gate_bwd: argument 'residual'"):
-        ops.engram_gate_bwd(out, x, kv, wf, dot, g, rx, rk, CLAMP, None, "no")
+    with pytest.raises(ValueError, match="engram_gate_forward: argument 'inplace': .*residual=False"):
+        ops.engram_gate_forward(x.clone(), kv, wf, EPS, CLAMP, False, None, inplace=True, residual=False)
+    with pytest.raises(TypeError, match="engram_gate_forward: argument 'residual'"):
+        ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, None, residual=1)
+    out, dot, g, rx, rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP)
+    with pytest.raises(TypeError, match="engram_gate_backward: argument 'residual'"):
+        ops.engram_gate_backward(out, x, kv, wf, dot, g, rx, rk, CLAMP, None, "no")
 
 
 # --- device tier ----------------------------------------------------------------------------------------

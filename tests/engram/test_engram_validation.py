@@ -56,8 +56,8 @@ def reduce_args(partials=5, hidden=512):
 
 
 OPS = {
-    "engram_gate_fwd": (ops.engram_gate_fwd, gate_fwd_args),
-    "engram_gate_bwd": (ops.engram_gate_bwd, gate_bwd_args),
+    "engram_gate_forward": (ops.engram_gate_forward, gate_fwd_args),
+    "engram_gate_backward": (ops.engram_gate_backward, gate_bwd_args),
     "engram_grad_w_reduce": (ops.engram_grad_w_reduce, reduce_args),
 }
 
@@ -153,7 +153,7 @@ def test_unsupported_hc_mult(m):
         kv=meta((tokens, m + 1, hidden), BF16),
         weight_fused=meta((m, hidden), F32),
     )
-    message = expect(ValueError, ops.engram_gate_fwd, kwargs, "engram_gate_fwd", "hidden_states")
+    message = expect(ValueError, ops.engram_gate_forward, kwargs, "engram_gate_forward", "hidden_states")
     assert "hc_mult" in message and str(m) in message
 
 
@@ -163,12 +163,12 @@ def test_mask_shape_and_dtype(tokens, wrong):
     kwargs = gate_fwd_args(tokens)
     if wrong != tokens:
         kwargs["image_token_mask"] = meta((wrong,), torch.bool)
-        expect(ValueError, ops.engram_gate_fwd, kwargs, "engram_gate_fwd", "image_token_mask")
+        expect(ValueError, ops.engram_gate_forward, kwargs, "engram_gate_forward", "image_token_mask")
     kwargs["image_token_mask"] = meta((tokens,), torch.uint8)
-    expect(TypeError, ops.engram_gate_fwd, kwargs, "engram_gate_fwd", "image_token_mask")
+    expect(TypeError, ops.engram_gate_forward, kwargs, "engram_gate_forward", "image_token_mask")
     kwargs = gate_bwd_args(tokens)
     kwargs["image_token_mask"] = meta((tokens, 1), torch.bool)
-    expect(ValueError, ops.engram_gate_bwd, kwargs, "engram_gate_bwd", "image_token_mask")
+    expect(ValueError, ops.engram_gate_backward, kwargs, "engram_gate_backward", "image_token_mask")
 
 
 @pytest.mark.parametrize("arg,value,exc", [
@@ -178,13 +178,13 @@ def test_mask_shape_and_dtype(tokens, wrong):
 def test_scalars(arg, value, exc):
     kwargs = gate_fwd_args()
     kwargs[arg] = value
-    expect(exc, ops.engram_gate_fwd, kwargs, "engram_gate_fwd", arg)
+    expect(exc, ops.engram_gate_forward, kwargs, "engram_gate_forward", arg)
 
 
 def test_inplace_with_save_for_backward():
     kwargs = gate_fwd_args()
     kwargs["inplace"] = True
-    message = expect(ValueError, ops.engram_gate_fwd, kwargs, "engram_gate_fwd", "inplace")
+    message = expect(ValueError, ops.engram_gate_forward, kwargs, "engram_gate_forward", "inplace")
     assert "save_for_backward" in message
 
 
@@ -221,7 +221,7 @@ def test_nothing_written_on_bad_input():
     assert torch.equal(gwh, torch.full((M, hidden), 3.0))
     assert torch.equal(gwe, torch.full((M, hidden), 5.0))
     x = torch.ones(2, M, hidden, dtype=BF16)
-    with pytest.raises(ValueError, match=r"engram_gate_fwd_inplace: argument 'kv': expected shape"):
-        ops.engram_gate_fwd(x, torch.ones(2, M, hidden, dtype=BF16), torch.ones(M, hidden), 1e-6, 1e-6,
+    with pytest.raises(ValueError, match=r"engram_gate_forward_inplace: argument 'kv': expected shape"):
+        ops.engram_gate_forward(x, torch.ones(2, M, hidden, dtype=BF16), torch.ones(M, hidden), 1e-6, 1e-6,
                             False, None, True)
     assert torch.equal(x, torch.ones(2, M, hidden, dtype=BF16))

@@ -60,7 +60,7 @@ def expand_to_mhc_forward_call(tokens, hidden, *, seed=0, device="cpu"):
 
 def expand_to_mhc_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
-    return {"out_grad": d.randn(tokens, M, hidden, dtype=BF16), "x_grad": d.empty(tokens, hidden, dtype=BF16)}
+    return {"grad_out": d.randn(tokens, M, hidden, dtype=BF16), "grad_x": d.empty(tokens, hidden, dtype=BF16)}
 
 
 def mhc_fn_normw_merge_forward_call(tokens, hidden, *, seed=0, device="cpu"):
@@ -72,7 +72,7 @@ def mhc_fn_normw_merge_forward_call(tokens, hidden, *, seed=0, device="cpu"):
 def mhc_fn_normw_merge_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
     return {"fn": d.randn(M3, d.k, scale=1e-4), "normw": d.randn(d.k, scale=0.1, shift=1.0),
-            "out_fn_grad": d.randn(M3, d.k), "fn_grad": d.randn(M3, d.k), "normw_grad": d.randn(d.k)}
+            "grad_out_fn": d.randn(M3, d.k), "grad_fn": d.randn(M3, d.k), "grad_normw": d.randn(d.k)}
 
 
 def mhc_gemm_with_sqrsum_forward_call(tokens, hidden, *, seed=0, device="cpu", splits=SPLITS):
@@ -82,9 +82,9 @@ def mhc_gemm_with_sqrsum_forward_call(tokens, hidden, *, seed=0, device="cpu", s
 
 def mhc_gemm_with_sqrsum_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
-    return {"out_mul_grad": d.randn(tokens, M3), "sqrsum_grad": d.randn(tokens, scale=1e-3),
+    return {"grad_out_mul": d.randn(tokens, M3), "grad_sqrsum": d.randn(tokens, scale=1e-3),
             "x": d.residual().view(tokens, d.k), "fn": d.randn(M3, d.k, scale=1e-2),
-            "x_grad": d.randn(tokens, d.k, dtype=BF16)}
+            "grad_x": d.randn(tokens, d.k, dtype=BF16)}
 
 
 def mhc_reduce_partials_and_rmsnorm_forward_call(tokens, hidden, *, seed=0, device="cpu", splits=SPLITS):
@@ -97,8 +97,8 @@ def mhc_reduce_partials_and_rmsnorm_forward_call(tokens, hidden, *, seed=0, devi
 
 def mhc_reduce_partials_and_rmsnorm_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
-    return {"out_grad": d.randn(tokens, M3), "out_mul": d.randn(tokens, 1, M3), "sqrsum": d.positive_sq(tokens, 1),
-            "out_mul_grad": d.empty(tokens, 1, M3), "sqrsum_grad": d.empty(tokens, 1), "rms_group_size": d.k,
+    return {"grad_out": d.randn(tokens, M3), "out_mul": d.randn(tokens, 1, M3), "sqrsum": d.positive_sq(tokens, 1),
+            "grad_out_mul": d.empty(tokens, 1, M3), "grad_sqrsum": d.empty(tokens, 1), "rms_group_size": d.k,
             "rms_eps": EPS}
 
 
@@ -113,9 +113,9 @@ def mhc_pre_split_mixes_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
     mixes, scale, base = d.randn(tokens, M3), d.randn(3), d.randn(M3)
     z = mixes[:, M : 2 * M] * scale[1] + base[M : 2 * M]
-    return {"pre_grad": d.randn(tokens, M), "post_grad": d.randn(tokens, M), "comb_grad": d.randn(tokens, M * M),
+    return {"grad_pre": d.randn(tokens, M), "grad_post": d.randn(tokens, M), "grad_comb": d.randn(tokens, M * M),
             "input_mixes": mixes, "post": torch.sigmoid(z) * 2.0, "mhc_scale": scale, "mhc_base": base,
-            "input_mixes_grad": d.empty(tokens, M3), "mhc_scale_grad": d.randn(3), "mhc_base_grad": d.randn(M3),
+            "grad_input_mixes": d.empty(tokens, M3), "grad_mhc_scale": d.randn(3), "grad_mhc_base": d.randn(M3),
             "post_mult_value": 2.0}
 
 
@@ -129,8 +129,8 @@ def mhc_sinkhorn_forward_call(tokens, hidden, *, seed=0, device="cpu", repeat=SI
 def mhc_sinkhorn_backward_call(tokens, hidden, *, seed=0, device="cpu", repeat=SINKHORN_REPEAT, logit_offset=0.0,
                                sinkhorn_eps=EPS):
     d = _Draw(tokens, hidden, seed, device)
-    return {"grad_output": d.randn(tokens, M, M), "x": d.randn(tokens, M, M, shift=logit_offset),
-            "grad_input": d.empty(tokens, M, M), "repeat": repeat, "eps": sinkhorn_eps}
+    return {"grad_comb_out": d.randn(tokens, M, M), "comb": d.randn(tokens, M, M, shift=logit_offset),
+            "grad_comb": d.empty(tokens, M, M), "repeat": repeat, "eps": sinkhorn_eps}
 
 
 def mhc_pre_apply_mix_forward_call(tokens, hidden, *, seed=0, device="cpu"):
@@ -141,8 +141,8 @@ def mhc_pre_apply_mix_forward_call(tokens, hidden, *, seed=0, device="cpu"):
 
 def mhc_pre_apply_mix_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
-    return {"out_grad": d.randn(tokens, hidden, dtype=BF16), "x": torch.sigmoid(d.randn(tokens, M, hidden)).to(BF16),
-            "mix": torch.softmax(d.randn(tokens, M), -1), "x_grad": d.randn(tokens, M, hidden, dtype=BF16)}
+    return {"grad_out": d.randn(tokens, hidden, dtype=BF16), "x": torch.sigmoid(d.randn(tokens, M, hidden)).to(BF16),
+            "mix": torch.softmax(d.randn(tokens, M), -1), "grad_x": d.randn(tokens, M, hidden, dtype=BF16)}
 
 
 def _post_inputs(d: _Draw) -> dict:
@@ -162,7 +162,7 @@ def mhc_post_forward_out_call(tokens, hidden, *, seed=0, device="cpu"):
 def mhc_post_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
     inputs = _post_inputs(d)
-    return {**inputs, "d_o": d.randn(tokens, M, hidden, dtype=BF16)}
+    return {**inputs, "grad_out": d.randn(tokens, M, hidden, dtype=BF16)}
 
 
 def mhc_head_compute_mix_forward_call(tokens, hidden, *, seed=0, device="cpu"):
@@ -173,9 +173,9 @@ def mhc_head_compute_mix_forward_call(tokens, hidden, *, seed=0, device="cpu"):
 
 def mhc_head_compute_mix_backward_call(tokens, hidden, *, seed=0, device="cpu"):
     d = _Draw(tokens, hidden, seed, device)
-    return {"output_mix_grad": d.randn(tokens, M), "input_mix": d.randn(tokens, M), "mhc_scale": d.randn(1),
-            "mhc_base": d.randn(M), "input_mix_grad": d.empty(tokens, M), "mhc_scale_grad_partial": d.empty(PARTIALS, 1),
-            "mhc_base_grad_partial": d.empty(PARTIALS, M)}
+    return {"grad_output_mix": d.randn(tokens, M), "input_mix": d.randn(tokens, M), "mhc_scale": d.randn(1),
+            "mhc_base": d.randn(M), "grad_input_mix": d.empty(tokens, M), "grad_mhc_scale_partial": d.empty(PARTIALS, 1),
+            "grad_mhc_base_partial": d.empty(PARTIALS, M)}
 
 
 def mhc_pre_big_fuse_call(tokens, hidden, *, seed=0, device="cpu", repeat=SINKHORN_REPEAT, splits=SPLITS,

@@ -27,11 +27,11 @@ def expand_to_mhc_forward_ref(x, out) -> None:
     out.copy_(x.unsqueeze(1).expand(out.shape))
 
 
-def expand_to_mhc_backward_ref(out_grad, x_grad) -> None:
-    acc = _f(out_grad[:, 0])
-    for i in range(1, out_grad.shape[1]):
-        acc = acc + _f(out_grad[:, i])
-    x_grad.copy_(acc.to(x_grad.dtype))
+def expand_to_mhc_backward_ref(grad_out, grad_x) -> None:
+    acc = _f(grad_out[:, 0])
+    for i in range(1, grad_out.shape[1]):
+        acc = acc + _f(grad_out[:, i])
+    grad_x.copy_(acc.to(grad_x.dtype))
 
 
 # --- B.2.2 normw merge ---------------------------------------------------------------------------------
@@ -41,12 +41,12 @@ def mhc_fn_normw_merge_forward_ref(fn, normw, out_fn) -> None:
     out_fn.copy_(fn * normw)
 
 
-def mhc_fn_normw_merge_backward_ref(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
-    fn_grad += out_fn_grad * normw
+def mhc_fn_normw_merge_backward_ref(fn, normw, grad_out_fn, grad_fn, grad_normw) -> None:
+    grad_fn += grad_out_fn * normw
     row_sum = torch.zeros_like(normw)
     for r in range(fn.shape[0]):
-        row_sum = row_sum + out_fn_grad[r] * fn[r]
-    normw_grad += row_sum
+        row_sum = row_sum + grad_out_fn[r] * fn[r]
+    grad_normw += row_sum
 
 
 # --- B.2.3 pre-norm GEMM with sum of squares ----------------------------------------------------------------
@@ -84,14 +84,14 @@ def mhc_gemm_with_sqrsum_forward_ref(x, fn, n_splits):
     return torch.stack(parts).contiguous(), torch.stack(sqs).contiguous()
 
 
-def mhc_gemm_with_sqrsum_backward_ref(out_mul_grad, sqrsum_grad, x, fn, x_grad):
-    """Accumulates into ``x_grad`` (bf16 read-modify-write); returns ``fn_grad (M3, K)`` fp32."""
+def mhc_gemm_with_sqrsum_backward_ref(grad_out_mul, grad_sqrsum, x, fn, grad_x):
+    """Accumulates into ``grad_x`` (bf16 read-modify-write); returns ``grad_fn (M3, K)`` fp32."""
     xf = x.double()
-    g = out_mul_grad.double()
-    delta = g @ fn.double() + 2 * xf * sqrsum_grad.double().unsqueeze(-1)
-    acc = torch.float64 if x_grad.dtype == torch.float64 else torch.float32  # float64 in the autograd check
-    x_grad.copy_((x_grad.to(acc) + delta.to(acc)).to(x_grad.dtype))
-    return (g.T @ xf).to(out_mul_grad.dtype).contiguous()
+    g = grad_out_mul.double()
+    delta = g @ fn.double() + 2 * xf * grad_sqrsum.double().unsqueeze(-1)
+    acc = torch.float64 if grad_x.dtype == torch.float64 else torch.float32  # float64 in the autograd check
+    grad_x.copy_((grad_x.to(acc) + delta.to(acc)).to(grad_x.dtype))
+    return (g.T @ xf).to(grad_out_mul.dtype).contiguous()
 
 
 # --- B.2.4 reduce partials + RMSNorm -------------------------------------------------------------------------
@@ -113,12 +113,12 @@ def mhc_reduce_partials_and_rmsnorm_forward_ref(out_mul_splitted, sqrsum_splitte
     out.copy_(res)
 
 
-def mhc_reduce_partials_and_rmsnorm_backward_ref(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad,
+def mhc_reduce_partials_and_rmsnorm_backward_ref(grad_out, out_mul, sqrsum, grad_out_mul, grad_sqrsum,
                                                  rms_group_size, rms_eps) -> None:
     r = torch.rsqrt(sqrsum / rms_group_size + rms_eps)
-    out_mul_grad.copy_(out_grad.unsqueeze(1) * r.unsqueeze(-1))
-    rho = (out_grad.unsqueeze(1) * out_mul).sum(-1)
-    sqrsum_grad.copy_(-rho * r / (2 * (sqrsum + rms_eps * rms_group_size)))
+    grad_out_mul.copy_(grad_out.unsqueeze(1) * r.unsqueeze(-1))
+    rho = (grad_out.unsqueeze(1) * out_mul).sum(-1)
+    grad_sqrsum.copy_(-rho * r / (2 * (sqrsum + rms_eps * rms_group_size)))
 
 
 def reduce_rmsnorm_model(out_mul, sqrsum, rms_group_size, rms_eps):
@@ -145,17 +145,17 @@ def mhc_pre_split_mixes_forward_ref(input_mixes, mhc_scale, mhc_base, pre, post,
     comb.copy_(z[:, 2 * m :])
 
 
-def mhc_pre_split_mixes_backward_ref(pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base,
-                                     input_mixes_grad, mhc_scale_grad, mhc_base_grad, post_mult_value) -> None:
-    m = pre_grad.shape[1]
+def mhc_pre_split_mixes_backward_ref(grad_pre, grad_post, grad_comb, input_mixes, post, mhc_scale, mhc_base,
+                                     grad_input_mixes, grad_mhc_scale, grad_mhc_base, post_mult_value) -> None:
+    m = grad_pre.shape[1]
     seg = _segments(m, input_mixes.device)
     z = input_mixes * mhc_scale[seg] + mhc_base
     s = torch.sigmoid(z[:, :m])
-    dz = torch.cat([pre_grad * s * (1 - s), post_grad * post * (1 - post / post_mult_value), comb_grad], dim=1)
-    input_mixes_grad.copy_(dz * mhc_scale[seg])
-    mhc_base_grad.copy_(dz.sum(0))
+    dz = torch.cat([grad_pre * s * (1 - s), grad_post * post * (1 - post / post_mult_value), grad_comb], dim=1)
+    grad_input_mixes.copy_(dz * mhc_scale[seg])
+    grad_mhc_base.copy_(dz.sum(0))
     prod = (dz * input_mixes).sum(0)
-    mhc_scale_grad.copy_(torch.stack([prod[seg == c].sum() for c in range(3)]))
+    grad_mhc_scale.copy_(torch.stack([prod[seg == c].sum() for c in range(3)]))
 
 
 def split_mixes_model(input_mixes, mhc_scale, mhc_base, m, post_mult_value, pre_eps):
@@ -180,9 +180,9 @@ def mhc_sinkhorn_forward_ref(comb, comb_out, repeat, eps) -> None:
     comb_out.copy_(sinkhorn_model(comb, repeat, eps))
 
 
-def mhc_sinkhorn_backward_ref(grad_output, x, grad_input, repeat, eps) -> None:
+def mhc_sinkhorn_backward_ref(grad_comb_out, comb, grad_comb, repeat, eps) -> None:
     """The recompute backward of B.2.6 (explicit per-step formulas)."""
-    p = torch.softmax(x, dim=-1)
+    p = torch.softmax(comb, dim=-1)
     y = p + eps
     steps = []  # (axis, input, raw sum)
     axes = [-2] + [a for _ in range(repeat - 1) for a in (-1, -2)]
@@ -190,11 +190,11 @@ def mhc_sinkhorn_backward_ref(grad_output, x, grad_input, repeat, eps) -> None:
         total = y.sum(axis, keepdim=True)
         steps.append((axis, y, total))
         y = y / (total + eps)
-    g = grad_output
+    g = grad_comb_out
     for axis, u, total in reversed(steps):
         denom = total + eps
         g = (g - (g * u).sum(axis, keepdim=True) / denom) / denom
-    grad_input.copy_((g - (g * p).sum(-1, keepdim=True)) * p)
+    grad_comb.copy_((g - (g * p).sum(-1, keepdim=True)) * p)
 
 
 # --- B.2.7 pre apply mix -----------------------------------------------------------------------------------
@@ -207,9 +207,9 @@ def mhc_pre_apply_mix_forward_ref(x, mix, out) -> None:
     out.copy_(acc.to(out.dtype))
 
 
-def mhc_pre_apply_mix_backward_ref(out_grad, x, mix, x_grad):
-    og = _f(out_grad)
-    x_grad.copy_((_f(x_grad) + mix.unsqueeze(-1) * og.unsqueeze(1)).to(x_grad.dtype))
+def mhc_pre_apply_mix_backward_ref(grad_out, x, mix, grad_x):
+    og = _f(grad_out)
+    grad_x.copy_((_f(grad_x) + mix.unsqueeze(-1) * og.unsqueeze(1)).to(grad_x.dtype))
     return (og.unsqueeze(1) * _f(x)).sum(-1)
 
 
@@ -231,13 +231,13 @@ def mhc_post_forward_out_ref(x, residual, post_layer_mix, comb_res_mix, out) -> 
     out.copy_(mhc_post_forward_ref(x, residual, post_layer_mix, comb_res_mix))
 
 
-def mhc_post_backward_ref(x, residual, post_layer_mix, comb_res_mix, d_o):
-    do = d_o.float()
-    d_x = (do * post_layer_mix.unsqueeze(-1)).sum(1).to(torch.bfloat16)
-    d_residual = torch.einsum("nio,nod->nid", comb_res_mix, do).to(torch.bfloat16)
-    d_post = (do * x.float().unsqueeze(1)).sum(-1)
-    d_comb = torch.einsum("nid,nod->nio", residual.float(), do)
-    return d_x, d_residual, d_post, d_comb
+def mhc_post_backward_ref(x, residual, post_layer_mix, comb_res_mix, grad_out):
+    do = grad_out.float()
+    grad_x = (do * post_layer_mix.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+    grad_residual = torch.einsum("nio,nod->nid", comb_res_mix, do).to(torch.bfloat16)
+    grad_post = (do * x.float().unsqueeze(1)).sum(-1)
+    grad_comb = torch.einsum("nid,nod->nio", residual.float(), do)
+    return grad_x, grad_residual, grad_post, grad_comb
 
 
 def post_model(x, residual, post_layer_mix, comb_res_mix):
@@ -256,14 +256,14 @@ def worker_ranges(tokens: int, partials: int) -> list[tuple[int, int]]:
     return [(min(p * per, tokens), min((p + 1) * per, tokens)) for p in range(partials)]
 
 
-def mhc_head_compute_mix_backward_ref(output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad,
-                                      mhc_scale_grad_partial, mhc_base_grad_partial) -> None:
+def mhc_head_compute_mix_backward_ref(grad_output_mix, input_mix, mhc_scale, mhc_base, grad_input_mix,
+                                      grad_mhc_scale_partial, grad_mhc_base_partial) -> None:
     s = torch.sigmoid(input_mix * mhc_scale[0] + mhc_base)
-    dz = output_mix_grad * s * (1 - s)
-    input_mix_grad.copy_(dz * mhc_scale[0])
-    for p, (lo, hi) in enumerate(worker_ranges(input_mix.shape[0], mhc_scale_grad_partial.shape[0])):
-        mhc_scale_grad_partial[p, 0] = (dz[lo:hi] * input_mix[lo:hi]).sum()
-        mhc_base_grad_partial[p] = dz[lo:hi].sum(0)
+    dz = grad_output_mix * s * (1 - s)
+    grad_input_mix.copy_(dz * mhc_scale[0])
+    for p, (lo, hi) in enumerate(worker_ranges(input_mix.shape[0], grad_mhc_scale_partial.shape[0])):
+        grad_mhc_scale_partial[p, 0] = (dz[lo:hi] * input_mix[lo:hi]).sum()
+        grad_mhc_base_partial[p] = dz[lo:hi].sum(0)
 
 
 def head_mix_model(input_mix, mhc_scale, mhc_base, pre_eps):

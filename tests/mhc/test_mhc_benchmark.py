@@ -229,9 +229,9 @@ def _peer_chain(monkeypatch):
         xf = x.float()
         return (xf @ fn.T).unsqueeze(0), xf.square().sum(-1).unsqueeze(0)
 
-    def gemm_backward(d_mul, d_sqrsum, x, fn, x_grad):
+    def gemm_backward(d_mul, d_sqrsum, x, fn, grad_x):
         xf = x.float()
-        x_grad.copy_((x_grad.float() + d_mul @ fn + 2 * xf * d_sqrsum[:, None]).bfloat16())
+        grad_x.copy_((grad_x.float() + d_mul @ fn + 2 * xf * d_sqrsum[:, None]).bfloat16())
         return d_mul.T @ xf
 
     for name in ("mhc_reduce_partials_and_rmsnorm_forward", "mhc_reduce_partials_and_rmsnorm_backward",

@@ -211,23 +211,23 @@ def test_sinkhorn_backward_vs_autograd(repeat, seed):
 def test_split_mixes_backward_vs_autograd(seed):
     args = [a.double() if isinstance(a, torch.Tensor) else a for a in make_args("mhc_pre_split_mixes_backward", 19,
                                                                                  HIDDEN, seed=seed)]
-    pre_g, post_g, comb_g, mixes, _, scale, base, mixes_grad, scale_grad, base_grad, mult = args
+    pre_g, post_g, comb_g, mixes, _, scale, base, grad_mixes, grad_scale, grad_base, mult = args
     leaves = [f64(mixes), f64(scale), f64(base)]
     pre, post, comb = ref.split_mixes_model(*leaves, M, mult, 1e-2)
     torch.autograd.backward([pre, post, comb], [pre_g, post_g, comb_g])
-    ref.mhc_pre_split_mixes_backward_ref(pre_g, post_g, comb_g, mixes, post.detach(), scale, base, mixes_grad,
-                                         scale_grad, base_grad, mult)
-    for got, leaf in zip((mixes_grad, scale_grad, base_grad), leaves):
+    ref.mhc_pre_split_mixes_backward_ref(pre_g, post_g, comb_g, mixes, post.detach(), scale, base, grad_mixes,
+                                         grad_scale, grad_base, mult)
+    for got, leaf in zip((grad_mixes, grad_scale, grad_base), leaves):
         close(got, leaf.grad)
 
 
 def test_reduce_rmsnorm_backward_vs_autograd(seed):
-    out_grad, out_mul, sqrsum, omg, sqg, rg, eps = [
+    grad_out, out_mul, sqrsum, omg, sqg, rg, eps = [
         a.double() if isinstance(a, torch.Tensor) else a
         for a in make_args("mhc_reduce_partials_and_rmsnorm_backward", 21, HIDDEN, seed=seed)]
     leaves = [f64(out_mul), f64(sqrsum)]
-    ref.reduce_rmsnorm_model(*leaves, rg, eps).backward(out_grad)
-    ref.mhc_reduce_partials_and_rmsnorm_backward_ref(out_grad, out_mul, sqrsum, omg, sqg, rg, eps)
+    ref.reduce_rmsnorm_model(*leaves, rg, eps).backward(grad_out)
+    ref.mhc_reduce_partials_and_rmsnorm_backward_ref(grad_out, out_mul, sqrsum, omg, sqg, rg, eps)
     close(omg, leaves[0].grad)
     close(sqg, leaves[1].grad)
 
@@ -237,19 +237,19 @@ def test_gemm_backward_vs_autograd(seed):
     xa, fa = f64(x.float()), f64(fn)
     (xa @ fa.T).backward(omg.double(), retain_graph=True)
     xa.square().sum(-1).backward(sqg.double())
-    x_grad = torch.zeros(x.shape, dtype=torch.float64)
-    fn_grad = ref.mhc_gemm_with_sqrsum_backward_ref(omg.double(), sqg.double(), x.double(), fn.double(), x_grad)
-    close(x_grad, xa.grad)
-    close(fn_grad, fa.grad)
+    grad_x = torch.zeros(x.shape, dtype=torch.float64)
+    grad_fn = ref.mhc_gemm_with_sqrsum_backward_ref(omg.double(), sqg.double(), x.double(), fn.double(), grad_x)
+    close(grad_x, xa.grad)
+    close(grad_fn, fa.grad)
 
 
-def _cube_backward_model(g, sg, x, fn, x_grad, width, block_t):
+def _cube_backward_model(g, sg, x, fn, grad_x, width, block_t):
     """The Ascend Cube backward's data flow on the CPU: per W-column tile and BT-token block (ascending), fp32
-    MADs on zero-padded (BT, 32) g / (32, W) fn / (BT, W) x tiles (fn_grad accumulated over the blocks,
-    as in L0C), then the vector epilogue ``bf16(fma(2*sg, x, f32(x_grad) + g @ fn))``."""
+    MADs on zero-padded (BT, 32) g / (32, W) fn / (BT, W) x tiles (grad_fn accumulated over the blocks,
+    as in L0C), then the vector epilogue ``bf16(fma(2*sg, x, f32(grad_x) + g @ fn))``."""
     tokens, k = x.shape
     m3 = g.shape[1]
-    fn_grad = torch.empty(m3, k)
+    grad_fn = torch.empty(m3, k)
     for c0 in range(0, k, width):
         fn_tile = torch.zeros(32, width)
         fn_tile[:m3] = fn[:, c0:c0 + width]
@@ -261,18 +261,18 @@ def _cube_backward_model(g, sg, x, fn, x_grad, width, block_t):
             x_blk = torch.zeros(block_t, width)
             x_blk[:n] = x[t0:t0 + n, c0:c0 + width].float()
             acc_fg = acc_fg + g_blk.T @ x_blk
-            r = x_grad[t0:t0 + n, c0:c0 + width].float() + (g_blk @ fn_tile)[:n]
+            r = grad_x[t0:t0 + n, c0:c0 + width].float() + (g_blk @ fn_tile)[:n]
             fma = r.double() + (2 * sg[t0:t0 + n]).double()[:, None] * x_blk[:n].double()  # one rounding below
-            x_grad[t0:t0 + n, c0:c0 + width] = fma.float().to(torch.bfloat16)
-        fn_grad[:, c0:c0 + width] = acc_fg[:m3]
-    return fn_grad
+            grad_x[t0:t0 + n, c0:c0 + width] = fma.float().to(torch.bfloat16)
+        grad_fn[:, c0:c0 + width] = acc_fg[:m3]
+    return grad_fn
 
 
 @pytest.mark.parametrize("tokens", [1, 509])
 def test_gemm_backward_cube_model_meets_the_device_tolerances(tokens, seed):
     """Precision of the Ascend backward's design (Cube in plain fp32, g and fn unrounded): the CPU model of its
     tiles and order of operations meets the device test's tolerances against the float64 reference (an HF32
-    model of g misses the bf16 x_grad tolerance near zero: docs/perf/ascend950/mhc.md, 2026-12-03)."""
+    model of g misses the bf16 grad_x tolerance near zero: docs/perf/ascend950/mhc.md, 2026-12-03)."""
     gemm = pytest.importorskip("cann_ops_tilelang.kernels.ascend.mhc.gemm_with_sqrsum")
     from cann_ops_tilelang import chips
 
@@ -294,10 +294,10 @@ def test_apply_mix_post_head_normw_backward_vs_autograd(seed):
     og = torch.randn(t, h, generator=gen, dtype=torch.float64)
     xa, ma = f64(x), f64(mix)
     ref.apply_mix_model(xa, ma).backward(og)
-    x_grad = torch.zeros_like(x)
-    mix_grad = ref.mhc_pre_apply_mix_backward_ref(og, x, mix, x_grad)
-    close(x_grad, xa.grad)
-    close(mix_grad, ma.grad)
+    grad_x = torch.zeros_like(x)
+    grad_mix = ref.mhc_pre_apply_mix_backward_ref(og, x, mix, grad_x)
+    close(grad_x, xa.grad)
+    close(grad_mix, ma.grad)
 
     y = torch.randn(t, h, generator=gen, dtype=torch.float64)
     post = torch.randn(t, M, generator=gen, dtype=torch.float64)
@@ -326,11 +326,11 @@ def test_apply_mix_post_head_normw_backward_vs_autograd(seed):
     g = torch.randn(t, M, generator=gen, dtype=torch.float64)
     leaves = [f64(inp), f64(scale), f64(base)]
     ref.head_mix_model(*leaves, 1e-2).backward(g)
-    in_grad = torch.empty_like(inp)
+    grad_in = torch.empty_like(inp)
     sp = torch.empty(3, 1, dtype=torch.float64)
     bp = torch.empty(3, M, dtype=torch.float64)
-    ref.mhc_head_compute_mix_backward_ref(g, inp, scale, base, in_grad, sp, bp)
-    close(in_grad, leaves[0].grad)
+    ref.mhc_head_compute_mix_backward_ref(g, inp, scale, base, grad_in, sp, bp)
+    close(grad_in, leaves[0].grad)
     close(sp.sum(0), leaves[1].grad)
     close(bp.sum(0), leaves[2].grad)
 
@@ -339,11 +339,11 @@ def test_apply_mix_post_head_normw_backward_vs_autograd(seed):
     gout = torch.randn(M3, M * h, generator=gen, dtype=torch.float64)
     leaves = [f64(fn), f64(normw)]
     (leaves[0] * leaves[1]).backward(gout)
-    fn_grad = torch.zeros_like(fn)
-    normw_grad = torch.zeros_like(normw)
-    ref.mhc_fn_normw_merge_backward_ref(fn, normw, gout, fn_grad, normw_grad)
-    close(fn_grad, leaves[0].grad)
-    close(normw_grad, leaves[1].grad)
+    grad_fn = torch.zeros_like(fn)
+    grad_normw = torch.zeros_like(normw)
+    ref.mhc_fn_normw_merge_backward_ref(fn, normw, gout, grad_fn, grad_normw)
+    close(grad_fn, leaves[0].grad)
+    close(grad_normw, leaves[1].grad)
 
 
 def test_expand_backward_vs_autograd(seed):

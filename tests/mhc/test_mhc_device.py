@@ -156,8 +156,8 @@ def test_cuda_gemm_forward_schedules_agree_bitwise(hidden, device, seed):
 @pytest.mark.parametrize("hidden", [1280, 7168])
 @pytest.mark.parametrize("tokens", [0, 1, 509, 8192])
 def test_gemm_backward_is_reproducible_bitwise(tokens, hidden, device, seed):
-    """fn_grad (token partitions summed in a fixed order, no atomics) and x_grad are bitwise identical from
-    run to run and within the reference's tolerances; fn_grad is zero for T = 0 (H = 1280: one token partition at
+    """grad_fn (token partitions summed in a fixed order, no atomics) and grad_x are bitwise identical from
+    run to run and within the reference's tolerances; grad_fn is zero for T = 0 (H = 1280: one token partition at
     T = 1, two at 509, four at 8192; H = 7168: one single-stage partition at T <= 509, five two-stage ones at
     8192)."""
     name = "mhc_gemm_with_sqrsum_backward"
@@ -167,8 +167,8 @@ def test_gemm_backward_is_reproducible_bitwise(tokens, hidden, device, seed):
     for _ in range(3):
         run_args = [a.clone() for a in args]
         runs.append((op(*run_args), run_args[4]))
-    for fn_grad, x_grad in runs[1:]:
-        assert torch.equal(fn_grad, runs[0][0]) and torch.equal(x_grad, runs[0][1])
+    for grad_fn, grad_x in runs[1:]:
+        assert torch.equal(grad_fn, runs[0][0]) and torch.equal(grad_x, runs[0][1])
     if tokens == 0:
         assert not runs[0][0].any()
     ref_args = [a.clone() for a in args]
@@ -205,7 +205,7 @@ def test_sinkhorn_large_logits(name, offset, eps, device, seed):
 @pytest.mark.parametrize("name", ["mhc_fn_normw_merge_backward", "mhc_gemm_with_sqrsum_backward",
                                   "mhc_pre_apply_mix_backward"])
 def test_accumulating_ops_use_the_prior_content(name, device, seed):
-    """x_grad / fn_grad / normw_grad are read-modify-write: a zero start and a random start differ by the
+    """grad_x / grad_fn / grad_normw are read-modify-write: a zero start and a random start differ by the
     random start (within the output precision)."""
     args = make_args(name, 509, 2560, seed=seed, device=device)
     buffers = {"mhc_fn_normw_merge_backward": [3, 4], "mhc_gemm_with_sqrsum_backward": [4],

@@ -50,7 +50,7 @@ def test_ascend_lowers_within_ub(hidden, name):
 @pytest.mark.parametrize("hidden", [1280, 4096, 7168])  # column tiles W = 64, 256, 128
 def test_ascend_gemm_with_sqrsum_backward_runs_on_the_cube(hidden):
     """Both products of the backward are Cube MADs in plain fp32 (HF32 off), g^T @ x through transposed
-    L1 -> L0 loads; the g @ fn block goes L0C -> UB (both vector cores) for the x_grad epilogue and fn_grad
+    L1 -> L0 loads; the g @ fn block goes L0C -> UB (both vector cores) for the grad_x epilogue and grad_fn
     leaves L0C once per column tile (accumulated over all token blocks in order: no atomics, no partials).
     The merged UB and Cube pools are exactly the plan's budget arithmetic, within the chip's capacities."""
     from cann_ops_tilelang import chips
@@ -63,7 +63,7 @@ def test_ascend_gemm_with_sqrsum_backward_runs_on_the_cube(hidden):
     assert src.count("asc_mmad(") == 2
     assert "asc_copy_l12l0a_transpose(" in src and "asc_copy_l12l0b_transpose(" in src
     assert src.count("asc_copy_l0c2ub(") == 1 and "asc_dual_dst_mode>(1)" in src  # M-split over the two AIVs
-    assert src.count("asc_copy_l0c2gm(") == 1  # fn_grad
+    assert src.count("asc_copy_l0c2gm(") == 1  # grad_fn
     assert "asc_disable_hf32()" in src and "enable_hf32" not in src
     assert "atomic" not in src.lower()
     plan = gemm.BACKWARD_PLAN
@@ -221,16 +221,16 @@ def test_cuda_gemm_forward_tightest_resident_case_fits():
 
 def test_cuda_gemm_backward_single_stage_loads_x_grad_last():
     """The single-stage GEMM backward waits for all cp.async groups but the newest before the products: that
-    group must be x_grad's, in the prologue and in the loop, as generated (TileLang orders adjacent copies
-    itself). In the loop, x, g and sg go out only after the WGMMAs are waited for and a barrier, and x_grad only
-    after the tile's x_grad store and a barrier: no copy overwrites a stage still being read."""
+    group must be grad_x's, in the prologue and in the loop, as generated (TileLang orders adjacent copies
+    itself). In the loop, x, g and sg go out only after the WGMMAs are waited for and a barrier, and grad_x only
+    after the tile's grad_x store and a barrier: no copy overwrites a stage still being read."""
     import re
 
     case = "gemm_with_sqrsum/mhc_gemm_with_sqrsum_backward_1stage"
     src = cuda_build.lower_source(cuda_mhc.lowering_cases(7168)[case])
     pattern = (r"cp_async_gs_conditional<\d+>\(\(&\(\(\(\w+\*\)(\w+)\)"  # a cp.async: its destination
                r"|cp_async_(commit)\(\)|cp_async_wait<(\d)>|wait_wgmma<(\d)>"
-               r"|\*\(uint4\*\)\((x_grad) \+|(__syncthreads)")  # ... an x_grad store, a barrier
+               r"|\*\(uint4\*\)\((grad_x) \+|(__syncthreads)")  # ... an grad_x store, a barrier
     names = (None, "commit", "wait", "wgmma", "store", "sync")  # a copy is named by its buffer
     events = [next(v if n is None else (n + v if v.isdigit() else n) for n, v in zip(names, m) if v)
               for m in re.findall(pattern, src)]
@@ -259,7 +259,7 @@ def test_cuda_gemm_backward_single_stage_loads_x_grad_last():
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
 @pytest.mark.parametrize("hidden", [1280, 7168])
 def test_cuda_gemm_backward_keeps_three_ctas_per_sm(hidden):
-    """The CUDA GEMM backward's shared memory (two stages of x, x_grad, g and sg, the split weights and G) lets
+    """The CUDA GEMM backward's shared memory (two stages of x, grad_x, g and sg, the split weights and G) lets
     3 CTAs share an SM of sm_90a, with their reservations: the occupancy its speed rests on
     (docs/perf/h200/mhc.md, 2026-12-03)."""
     from cann_ops_tilelang.chips import cuda_arch

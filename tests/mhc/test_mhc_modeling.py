@@ -372,8 +372,8 @@ def test_modeling_api_errors_name_the_argument():
         modeling.MHCSublayer(100, torch.nn.Identity())
     # the scalars and the other tensors under the function's own names, before any kernel runs, with or
     # without gradients
-    fn_grad = p["fn"].clone().requires_grad_(True)
-    for fn in (p["fn"], fn_grad):
+    grad_fn = p["fn"].clone().requires_grad_(True)
+    for fn in (p["fn"], grad_fn):
         for kwargs, arg in [(dict(sinkhorn_repeat=0), "sinkhorn_repeat"), (dict(norm_eps=-1.0), "norm_eps"),
                             (dict(pre_eps=float("nan")), "pre_eps"), (dict(sinkhorn_eps=-1.0), "sinkhorn_eps"),
                             (dict(n_splits=0), "n_splits"), (dict(post_mult_value=0.0), "post_mult_value")]:

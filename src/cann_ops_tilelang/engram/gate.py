@@ -1,8 +1,8 @@
 """The Engram gate forward and backward (docs/ops/engram.md#gate).
 
-Ops: ``engram_gate_fwd`` (out of place, optionally saving the statistics of the backward),
-``engram_gate_fwd_inplace`` (written into ``hidden_states``), ``engram_gate_bwd``; the Python function
-:func:`engram_gate_fwd` chooses between the two forwards.
+Ops: ``engram_gate_forward`` (out of place, optionally saving the statistics of the backward),
+``engram_gate_forward_inplace`` (written into ``hidden_states``), ``engram_gate_backward``; the Python function
+:func:`engram_gate_forward` chooses between the two forwards.
 """
 
 from typing import Optional
@@ -10,12 +10,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import config
+from .. import _deprecated, config
 from .._checks import OpError, check_bool, check_float, check_same_device, check_tensor
 from .._library import declare
 from ._common import BF16, F32, check_hc_hidden, check_mask
 
-__all__ = ["engram_gate_bwd", "engram_gate_fwd", "engram_gate_fwd_inplace"]
+__all__ = ["engram_gate_backward", "engram_gate_forward", "engram_gate_forward_inplace"]
 
 # the kernels access the bf16 rows and the fp32 fused weight in 16-byte vectors; the mask and the
 # statistics one element at a time
@@ -35,9 +35,9 @@ def _check_forward(op: str, hidden_states, kv, weight_fused, eps, clamp_value, i
     check_same_device(err, [("hidden_states", x), ("kv", kv_t), ("weight_fused", wf), ("image_token_mask", mask)])
 
 
-@declare("engram_gate_fwd", vector_args=_GATE_VECTORS, tokens="hidden_states",
+@declare("engram_gate_forward", vector_args=_GATE_VECTORS, tokens="hidden_states",
          outputs=("out", "dot", "gate_score", "rstd_x", "rstd_k"))
-def _engram_gate_fwd(
+def _engram_gate_forward(
     hidden_states: Tensor,
     kv: Tensor,
     weight_fused: Tensor,
@@ -47,17 +47,17 @@ def _engram_gate_fwd(
     image_token_mask: Optional[Tensor] = None,
     residual: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Engram gate forward, out of place (the op behind :func:`engram_gate_fwd`).
+    """Engram gate forward, out of place (the op behind :func:`engram_gate_forward`).
 
-    Args: as :func:`engram_gate_fwd` (without ``inplace``).
+    Args: as :func:`engram_gate_forward` (without ``inplace``).
 
     Returns:
         ``(output, dot, gate_score, rstd_x, rstd_k)``: output ``(T, m, H)`` bf16; the four statistics
         ``(T, m)`` fp32 when saving, else empty ``(0,)`` fp32 tensors.
     """
-    _check_forward("engram_gate_fwd", hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
-    check_bool(OpError("engram_gate_fwd"), "save_for_backward", save_for_backward)
-    check_bool(OpError("engram_gate_fwd"), "residual", residual)
+    _check_forward("engram_gate_forward", hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
+    check_bool(OpError("engram_gate_forward"), "save_for_backward", save_for_backward)
+    check_bool(OpError("engram_gate_forward"), "residual", residual)
     out = hidden_states.new_empty(hidden_states.shape)
     stat_shape = hidden_states.shape[:2] if save_for_backward else (0,)
     stats = [hidden_states.new_empty(stat_shape, dtype=F32) for _ in range(4)]
@@ -65,19 +65,19 @@ def _engram_gate_fwd(
 
 
 # its own binding: the kernel takes no save_for_backward; without it the statistics are None
-@_engram_gate_fwd.launch
+@_engram_gate_forward.launch
 def _(kernels, outs, hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask,
       residual):
     out, *stats = outs
     dot, gate_score, rstd_x, rstd_k = stats if save_for_backward else (None,) * 4
-    kernels.engram_gate_fwd(hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
+    kernels.engram_gate_forward(hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
                             image_token_mask=image_token_mask, eps=eps, clamp_value=clamp_value, out=out, dot=dot,
                             gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k, residual=residual)
 
 
-@declare("engram_gate_fwd_inplace", mutates_args=("hidden_states",), vector_args=_GATE_VECTORS,
-         tokens="hidden_states", kernel="engram_gate_fwd")
-def engram_gate_fwd_inplace(
+@declare("engram_gate_forward_inplace", mutates_args=("hidden_states",), vector_args=_GATE_VECTORS,
+         tokens="hidden_states", kernel="engram_gate_forward")
+def engram_gate_forward_inplace(
     hidden_states: Tensor,
     kv: Tensor,
     weight_fused: Tensor,
@@ -87,23 +87,23 @@ def engram_gate_fwd_inplace(
 ) -> None:
     """Engram gate forward written into ``hidden_states`` (no statistics saved).
 
-    Same arguments and math as :func:`engram_gate_fwd`; the result is bitwise equal to its output.
+    Same arguments and math as :func:`engram_gate_forward`; the result is bitwise equal to its output.
     ``hidden_states`` must share no memory with ``kv`` or the other arguments.
     """
-    _check_forward("engram_gate_fwd_inplace", hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
+    _check_forward("engram_gate_forward_inplace", hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
 
 
 # its own binding: hidden_states is also the kernel's out, and no statistics are written
-@engram_gate_fwd_inplace.launch
+@engram_gate_forward_inplace.launch
 def _(kernels, _none, hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask):
-    kernels.engram_gate_fwd(hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
+    kernels.engram_gate_forward(hidden_states=hidden_states, kv=kv, weight_fused=weight_fused,
                             image_token_mask=image_token_mask, eps=eps, clamp_value=clamp_value, out=hidden_states,
                             dot=None, gate_score=None, rstd_x=None, rstd_k=None)
 
 
-@declare("engram_gate_bwd", vector_args={"grad_out": 16, **_GATE_VECTORS}, tokens="grad_out",
+@declare("engram_gate_backward", vector_args={"grad_out": 16, **_GATE_VECTORS}, tokens="grad_out",
          outputs=("grad_hidden_states", "grad_kv", "grad_w_partial"))
-def engram_gate_bwd(
+def engram_gate_backward(
     grad_out: Tensor,
     hidden_states: Tensor,
     kv: Tensor,
@@ -135,7 +135,7 @@ def engram_gate_bwd(
         ``T = 0`` (``P`` is fixed per device type and ``(H, m)``: ``config.grad_w_partials``); reduce it
         with ``engram_grad_w_reduce``.
     """
-    err = OpError("engram_gate_bwd")
+    err = OpError("engram_gate_backward")
     go = check_tensor(err, "grad_out", grad_out, dtype=BF16, ndim=3)
     tokens, m, hidden = go.shape
     check_hc_hidden(err, "grad_out", m, hidden)
@@ -154,7 +154,7 @@ def engram_gate_bwd(
             weight_fused.new_empty((partials, *weight_fused.shape)))
 
 
-def engram_gate_fwd(
+def engram_gate_forward(
     hidden_states: Tensor,
     kv: Tensor,
     weight_fused: Tensor,
@@ -180,7 +180,7 @@ def engram_gate_fwd(
         weight_fused: ``(m, H)`` fp32 from :func:`engram_fused_weight`.
         eps: RMSNorm epsilon (>= 0, finite in fp32).
         clamp_value: signed-sqrt clamp (> 0, a normal fp32 number).
-        save_for_backward: return the statistics needed by :func:`engram_gate_bwd`.
+        save_for_backward: return the statistics needed by :func:`engram_gate_backward`.
         image_token_mask: ``(T,)`` bool or None. Masked tokens get ``output == hidden_states``
             bit-exactly (zeros when ``residual=False``) and zero statistics.
         inplace: write the output into ``hidden_states`` (and return it). Not allowed together
@@ -195,7 +195,7 @@ def engram_gate_fwd(
         values, each ``(T, m)`` fp32, or four ``None`` when not saving. The output is bitwise the
         same whether statistics are saved or the op runs in place.
     """
-    err = OpError("engram_gate_fwd")
+    err = OpError("engram_gate_forward")
     check_bool(err, "inplace", inplace)
     check_bool(err, "save_for_backward", save_for_backward)
     check_bool(err, "residual", residual)
@@ -206,9 +206,9 @@ def engram_gate_fwd(
         if save_for_backward:
             raise err.value("inplace", "inplace=True cannot be combined with save_for_backward=True (the backward "
                                        "needs the original hidden_states)")
-        engram_gate_fwd_inplace(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
+        engram_gate_forward_inplace(hidden_states, kv, weight_fused, eps, clamp_value, image_token_mask)
         return hidden_states, None, None, None, None
-    out, dot, gate_score, rstd_x, rstd_k = _engram_gate_fwd(
+    out, dot, gate_score, rstd_x, rstd_k = _engram_gate_forward(
         hidden_states, kv, weight_fused, eps, clamp_value, save_for_backward, image_token_mask, residual
     )
     if not save_for_backward:
@@ -216,12 +216,14 @@ def engram_gate_fwd(
     return out, dot, gate_score, rstd_x, rstd_k
 
 
-engram_gate_fwd.op = _engram_gate_fwd.op
+engram_gate_forward.op = _engram_gate_forward.op
 
 # DTensor sharding (docs/distributed.md): per token, weight_fused replicated; the weight-gradient partial
 # rows are sums over each rank's tokens, so grad_w_partial is Partial (reduced by engram_grad_w_reduce).
 _TOKEN_ARGS = ("hidden_states", "kv", "image_token_mask")
-_engram_gate_fwd.sharding({**dict.fromkeys(_TOKEN_ARGS, "S0"), "returns": ("S0",) * 5})
-engram_gate_fwd_inplace.sharding(dict.fromkeys(_TOKEN_ARGS, "S0"))
-engram_gate_bwd.sharding({**dict.fromkeys(("grad_out", "dot", "gate_score", "rstd_x", "rstd_k", *_TOKEN_ARGS), "S0"),
+_engram_gate_forward.sharding({**dict.fromkeys(_TOKEN_ARGS, "S0"), "returns": ("S0",) * 5})
+engram_gate_forward_inplace.sharding(dict.fromkeys(_TOKEN_ARGS, "S0"))
+engram_gate_backward.sharding({**dict.fromkeys(("grad_out", "dot", "gate_score", "rstd_x", "rstd_k", *_TOKEN_ARGS), "S0"),
                           "returns": ("S0", "S0", "P")})
+
+__getattr__ = _deprecated.module_getattr(__name__, globals())  # the names renamed in 0.2, for one release

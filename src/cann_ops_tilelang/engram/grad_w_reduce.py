@@ -28,7 +28,7 @@ def engram_grad_w_reduce(
     and ``grad_weight_embed += gw * f32(weight_hidden)``.
 
     Args:
-        grad_w_partial: ``(P, m, H)`` fp32 from ``engram_gate_bwd`` (``P = 0``: nothing is added; at most 476
+        grad_w_partial: ``(P, m, H)`` fp32 from ``engram_gate_backward`` (``P = 0``: nothing is added; at most 476
             rows on Ascend, ``limits.ENGRAM_GRAD_W_PARTIALS``).
         weight_hidden, weight_embed: ``(m, H)`` bf16.
         grad_weight_hidden, grad_weight_embed: ``(m, H)`` fp32, contiguous, updated in place (Megatron

@@ -25,23 +25,23 @@ def expand_to_mhc_forward(x: Tensor, out: Tensor) -> None:
     same_device(err, x=x, out=out)
 
 
-@declare("expand_to_mhc_backward", mutates_args=("x_grad",), vector_args={"out_grad": 16, "x_grad": 16},
-         tokens="out_grad")
-def expand_to_mhc_backward(out_grad: Tensor, x_grad: Tensor) -> None:
-    """``x_grad = bf16(sum_i f32(out_grad[:, i]))``, streams ``i`` ascending.
+@declare("expand_to_mhc_backward", mutates_args=("grad_x",), vector_args={"grad_out": 16, "grad_x": 16},
+         tokens="grad_out")
+def expand_to_mhc_backward(grad_out: Tensor, grad_x: Tensor) -> None:
+    """``grad_x = bf16(sum_i f32(grad_out[:, i]))``, streams ``i`` ascending.
 
     Args:
-        out_grad: ``(T, m, H)`` bf16.
-        x_grad: ``(T, H)`` bf16, overwritten.
+        grad_out: ``(T, m, H)`` bf16.
+        grad_x: ``(T, H)`` bf16, overwritten.
     """
     err = OpError("expand_to_mhc_backward")
-    tokens, m, hidden = check_tensor(err, "out_grad", out_grad, dtype=BF16, ndim=3).shape
-    check_hc(err, "out_grad", m)
-    check_hidden(err, "out_grad", hidden)
-    check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, hidden))
-    same_device(err, out_grad=out_grad, x_grad=x_grad)
+    tokens, m, hidden = check_tensor(err, "grad_out", grad_out, dtype=BF16, ndim=3).shape
+    check_hc(err, "grad_out", m)
+    check_hidden(err, "grad_out", hidden)
+    check_tensor(err, "grad_x", grad_x, dtype=BF16, shape=(tokens, hidden))
+    same_device(err, grad_out=grad_out, grad_x=grad_x)
 
 
 # DTensor sharding (docs/distributed.md): token-wise, so sequence parallel shards the token dim of both tensors.
 expand_to_mhc_forward.sharding({"x": "S0", "out": "S0"})
-expand_to_mhc_backward.sharding({"out_grad": "S0", "x_grad": "S0"})
+expand_to_mhc_backward.sharding({"grad_out": "S0", "grad_x": "S0"})

@@ -35,37 +35,37 @@ def mhc_gemm_with_sqrsum_forward(x: Tensor, fn: Tensor, n_splits: int) -> tuple[
     return (x.new_empty((n_splits, tokens, fn.shape[0]), dtype=F32), x.new_empty((n_splits, tokens), dtype=F32))
 
 
-@declare("mhc_gemm_with_sqrsum_backward", mutates_args=("x_grad",),
-         vector_args={"out_mul_grad": 16, "sqrsum_grad": 4, "x": 16, "fn": 16, "x_grad": 16},
-         tokens="x", outputs=("fn_grad",))
-def mhc_gemm_with_sqrsum_backward(out_mul_grad: Tensor, sqrsum_grad: Tensor, x: Tensor, fn: Tensor,
-                                  x_grad: Tensor) -> Tensor:
-    """Backward of the pre-norm GEMM: accumulates ``x_grad = bf16(f32(x_grad) + out_mul_grad @ fn +
-    2*x*sqrsum_grad)`` in place and returns ``fn_grad = out_mul_grad.T @ f32(x)`` (deterministic).
+@declare("mhc_gemm_with_sqrsum_backward", mutates_args=("grad_x",),
+         vector_args={"grad_out_mul": 16, "grad_sqrsum": 4, "x": 16, "fn": 16, "grad_x": 16},
+         tokens="x", outputs=("grad_fn",))
+def mhc_gemm_with_sqrsum_backward(grad_out_mul: Tensor, grad_sqrsum: Tensor, x: Tensor, fn: Tensor,
+                                  grad_x: Tensor) -> Tensor:
+    """Backward of the pre-norm GEMM: accumulates ``grad_x = bf16(f32(grad_x) + grad_out_mul @ fn +
+    2*x*grad_sqrsum)`` in place and returns ``grad_fn = grad_out_mul.T @ f32(x)`` (deterministic).
 
     Args:
-        out_mul_grad: ``(T, M3)`` fp32.
-        sqrsum_grad: ``(T,)`` fp32.
+        grad_out_mul: ``(T, M3)`` fp32.
+        grad_sqrsum: ``(T,)`` fp32.
         x: ``(T, K)`` bf16, the forward's input.
         fn: ``(M3, K)`` fp32.
-        x_grad: ``(T, K)`` bf16, accumulated.
+        grad_x: ``(T, K)`` bf16, accumulated.
 
     Returns:
-        ``fn_grad (M3, K)`` fp32, a new tensor (zeros for ``T = 0``).
+        ``grad_fn (M3, K)`` fp32, a new tensor (zeros for ``T = 0``).
     """
     err = OpError("mhc_gemm_with_sqrsum_backward")
     tokens, k = check_tensor(err, "x", x, dtype=BF16, ndim=2).shape
     check_width(err, "x", k)
-    check_tensor(err, "out_mul_grad", out_mul_grad, dtype=F32, shape=(tokens, MIX))
-    check_tensor(err, "sqrsum_grad", sqrsum_grad, dtype=F32, shape=(tokens,))
+    check_tensor(err, "grad_out_mul", grad_out_mul, dtype=F32, shape=(tokens, MIX))
+    check_tensor(err, "grad_sqrsum", grad_sqrsum, dtype=F32, shape=(tokens,))
     check_tensor(err, "fn", fn, dtype=F32, shape=(MIX, k))
-    check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, k))
-    same_device(err, out_mul_grad=out_mul_grad, sqrsum_grad=sqrsum_grad, x=x, fn=fn, x_grad=x_grad)
+    check_tensor(err, "grad_x", grad_x, dtype=BF16, shape=(tokens, k))
+    same_device(err, grad_out_mul=grad_out_mul, grad_sqrsum=grad_sqrsum, x=x, fn=fn, grad_x=grad_x)
     return fn.new_empty(fn.shape)
 
 
 # DTensor sharding (docs/distributed.md): the token dim is dim 0 of x and dim 1 of the split partials;
-# fn stays replicated (K is not split across ranks). fn_grad is a sum over tokens: Partial.
+# fn stays replicated (K is not split across ranks). grad_fn is a sum over tokens: Partial.
 mhc_gemm_with_sqrsum_forward.sharding({"x": "S0", "returns": ("S1", "S1")})
 mhc_gemm_with_sqrsum_backward.sharding(
-    {"out_mul_grad": "S0", "sqrsum_grad": "S0", "x": "S0", "x_grad": "S0", "returns": "P"})
+    {"grad_out_mul": "S0", "grad_sqrsum": "S0", "x": "S0", "grad_x": "S0", "returns": "P"})

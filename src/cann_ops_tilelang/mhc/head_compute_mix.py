@@ -37,43 +37,43 @@ def mhc_head_compute_mix_forward(input_mix: Tensor, mhc_scale: Tensor, mhc_base:
 
 
 @declare("mhc_head_compute_mix_backward",
-         mutates_args=("input_mix_grad", "mhc_scale_grad_partial", "mhc_base_grad_partial"),
-         vector_args={"output_mix_grad": 16, "input_mix": 16, "input_mix_grad": 16}, tokens="input_mix",
-         zero_when_empty=("mhc_scale_grad_partial", "mhc_base_grad_partial"))
-def mhc_head_compute_mix_backward(output_mix_grad: Tensor, input_mix: Tensor, mhc_scale: Tensor, mhc_base: Tensor,
-                                  input_mix_grad: Tensor, mhc_scale_grad_partial: Tensor,
-                                  mhc_base_grad_partial: Tensor) -> None:
-    """Writes ``input_mix_grad = dz * scale`` and per-worker partial rows of the scale and base gradients
+         mutates_args=("grad_input_mix", "grad_mhc_scale_partial", "grad_mhc_base_partial"),
+         vector_args={"grad_output_mix": 16, "input_mix": 16, "grad_input_mix": 16}, tokens="input_mix",
+         zero_when_empty=("grad_mhc_scale_partial", "grad_mhc_base_partial"))
+def mhc_head_compute_mix_backward(grad_output_mix: Tensor, input_mix: Tensor, mhc_scale: Tensor, mhc_base: Tensor,
+                                  grad_input_mix: Tensor, grad_mhc_scale_partial: Tensor,
+                                  grad_mhc_base_partial: Tensor) -> None:
+    """Writes ``grad_input_mix = dz * scale`` and per-worker partial rows of the scale and base gradients
     (``dz = g * s * (1 - s)``, ``s`` the sigmoid); every row is written (zeros for ``T = 0``); reduce them with
     ``.sum(0)``.
 
     Args:
-        output_mix_grad: ``(T, m)`` fp32.
+        grad_output_mix: ``(T, m)`` fp32.
         input_mix: ``(T, m)`` fp32; mhc_scale ``(1,)`` and mhc_base ``(m,)`` fp32 (the forward's inputs).
-        input_mix_grad: ``(T, m)`` fp32, written.
-        mhc_scale_grad_partial: ``(P, 1)`` fp32, overwritten; ``P >= 1`` rows (at most 4096 on CUDA,
+        grad_input_mix: ``(T, m)`` fp32, written.
+        grad_mhc_scale_partial: ``(P, 1)`` fp32, overwritten; ``P >= 1`` rows (at most 4096 on CUDA,
             ``limits.MHC_HEAD_MIX_PARTIALS``).
-        mhc_base_grad_partial: ``(P, m)`` fp32, overwritten.
+        grad_mhc_base_partial: ``(P, m)`` fp32, overwritten.
     """
     err = OpError("mhc_head_compute_mix_backward")
     shape = _check_input_mix(err, input_mix)
-    check_tensor(err, "output_mix_grad", output_mix_grad, dtype=F32, shape=shape)
+    check_tensor(err, "grad_output_mix", grad_output_mix, dtype=F32, shape=shape)
     check_tensor(err, "mhc_scale", mhc_scale, dtype=F32, shape=(1,))
     check_tensor(err, "mhc_base", mhc_base, dtype=F32, shape=(HC_MULT,))
-    check_tensor(err, "input_mix_grad", input_mix_grad, dtype=F32, shape=shape)
-    part = check_tensor(err, "mhc_scale_grad_partial", mhc_scale_grad_partial, dtype=F32, ndim=2)
+    check_tensor(err, "grad_input_mix", grad_input_mix, dtype=F32, shape=shape)
+    part = check_tensor(err, "grad_mhc_scale_partial", grad_mhc_scale_partial, dtype=F32, ndim=2)
     if part.shape[1] != 1:
-        raise err.value("mhc_scale_grad_partial", f"expected shape (P, 1), got {tuple(part.shape)}")
-    limits.MHC_HEAD_MIX_PARTIALS.of(part.device.type).check(err, "mhc_scale_grad_partial", part.shape[0])
-    check_tensor(err, "mhc_base_grad_partial", mhc_base_grad_partial, dtype=F32, shape=(part.shape[0], HC_MULT))
-    same_device(err, output_mix_grad=output_mix_grad, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
-                input_mix_grad=input_mix_grad, mhc_scale_grad_partial=mhc_scale_grad_partial,
-                mhc_base_grad_partial=mhc_base_grad_partial)
+        raise err.value("grad_mhc_scale_partial", f"expected shape (P, 1), got {tuple(part.shape)}")
+    limits.MHC_HEAD_MIX_PARTIALS.of(part.device.type).check(err, "grad_mhc_scale_partial", part.shape[0])
+    check_tensor(err, "grad_mhc_base_partial", grad_mhc_base_partial, dtype=F32, shape=(part.shape[0], HC_MULT))
+    same_device(err, grad_output_mix=grad_output_mix, input_mix=input_mix, mhc_scale=mhc_scale, mhc_base=mhc_base,
+                grad_input_mix=grad_input_mix, grad_mhc_scale_partial=grad_mhc_scale_partial,
+                grad_mhc_base_partial=grad_mhc_base_partial)
 
 
 # DTensor sharding (docs/distributed.md): token-wise; the partial rows of the parameter gradients are
 # sums over each rank's tokens, so the partial buffers are Partial (their row sum is the gradient).
 mhc_head_compute_mix_forward.sharding({"input_mix": "S0", "output_mix": "S0"})
 mhc_head_compute_mix_backward.sharding(
-    {"output_mix_grad": "S0", "input_mix": "S0", "input_mix_grad": "S0", "mhc_scale_grad_partial": "P",
-     "mhc_base_grad_partial": "P"})
+    {"grad_output_mix": "S0", "input_mix": "S0", "grad_input_mix": "S0", "grad_mhc_scale_partial": "P",
+     "grad_mhc_base_partial": "P"})

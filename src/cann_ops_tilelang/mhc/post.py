@@ -47,14 +47,14 @@ def _mhc_post_forward_out(x: Tensor, residual: Tensor, post_layer_mix: Tensor, c
     same_device(err, x=x, out=out)
 
 
-@declare("mhc_post_backward", vector_args={**_INPUT_VECTORS, "d_o": 16}, tokens="x",
-         outputs=("d_x", "d_residual", "d_post", "d_comb"))
+@declare("mhc_post_backward", vector_args={**_INPUT_VECTORS, "grad_out": 16}, tokens="x",
+         outputs=("grad_x", "grad_residual", "grad_post", "grad_comb"))
 def _mhc_post_backward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor,
-                       d_o: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of the post mix on flat tensors (see :func:`mhc_post_backward`)."""
     err, tokens, hidden = _check_inputs("mhc_post_backward", x, residual, post_layer_mix, comb_res_mix)
-    check_tensor(err, "d_o", d_o, dtype=BF16, shape=(tokens, HC_MULT, hidden))
-    same_device(err, x=x, d_o=d_o)
+    check_tensor(err, "grad_out", grad_out, dtype=BF16, shape=(tokens, HC_MULT, hidden))
+    same_device(err, x=x, grad_out=grad_out)
     return (x.new_empty(x.shape), residual.new_empty(residual.shape), post_layer_mix.new_empty(post_layer_mix.shape),
             comb_res_mix.new_empty(comb_res_mix.shape))
 
@@ -113,30 +113,30 @@ def mhc_post_forward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_r
 
 
 def mhc_post_backward(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor,
-                      d_o: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of :func:`mhc_post_forward`.
 
     Args:
         x, residual, post_layer_mix, comb_res_mix: the forward's inputs (shapes as there).
-        d_o: ``(*, m, H)`` bf16, the gradient of the forward's output.
+        grad_out: ``(*, m, H)`` bf16, the gradient of the forward's output.
 
     Returns:
-        ``(d_x, d_residual, d_post_layer_mix, d_comb_res_mix)``, new tensors shaped like ``x`` (bf16),
+        ``(grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix)``, new tensors shaped like ``x`` (bf16),
         ``residual`` (bf16), ``post_layer_mix`` (fp32) and ``comb_res_mix`` (fp32).
     """
-    flat, (d_o_flat,) = _flat("mhc_post_backward", x, residual, post_layer_mix, comb_res_mix, d_o=d_o)
-    d_x, d_res, d_post, d_comb = _mhc_post_backward(*flat, d_o_flat)
-    return (d_x.view(x.shape), d_res.view(residual.shape), d_post.view(post_layer_mix.shape),
-            d_comb.view(comb_res_mix.shape))
+    flat, (grad_out_flat,) = _flat("mhc_post_backward", x, residual, post_layer_mix, comb_res_mix, grad_out=grad_out)
+    grad_x, grad_res, grad_post, grad_comb = _mhc_post_backward(*flat, grad_out_flat)
+    return (grad_x.view(x.shape), grad_res.view(residual.shape), grad_post.view(post_layer_mix.shape),
+            grad_comb.view(comb_res_mix.shape))
 
 
 mhc_post_forward.op = _mhc_post_forward.op
 mhc_post_backward.op = _mhc_post_backward.op
 
-# DTensor sharding (docs/distributed.md): per token (d_post and d_comb are per-token sums over d).
+# DTensor sharding (docs/distributed.md): per token (grad_post and grad_comb are per-token sums over d).
 _mhc_post_forward.sharding({"x": "S0", "residual": "S0", "post_layer_mix": "S0", "comb_res_mix": "S0",
                             "returns": "S0"})
 _mhc_post_forward_out.sharding({"x": "S0", "residual": "S0", "post_layer_mix": "S0", "comb_res_mix": "S0",
                                 "out": "S0"})
 _mhc_post_backward.sharding({"x": "S0", "residual": "S0", "post_layer_mix": "S0", "comb_res_mix": "S0",
-                             "d_o": "S0", "returns": ("S0", "S0", "S0", "S0")})
+                             "grad_out": "S0", "returns": ("S0", "S0", "S0", "S0")})

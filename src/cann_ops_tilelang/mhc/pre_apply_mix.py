@@ -26,29 +26,29 @@ def mhc_pre_apply_mix_forward(x: Tensor, mix: Tensor, out: Tensor) -> None:
     same_device(err, x=x, mix=mix, out=out)
 
 
-@declare("mhc_pre_apply_mix_backward", mutates_args=("x_grad",),
-         vector_args={"out_grad": 16, "x": 16, "x_grad": 16}, tokens="x", outputs=("mix_grad",))
-def mhc_pre_apply_mix_backward(out_grad: Tensor, x: Tensor, mix: Tensor, x_grad: Tensor) -> Tensor:
-    """Accumulates ``x_grad = bf16(f32(x_grad) + mix * f32(out_grad))`` in place and returns
-    ``mix_grad = sum_d f32(out_grad) * f32(x)``.
+@declare("mhc_pre_apply_mix_backward", mutates_args=("grad_x",),
+         vector_args={"grad_out": 16, "x": 16, "grad_x": 16}, tokens="x", outputs=("grad_mix",))
+def mhc_pre_apply_mix_backward(grad_out: Tensor, x: Tensor, mix: Tensor, grad_x: Tensor) -> Tensor:
+    """Accumulates ``grad_x = bf16(f32(grad_x) + mix * f32(grad_out))`` in place and returns
+    ``grad_mix = sum_d f32(grad_out) * f32(x)``.
 
     Args:
-        out_grad: ``(T, H)`` bf16.
+        grad_out: ``(T, H)`` bf16.
         x: ``(T, m, H)`` bf16; mix: ``(T, m)`` fp32 (the forward's inputs).
-        x_grad: ``(T, m, H)`` bf16, accumulated.
+        grad_x: ``(T, m, H)`` bf16, accumulated.
 
     Returns:
-        ``mix_grad (T, m)`` fp32, a new tensor.
+        ``grad_mix (T, m)`` fp32, a new tensor.
     """
     err = OpError("mhc_pre_apply_mix_backward")
     tokens, hidden = check_residual(err, "x", x)
-    check_tensor(err, "out_grad", out_grad, dtype=BF16, shape=(tokens, hidden))
+    check_tensor(err, "grad_out", grad_out, dtype=BF16, shape=(tokens, hidden))
     check_tensor(err, "mix", mix, dtype=F32, shape=(tokens, HC_MULT))
-    check_tensor(err, "x_grad", x_grad, dtype=BF16, shape=(tokens, HC_MULT, hidden))
-    same_device(err, out_grad=out_grad, x=x, mix=mix, x_grad=x_grad)
+    check_tensor(err, "grad_x", grad_x, dtype=BF16, shape=(tokens, HC_MULT, hidden))
+    same_device(err, grad_out=grad_out, x=x, mix=mix, grad_x=grad_x)
     return mix.new_empty(mix.shape)
 
 
-# DTensor sharding (docs/distributed.md): token-wise (mix_grad is per token).
+# DTensor sharding (docs/distributed.md): token-wise (grad_mix is per token).
 mhc_pre_apply_mix_forward.sharding({"x": "S0", "mix": "S0", "out": "S0"})
-mhc_pre_apply_mix_backward.sharding({"out_grad": "S0", "x": "S0", "mix": "S0", "x_grad": "S0", "returns": "S0"})
+mhc_pre_apply_mix_backward.sharding({"grad_out": "S0", "x": "S0", "mix": "S0", "grad_x": "S0", "returns": "S0"})

@@ -49,19 +49,19 @@ def mhc_reduce_partials_and_rmsnorm_forward(out_mul_splitted: Tensor, sqrsum_spl
                 sqrsum=sqrsum, out=out)
 
 
-@declare("mhc_reduce_partials_and_rmsnorm_backward", mutates_args=("out_mul_grad", "sqrsum_grad"),
-         vector_args={"out_grad": 16, "out_mul": 16, "out_mul_grad": 16}, tokens="out_grad")
-def mhc_reduce_partials_and_rmsnorm_backward(out_grad: Tensor, out_mul: Tensor, sqrsum: Tensor,
-                                             out_mul_grad: Tensor, sqrsum_grad: Tensor, rms_group_size: int,
+@declare("mhc_reduce_partials_and_rmsnorm_backward", mutates_args=("grad_out_mul", "grad_sqrsum"),
+         vector_args={"grad_out": 16, "out_mul": 16, "grad_out_mul": 16}, tokens="grad_out")
+def mhc_reduce_partials_and_rmsnorm_backward(grad_out: Tensor, out_mul: Tensor, sqrsum: Tensor,
+                                             grad_out_mul: Tensor, grad_sqrsum: Tensor, rms_group_size: int,
                                              rms_eps: float) -> None:
-    """``out_mul_grad = out_grad * r`` and ``sqrsum_grad = -rho * r / (2 * (sqrsum + eps * Rg))`` with
-    ``r = rsqrt(sqrsum / Rg + eps)``, ``rho = sum_j out_grad * out_mul``, ``Rg = rms_group_size``.
+    """``grad_out_mul = grad_out * r`` and ``grad_sqrsum = -rho * r / (2 * (sqrsum + eps * Rg))`` with
+    ``r = rsqrt(sqrsum / Rg + eps)``, ``rho = sum_j grad_out * out_mul``, ``Rg = rms_group_size``.
 
     Args:
-        out_grad: ``(T, M3)`` fp32.
+        grad_out: ``(T, M3)`` fp32.
         out_mul: ``(T, G, M3)`` fp32 and sqrsum ``(T, G)`` fp32, saved by the forward.
-        out_mul_grad: ``(T, G, M3)`` fp32, written.
-        sqrsum_grad: ``(T, G)`` fp32, written.
+        grad_out_mul: ``(T, G, M3)`` fp32, written.
+        grad_sqrsum: ``(T, G)`` fp32, written.
         rms_group_size, rms_eps: as in the forward.
     """
     err = OpError("mhc_reduce_partials_and_rmsnorm_backward")
@@ -69,18 +69,18 @@ def mhc_reduce_partials_and_rmsnorm_backward(out_grad: Tensor, out_mul: Tensor, 
     check_groups(err, "out_mul", groups)
     if mixes != MIX:
         raise err.value("out_mul", f"expected {MIX} mixes in the last dim, got {mixes}")
-    check_tensor(err, "out_grad", out_grad, dtype=F32, shape=(tokens, mixes))
+    check_tensor(err, "grad_out", grad_out, dtype=F32, shape=(tokens, mixes))
     check_tensor(err, "sqrsum", sqrsum, dtype=F32, shape=(tokens, groups))
-    check_tensor(err, "out_mul_grad", out_mul_grad, dtype=F32, shape=(tokens, groups, mixes))
-    check_tensor(err, "sqrsum_grad", sqrsum_grad, dtype=F32, shape=(tokens, groups))
+    check_tensor(err, "grad_out_mul", grad_out_mul, dtype=F32, shape=(tokens, groups, mixes))
+    check_tensor(err, "grad_sqrsum", grad_sqrsum, dtype=F32, shape=(tokens, groups))
     _GROUP_SIZE.check(err, "rms_group_size", check_int(err, "rms_group_size", rms_group_size))
     check_float(err, "rms_eps", rms_eps, minimum=0.0)
-    same_device(err, out_grad=out_grad, out_mul=out_mul, sqrsum=sqrsum, out_mul_grad=out_mul_grad,
-                sqrsum_grad=sqrsum_grad)
+    same_device(err, grad_out=grad_out, out_mul=out_mul, sqrsum=sqrsum, grad_out_mul=grad_out_mul,
+                grad_sqrsum=grad_sqrsum)
 
 
 # DTensor sharding (docs/distributed.md): token-wise (dim 1 of the split partials).
 mhc_reduce_partials_and_rmsnorm_forward.sharding(
     {"out_mul_splitted": "S1", "sqrsum_splitted": "S1", "out_mul": "S0", "sqrsum": "S0", "out": "S0"})
 mhc_reduce_partials_and_rmsnorm_backward.sharding(
-    {"out_grad": "S0", "out_mul": "S0", "sqrsum": "S0", "out_mul_grad": "S0", "sqrsum_grad": "S0"})
+    {"grad_out": "S0", "out_mul": "S0", "sqrsum": "S0", "grad_out_mul": "S0", "grad_sqrsum": "S0"})

@@ -35,25 +35,25 @@ def mhc_sinkhorn_forward(comb: Tensor, comb_out: Tensor, repeat: int, eps: float
     same_device(err, comb=comb, comb_out=comb_out)
 
 
-@declare("mhc_sinkhorn_backward", mutates_args=("grad_input",), tokens="x")
-def mhc_sinkhorn_backward(grad_output: Tensor, x: Tensor, grad_input: Tensor, repeat: int, eps: float) -> None:
-    """Gradient of :func:`mhc_sinkhorn_forward` with respect to the logits ``x`` (recomputed from them).
+@declare("mhc_sinkhorn_backward", mutates_args=("grad_comb",), tokens="comb")
+def mhc_sinkhorn_backward(grad_comb_out: Tensor, comb: Tensor, grad_comb: Tensor, repeat: int, eps: float) -> None:
+    """Gradient of :func:`mhc_sinkhorn_forward` with respect to the logits ``comb`` (recomputed from them).
 
     Args:
-        grad_output: ``(T, m, m)`` fp32.
-        x: ``(T, m, m)`` fp32, the forward's logits.
-        grad_input: ``(T, m, m)`` fp32, written.
+        grad_comb_out: ``(T, m, m)`` fp32.
+        comb: ``(T, m, m)`` fp32, the forward's logits.
+        grad_comb: ``(T, m, m)`` fp32, written.
         repeat, eps: as in the forward.
     """
     err = OpError("mhc_sinkhorn_backward")
-    tokens = check_square(err, "x", x)
-    check_tensor(err, "grad_output", grad_output, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
-    check_tensor(err, "grad_input", grad_input, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
-    _check_repeat(err, repeat, x.device)
+    tokens = check_square(err, "comb", comb)
+    check_tensor(err, "grad_comb_out", grad_comb_out, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
+    check_tensor(err, "grad_comb", grad_comb, dtype=F32, shape=(tokens, HC_MULT, HC_MULT))
+    _check_repeat(err, repeat, comb.device)
     check_float(err, "eps", eps, minimum=0.0)
-    same_device(err, grad_output=grad_output, x=x, grad_input=grad_input)
+    same_device(err, grad_comb_out=grad_comb_out, comb=comb, grad_comb=grad_comb)
 
 
 # DTensor sharding (docs/distributed.md): per token.
 mhc_sinkhorn_forward.sharding({"comb": "S0", "comb_out": "S0"})
-mhc_sinkhorn_backward.sharding({"grad_output": "S0", "x": "S0", "grad_input": "S0"})
+mhc_sinkhorn_backward.sharding({"grad_comb_out": "S0", "comb": "S0", "grad_comb": "S0"})

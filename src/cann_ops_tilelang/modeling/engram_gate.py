@@ -1,7 +1,7 @@
 """Differentiable Engram gate (docs/ops/engram.md#modeling) built from the four Engram primitives.
 
-Forward: ``engram_fused_weight`` then ``engram_gate_fwd(save_for_backward=True)``. Backward:
-``engram_gate_bwd`` then ``engram_grad_w_reduce`` into the weights' fp32 gradient buffers: a
+Forward: ``engram_fused_weight`` then ``engram_gate_forward(save_for_backward=True)``. Backward:
+``engram_gate_backward`` then ``engram_grad_w_reduce`` into the weights' fp32 gradient buffers: a
 Megatron-style ``main_grad`` attribute when the parameter has one (eager mode; the weight then gets
 no ``.grad``), else fresh zeros returned as the gradient.
 
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import limits
 from .._checks import OpError, check_bool, check_float, check_int, describe
-from ..engram import engram_fused_weight, engram_gate_bwd, engram_gate_fwd, engram_grad_w_reduce
+from ..engram import engram_fused_weight, engram_gate_backward, engram_gate_forward, engram_grad_w_reduce
 from ._buffers import (check_device, check_main_grads, gather_lead, grad_buffers, honoured_main_grad, reduced,
                        restore)
 
@@ -98,7 +98,7 @@ class _EngramGateFunction(torch.autograd.Function):
     def forward(ctx, hidden_states, kv, weight_hidden, weight_embed, clamp_value, eps, image_token_mask,
                 main_grad_hidden, main_grad_embed, residual=True):
         weight_fused = engram_fused_weight(weight_hidden, weight_embed)
-        out, dot, gate_score, rstd_x, rstd_k = engram_gate_fwd(
+        out, dot, gate_score, rstd_x, rstd_k = engram_gate_forward(
             hidden_states, kv, weight_fused, eps, clamp_value, True, image_token_mask, residual=residual
         )
         ctx.save_for_backward(hidden_states, kv, weight_hidden, weight_embed, weight_fused, dot, gate_score,
@@ -111,7 +111,7 @@ class _EngramGateFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, kv, wh, we, wf, dot, gate_score, rstd_x, rstd_k, mask = ctx.saved_tensors
-        grad_x, grad_kv, grad_w_partial = engram_gate_bwd(
+        grad_x, grad_kv, grad_w_partial = engram_gate_backward(
             grad_out.contiguous(), x, kv, wf, dot, gate_score, rstd_x, rstd_k, ctx.clamp_value, mask, ctx.residual
         )
         main_hidden, main_embed = ctx.main_grads
@@ -143,7 +143,7 @@ def engram_gate(
     is shared. It has no single-stream mode: a plain ``(B, S, H)`` hidden state is refused (its ``S`` would be
     read as ``m``); make the streams first, e.g. ``modeling.expand_from_embedding(x)`` (``m`` copies).
 
-    Unlike the op ``engram_gate_fwd``, which takes ``(T, m, H)`` and ``kv (T, m + 1, H)``, the leading dims are
+    Unlike the op ``engram_gate_forward``, which takes ``(T, m, H)`` and ``kv (T, m + 1, H)``, the leading dims are
     free and ``kv`` is flat per token (what one projection of width ``(m + 1)·H`` gives):
 
     Args:
@@ -227,7 +227,7 @@ class EngramGate(nn.Module):
     ``m`` is ``hc_mult``: the number of hidden streams of the multi-stream (mHC) residual the gate adds to, 4 (the
     only value with kernels). The input is ``hidden_states (*, m, H)``, not a plain ``(*, H)`` hidden state (make
     the streams first, e.g. ``modeling.expand_from_embedding``), and ``kv (*, (m + 1)·H)``: per token the ``m``
-    keys then the value, flat (the op ``engram_gate_fwd`` takes them ``(T, m + 1, H)``; this module flattens the
+    keys then the value, flat (the op ``engram_gate_forward`` takes them ``(T, m + 1, H)``; this module flattens the
     leading dims itself).
 
     Args:

@@ -94,9 +94,9 @@ class _Expand(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x_grad = per_token(grad, grad.shape[2])
-        expand_to_mhc_backward(grad.contiguous(), x_grad)
-        return x_grad
+        grad_x = per_token(grad, grad.shape[2])
+        expand_to_mhc_backward(grad.contiguous(), grad_x)
+        return grad_x
 
 
 def expand_from_embedding(x: Tensor, hc_mult: int = M) -> Tensor:
@@ -142,15 +142,15 @@ def _mixes_forward(residual, fn_m, norm_eps, n_splits):
     return out_mul, sqrsum, mixes
 
 
-def _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad):
-    """Reduce + RMSNorm and GEMM backward; accumulates into ``residual_grad`` (T, m, H) and returns d fn_m."""
+def _mixes_backward(grad_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, grad_residual):
+    """Reduce + RMSNorm and GEMM backward; accumulates into ``grad_residual`` (T, m, H) and returns d fn_m."""
     tokens, m, hidden = residual.shape
-    d_out_mul, d_sqrsum = torch.empty_like(out_mul), torch.empty_like(sqrsum)
-    mhc_reduce_partials_and_rmsnorm_backward(d_mixes, out_mul, sqrsum, d_out_mul, d_sqrsum, m * hidden, norm_eps)
+    grad_out_mul, grad_sqrsum = torch.empty_like(out_mul), torch.empty_like(sqrsum)
+    mhc_reduce_partials_and_rmsnorm_backward(grad_mixes, out_mul, sqrsum, grad_out_mul, grad_sqrsum, m * hidden, norm_eps)
     # explicit sizes (a -1 is ambiguous at zero tokens)
     k = m * hidden
-    return mhc_gemm_with_sqrsum_backward(d_out_mul.view(tokens, fn_m.shape[0]), d_sqrsum.view(tokens),
-                                         residual.view(tokens, k), fn_m, residual_grad.view(tokens, k))
+    return mhc_gemm_with_sqrsum_backward(grad_out_mul.view(tokens, fn_m.shape[0]), grad_sqrsum.view(tokens),
+                                         residual.view(tokens, k), fn_m, grad_residual.view(tokens, k))
 
 
 def _merged_fn(fn, norm_weight):
@@ -161,15 +161,15 @@ def _merged_fn(fn, norm_weight):
     return out
 
 
-def _fn_grads(fn, norm_weight, d_fn_m, mains, tokens):
+def _fn_grads(fn, norm_weight, grad_fn_m, mains, tokens):
     """Gradients of ``fn`` and ``norm_weight`` from the merged weight's, into their main_grads where present
     (``tokens``: the residual, for the placement of fresh gradient buffers)."""
     main_fn, main_nw = mains
     if norm_weight is None:
-        return _grad_out(d_fn_m, main_fn), None
-    fn_grad, nw_grad = grad_buffers(tokens, (fn, norm_weight), mains)
-    mhc_fn_normw_merge_backward(fn, norm_weight, d_fn_m, fn_grad, nw_grad)
-    return (None if main_fn is not None else reduced(fn_grad)), (None if main_nw is not None else reduced(nw_grad))
+        return _grad_out(grad_fn_m, main_fn), None
+    grad_fn, grad_nw = grad_buffers(tokens, (fn, norm_weight), mains)
+    mhc_fn_normw_merge_backward(fn, norm_weight, grad_fn_m, grad_fn, grad_nw)
+    return (None if main_fn is not None else reduced(grad_fn)), (None if main_nw is not None else reduced(grad_nw))
 
 
 def _pre_forward(residual, fn, scale, base, norm_weight, norm_eps, post_mult_value, pre_eps, sinkhorn_eps,
@@ -206,29 +206,29 @@ class _Pre(torch.autograd.Function):
         return layer_input, post, comb, residual.view_as(residual), pre_out
 
     @staticmethod
-    def backward(ctx, d_layer_input, d_post, d_comb, d_residual_link, _d_pre_out):
+    def backward(ctx, grad_layer_input, grad_post, grad_comb, grad_residual_link, _d_pre_out):
         residual, fn, fn_m, scale, base, norm_weight, out_mul, sqrsum, mixes, pre, post, comb_logits = \
             ctx.saved_tensors
         norm_eps, post_mult_value, sinkhorn_eps, sinkhorn_repeat = ctx.hyper
         tokens, m, hidden = residual.shape
         zeros = torch.zeros_like
         # the one bf16 buffer of the residual gradient: post's contribution first (or zeros), then ours
-        residual_grad = d_residual_link.contiguous().clone() if d_residual_link is not None else zeros(residual)
-        d_li = d_layer_input.contiguous() if d_layer_input is not None else per_token(residual, hidden, zero=True)
-        d_pre = mhc_pre_apply_mix_backward(d_li, residual, pre, residual_grad)
-        d_comb_logits = torch.empty_like(comb_logits)
-        d_comb = d_comb.contiguous() if d_comb is not None else per_token(comb_logits, m, m, zero=True)
-        mhc_sinkhorn_backward(d_comb, comb_logits.view(tokens, m, m), d_comb_logits.view(tokens, m, m),
+        grad_residual = grad_residual_link.contiguous().clone() if grad_residual_link is not None else zeros(residual)
+        grad_li = grad_layer_input.contiguous() if grad_layer_input is not None else per_token(residual, hidden, zero=True)
+        grad_pre = mhc_pre_apply_mix_backward(grad_li, residual, pre, grad_residual)
+        grad_comb_logits = torch.empty_like(comb_logits)
+        grad_comb = grad_comb.contiguous() if grad_comb is not None else per_token(comb_logits, m, m, zero=True)
+        mhc_sinkhorn_backward(grad_comb, comb_logits.view(tokens, m, m), grad_comb_logits.view(tokens, m, m),
                               sinkhorn_repeat, sinkhorn_eps)
-        d_mixes = torch.empty_like(mixes)
-        d_scale, d_base = over_tokens(mixes, *scale.shape), over_tokens(mixes, *base.shape)
-        d_post = d_post.contiguous() if d_post is not None else zeros(post)
-        mhc_pre_split_mixes_backward(d_pre, d_post, d_comb_logits, mixes, post, scale, base, d_mixes, d_scale,
-                                     d_base, post_mult_value)
-        d_fn_m = _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad)
+        grad_mixes = torch.empty_like(mixes)
+        grad_scale, grad_base = over_tokens(mixes, *scale.shape), over_tokens(mixes, *base.shape)
+        grad_post = grad_post.contiguous() if grad_post is not None else zeros(post)
+        mhc_pre_split_mixes_backward(grad_pre, grad_post, grad_comb_logits, mixes, post, scale, base, grad_mixes, grad_scale,
+                                     grad_base, post_mult_value)
+        grad_fn_m = _mixes_backward(grad_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, grad_residual)
         main_fn, main_scale, main_base, main_nw = ctx.mains
-        fn_grad, nw_grad = _fn_grads(fn, norm_weight, d_fn_m, (main_fn, main_nw), residual)
-        return (residual_grad, fn_grad, _grad_out(d_scale, main_scale), _grad_out(d_base, main_base), nw_grad,
+        grad_fn, grad_nw = _fn_grads(fn, norm_weight, grad_fn_m, (main_fn, main_nw), residual)
+        return (grad_residual, grad_fn, _grad_out(grad_scale, main_scale), _grad_out(grad_base, main_base), grad_nw,
                 None, None, None, None, None, None, None)
 
 
@@ -311,9 +311,9 @@ class _Post(torch.autograd.Function):
         return mhc_post_forward(x, residual, post, comb)
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, grad_out):
         x, residual, post, comb = ctx.saved_tensors
-        return mhc_post_backward(x, residual, post, comb, d_out.contiguous())
+        return mhc_post_backward(x, residual, post, comb, grad_out.contiguous())
 
 
 def mhc_post(layer_output: Tensor, residual: Tensor, post_mix: Tensor, comb_mix: Tensor) -> Tensor:
@@ -363,29 +363,29 @@ class _Head(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, grad_out):
         residual, fn_head, fn_m, scale, base, norm_weight, out_mul, sqrsum, input_mix, output_mix = ctx.saved_tensors
         (norm_eps,) = ctx.hyper
         tokens, m, hidden = residual.shape
         # no post follows the head: its residual gradient starts from zeros
-        residual_grad = torch.zeros_like(residual)
-        d_output_mix = mhc_pre_apply_mix_backward(d_out.contiguous(), residual, output_mix, residual_grad)
-        d_input_mix = torch.empty_like(input_mix)
+        grad_residual = torch.zeros_like(residual)
+        grad_output_mix = mhc_pre_apply_mix_backward(grad_out.contiguous(), residual, output_mix, grad_residual)
+        grad_input_mix = torch.empty_like(input_mix)
         scale_part, base_part = over_tokens(input_mix, _HEAD_PARTIALS, 1), over_tokens(input_mix, _HEAD_PARTIALS, m)
-        mhc_head_compute_mix_backward(d_output_mix, input_mix, scale, base, d_input_mix, scale_part, base_part)
-        d_mixes = per_token(input_mix, M3, zero=True)
-        d_mixes[:, :m] = d_input_mix
-        d_fn_m = _mixes_backward(d_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, residual_grad)
+        mhc_head_compute_mix_backward(grad_output_mix, input_mix, scale, base, grad_input_mix, scale_part, base_part)
+        grad_mixes = per_token(input_mix, M3, zero=True)
+        grad_mixes[:, :m] = grad_input_mix
+        grad_fn_m = _mixes_backward(grad_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, grad_residual)
         main_fn, main_scale, main_base, main_nw = ctx.mains
         if norm_weight is not None:
             padded = torch.cat([fn_head, fn_head.new_zeros(M3 - m, fn_head.shape[1])])
-            fn_grad, nw_grad = grad_buffers(residual, (padded, norm_weight), (None, main_nw))
-            mhc_fn_normw_merge_backward(padded, norm_weight, d_fn_m, fn_grad, nw_grad)
-            nw_grad = None if main_nw is not None else reduced(nw_grad)
+            grad_fn, grad_nw = grad_buffers(residual, (padded, norm_weight), (None, main_nw))
+            mhc_fn_normw_merge_backward(padded, norm_weight, grad_fn_m, grad_fn, grad_nw)
+            grad_nw = None if main_nw is not None else reduced(grad_nw)
         else:
-            fn_grad, nw_grad = d_fn_m, None
-        return (residual_grad, _grad_out(fn_grad[:m].contiguous(), main_fn),
-                _grad_out(scale_part.sum(0), main_scale), _grad_out(base_part.sum(0), main_base), nw_grad,
+            grad_fn, grad_nw = grad_fn_m, None
+        return (grad_residual, _grad_out(grad_fn[:m].contiguous(), main_fn),
+                _grad_out(scale_part.sum(0), main_scale), _grad_out(base_part.sum(0), main_base), grad_nw,
                 None, None, None, None)
 
 

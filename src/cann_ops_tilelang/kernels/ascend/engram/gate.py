@@ -1,5 +1,5 @@
-"""Ascend 950 kernels of the op module ``gate`` (docs/ops/engram.md#gate), m = 4: ``engram_gate_fwd``
-(also launched by ``engram_gate_fwd_inplace``) and ``engram_gate_bwd``.
+"""Ascend 950 kernels of the op module ``gate`` (docs/ops/engram.md#gate), m = 4: ``engram_gate_forward``
+(also launched by ``engram_gate_forward_inplace``) and ``engram_gate_backward``.
 
 Forward, per token t and stream h (sums over d in fp32 from bf16 inputs)::
 
@@ -16,7 +16,7 @@ are compile-time flags that only add or remove stores: the arithmetic of the out
 instruction sequence in every variant, so outputs are bitwise identical. Without the residual
 (``residual=False``) the output is ``bf16(g*v)`` and masked tokens get zeros.
 
-The backward is described at :func:`build_engram_gate_bwd`.
+The backward is described at :func:`build_engram_gate_backward`.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
@@ -119,20 +119,20 @@ def _fwd_key(hidden_states, image_token_mask, out, dot, residual: bool = True) -
 
 
 def _fwd_cases(hidden_size: int, hc_mult: int) -> dict:
-    """``engram_gate_fwd_{save,nosave}_{mask,nomask}``, ``engram_gate_fwd_nosave_mask_inplace`` (in place only
+    """``engram_gate_forward_{save,nosave}_{mask,nomask}``, ``engram_gate_forward_nosave_mask_inplace`` (in place only
     changes the masked path, and never saves: docs/ops/engram.md#gate); without the residual
-    ``engram_gate_fwd_noresidual_{save,nosave}_{mask,nomask}`` (no in-place one); the Ascend 950's cores."""
+    ``engram_gate_forward_noresidual_{save,nosave}_{mask,nomask}`` (no in-place one); the Ascend 950's cores."""
     cases = {}
     for residual, infix in ((True, ""), (False, "noresidual_")):
         for save in (True, False):
             for mask in (False, True):
-                name = f"engram_gate_fwd_{infix}{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
+                name = f"engram_gate_forward_{infix}{'save' if save else 'nosave'}_{'mask' if mask else 'nomask'}"
                 cases[name] = FwdKey(hidden_size, hc_mult, save, mask, False, ASCEND_CASE_CORES, residual)
-    cases["engram_gate_fwd_nosave_mask_inplace"] = FwdKey(hidden_size, hc_mult, False, True, True, ASCEND_CASE_CORES)
+    cases["engram_gate_forward_nosave_mask_inplace"] = FwdKey(hidden_size, hc_mult, False, True, True, ASCEND_CASE_CORES)
     return cases
 
 
-def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool, num_cores: int,
+def build_engram_gate_forward(hidden_size: int, hc_mult: int, save_stats: bool, has_mask: bool, inplace: bool, num_cores: int,
                           residual: bool = True):
     """prim_func(x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, mask (T,) bool, out (T,m,H) bf16,
     dot/gate_score/rstd_x/rstd_k (T,m) f32, eps f32, clamp_value f32); T is a dynamic dim.
@@ -144,20 +144,20 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
     without the residual: ``limits.LimitError``.
     """
     accs, pair = PLAN.accumulators, PLAN.streams_per_task
-    H, m = _require_sizes("engram_gate_fwd", hidden_size, hc_mult)
-    num_cores = _FWD_CORES.require("engram_gate_fwd", num_cores)
+    H, m = _require_sizes("engram_gate_forward", hidden_size, hc_mult)
+    num_cores = _FWD_CORES.require("engram_gate_forward", num_cores)
     if inplace and not residual:
-        raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
+        raise LimitError("engram_gate_forward: no in-place kernel without the residual (hidden_states would be lost)")
     groups = m // pair
     stages = fwd_stages(H)
-    _require_ub("engram_gate_fwd", H, fwd_ub_bytes(H, stages))
+    _require_ub("engram_gate_forward", H, fwd_ub_bytes(H, stages))
     n_chunks = H // _LANES
     inv_h = 1.0 / H
     scale = H**-0.5  # host double rounded to an fp32 immediate
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
-    def engram_gate_fwd_asc(
+    def engram_gate_forward_asc(
         hidden_states: T.Tensor[(num_tokens, m, H), T.bfloat16],
         kv: T.Tensor[(num_tokens, m + 1, H), T.bfloat16],
         weight_fused: T.Tensor[(m, H), T.float32],
@@ -271,13 +271,13 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, save_stats: bool, has_
                         T.copy(rx_ub[:pair], rstd_x[t, hb : hb + pair])
                         T.copy(rk_ub[:pair], rstd_k[t, hb : hb + pair])
 
-    return engram_gate_fwd_asc
+    return engram_gate_forward_asc
 
 
-FORWARD = Kernel("engram_gate_fwd", FwdKey, build_engram_gate_fwd, derive=_fwd_key, cases=_fwd_cases)
+FORWARD = Kernel("engram_gate_forward", FwdKey, build_engram_gate_forward, derive=_fwd_key, cases=_fwd_cases)
 
 
-def engram_gate_fwd(hidden_states, kv, weight_fused, image_token_mask, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k,
+def engram_gate_forward(hidden_states, kv, weight_fused, image_token_mask, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k,
                     residual=True) -> None:
     """x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, mask (T,) bool | None, eps/clamp float,
     out (T,m,H) bf16 (may be ``hidden_states`` itself), dot/gate_score/rstd_x/rstd_k (T,m) f32 or all
@@ -306,14 +306,14 @@ def _bwd_key(hidden_states, image_token_mask, grad_w_partial, residual: bool = T
 
 
 def _bwd_cases(hidden_size: int, hc_mult: int) -> dict:
-    """``engram_gate_bwd_{mask,nomask}`` and ``engram_gate_bwd_noresidual_{mask,nomask}`` with the Ascend 950's cores
+    """``engram_gate_backward_{mask,nomask}`` and ``engram_gate_backward_noresidual_{mask,nomask}`` with the Ascend 950's cores
     and partial rows (``GRAD_W_WORKERS``)."""
-    return {f"engram_gate_bwd_{infix}{'mask' if mask else 'nomask'}": BwdKey(
+    return {f"engram_gate_backward_{infix}{'mask' if mask else 'nomask'}": BwdKey(
         hidden_size, hc_mult, mask, GRAD_W_WORKERS["ascend"], ASCEND_CASE_CORES, residual)
         for residual, infix in ((True, ""), (False, "noresidual_")) for mask in (False, True)}
 
 
-def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_partials: int, num_cores: int,
+def build_engram_gate_backward(hidden_size: int, hc_mult: int, has_mask: bool, num_partials: int, num_cores: int,
                           residual: bool = True):
     """prim_func(go (T,m,H) bf16, x (T,m,H) bf16, kv (T,m+1,H) bf16, wf (m,H) f32, dot/gate_score/
     rstd_x/rstd_k (T,m) f32, mask (T,) bool, grad_x (T,m,H) bf16, grad_kv (T,m+1,H) bf16,
@@ -341,13 +341,13 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
     tokens 0; ``residual=True`` builds the kernel as before the flag.
     """
     accs = PLAN.accumulators
-    H, m = _require_sizes("engram_gate_bwd", hidden_size, hc_mult)
-    P = IntRange("num_partials", 1).require("engram_gate_bwd", num_partials)
+    H, m = _require_sizes("engram_gate_backward", hidden_size, hc_mult)
+    P = IntRange("num_partials", 1).require("engram_gate_backward", num_partials)
     G = bwd_workers_per_stream(P, m, num_cores)
     grid = m * G
     rows_max = (P + G - 1) // G
     stages = bwd_stages(H)
-    _require_ub("engram_gate_bwd", H, bwd_ub_bytes(H, stages))
+    _require_ub("engram_gate_backward", H, bwd_ub_bytes(H, stages))
     W = H // m  # value-gradient slice per stream worker
     n_chunks = H // _LANES
     w_chunks = W // _LANES
@@ -356,7 +356,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
-    def engram_gate_bwd_asc(
+    def engram_gate_backward_asc(
         grad_out: T.Tensor[(num_tokens, m, H), T.bfloat16],
         hidden_states: T.Tensor[(num_tokens, m, H), T.bfloat16],
         kv: T.Tensor[(num_tokens, m + 1, H), T.bfloat16],
@@ -490,13 +490,13 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, has_mask: bool, num_pa
                 if rows_max * G == P or q + i * G < P:
                     T.copy(gw_ub, grad_w_partial[q + i * G, h, :])
 
-    return engram_gate_bwd_asc
+    return engram_gate_backward_asc
 
 
-BACKWARD = Kernel("engram_gate_bwd", BwdKey, build_engram_gate_bwd, derive=_bwd_key, cases=_bwd_cases)
+BACKWARD = Kernel("engram_gate_backward", BwdKey, build_engram_gate_backward, derive=_bwd_key, cases=_bwd_cases)
 
 
-def engram_gate_bwd(
+def engram_gate_backward(
     grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, image_token_mask, clamp_value,
     grad_hidden_states, grad_kv, grad_w_partial, residual=True,
 ) -> None:

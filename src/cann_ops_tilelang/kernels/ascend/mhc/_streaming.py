@@ -6,7 +6,7 @@ task n); bf16 loads are widened to fp32 64 lanes at a time (``UNPK_B16`` + ``vcv
 fp32, and each output is rounded to bf16 once at the store (``PK_B32``). Chains written "a + b*c" use the
 fused multiply-add ``vmula`` (one rounding); a sum "sum_i a_i*b_i" starts with the product ``vmul`` of
 term 0 (``0 + p`` is ``p``) and adds terms 1.. with ``vmula`` in ascending order. Reductions over the
-hidden dimension (mix_grad, d_post, d_comb) are owned by one task per token (no atomics, deterministic):
+hidden dimension (grad_mix, grad_post, grad_comb) are owned by one task per token (no atomics, deterministic):
 64-lane partial sums accumulated across the hidden tiles of the token, then one lane reduction.
 
 The forwards' vector functions that the fused kernels (``mhc_pre_big_fuse``, ``mhc_multilayer_recompute``) run as

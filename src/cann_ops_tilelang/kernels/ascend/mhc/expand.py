@@ -1,7 +1,7 @@
 """Ascend 950 kernels of ``expand_to_mhc_forward`` / ``_backward`` (docs/ops/mhc.md#expand), m = 4.
 
 * ``expand_to_mhc_forward(x, out)``: ``out[t, i, :] = x[t, :]`` (bit copy, DMA only).
-* ``expand_to_mhc_backward(out_grad, x_grad)``: ``x_grad = bf16(sum_i f32(out_grad[t, i]))``, i ascending.
+* ``expand_to_mhc_backward(grad_out, grad_x)``: ``grad_x = bf16(sum_i f32(grad_out[t, i]))``, i ascending.
 
 Streaming scheme of :mod:`._streaming`; launchers take the op's arguments in schema order followed by
 its new outputs (docs/ops/mhc.md#conventions).
@@ -58,7 +58,7 @@ def expand_to_mhc_forward(x, out) -> None:
 
 
 def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int, num_cores: int):
-    """prim_func(out_grad (T,m,H) bf16, x_grad (T,H) bf16): ``x_grad = bf16(sum_i f32(og_i))``."""
+    """prim_func(grad_out (T,m,H) bf16, grad_x (T,H) bf16): ``grad_x = bf16(sum_i f32(og_i))``."""
     H, m = check("expand_to_mhc_backward", hidden_size, hc_mult)
     stages = BACKWARD_PLAN.stages
     h_blk = BACKWARD_PLAN.hidden_tile(H, 2 * (m + 1))  # m bf16 inputs + 1 bf16 output per column
@@ -68,8 +68,8 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int, num_cores: int)
 
     @T.prim_func
     def expand_to_mhc_backward_asc(
-        out_grad: T.Tensor[(num_tokens, m, H), T.bfloat16],
-        x_grad: T.Tensor[(num_tokens, H), T.bfloat16],
+        grad_out: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        grad_x: T.Tensor[(num_tokens, H), T.bfloat16],
     ):
         with T.Kernel(num_cores) as core_id:
             og_ub = T.alloc_shared((m, h_blk), T.bfloat16)
@@ -77,7 +77,7 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int, num_cores: int)
             T.annotate_buffer_versions({og_ub: stages, xg_ub: stages})
             for t, ht in T.Persistent([num_tokens, n_tiles], num_cores, core_id, group_size=1, num_stages=stages):
                 h0 = ht * h_blk
-                T.copy(out_grad[t, :, h0 : h0 + h_blk], og_ub, l2_cache_ctrl="NOTALLOC_KEEP")
+                T.copy(grad_out[t, :, h0 : h0 + h_blk], og_ub, l2_cache_ctrl="NOTALLOC_KEEP")
                 with T.SimdVF():
                     acc = S.alloc_local((1,), T.float32)
                     for c in T.serial(n_chunks):
@@ -86,18 +86,18 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int, num_cores: int)
                         for i in T.unroll(1, m, explicit=True):
                             acc[0] = S.vadd(acc[0], bf16_to_f32(og_ub[i, d]))
                         S.vsts(xg_ub[d], to_bf16(acc[0]), dist="PK_B32")
-                T.copy(xg_ub, x_grad[t, h0 : h0 + h_blk])
+                T.copy(xg_ub, grad_x[t, h0 : h0 + h_blk])
 
     return expand_to_mhc_backward_asc
 
 
 BACKWARD = Kernel("expand_to_mhc_backward", StreamKey, build_expand_to_mhc_backward, cases=stream_cases,
-                  derive=lambda out_grad: stream_key(out_grad.shape[-1], out_grad.shape[-2], num_vector_cores()))
+                  derive=lambda grad_out: stream_key(grad_out.shape[-1], grad_out.shape[-2], num_vector_cores()))
 
 
-def expand_to_mhc_backward(out_grad, x_grad) -> None:
-    """out_grad (T,m,H) bf16 -> x_grad (T,H) bf16 (overwritten). Current stream, no sync."""
-    BACKWARD.compiled(BACKWARD.key(out_grad))(out_grad, x_grad)
+def expand_to_mhc_backward(grad_out, grad_x) -> None:
+    """grad_out (T,m,H) bf16 -> grad_x (T,H) bf16 (overwritten). Current stream, no sync."""
+    BACKWARD.compiled(BACKWARD.key(grad_out))(grad_out, grad_x)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

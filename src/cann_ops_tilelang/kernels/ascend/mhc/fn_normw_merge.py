@@ -1,8 +1,8 @@
 """Ascend 950 kernels of ``mhc_fn_normw_merge_forward`` / ``_backward`` (docs/ops/mhc.md#fn_normw_merge).
 
 * ``mhc_fn_normw_merge_forward(fn, normw, out_fn)``: ``out_fn[r, k] = fn[r, k] * normw[k]``.
-* ``mhc_fn_normw_merge_backward(fn, normw, out_fn_grad, fn_grad, normw_grad)``: ``fn_grad += og * normw``,
-  ``normw_grad += sum_r og[r] * fn[r]`` (row sum in a register accumulator, rows ascending, added once).
+* ``mhc_fn_normw_merge_backward(fn, normw, grad_out_fn, grad_fn, grad_normw)``: ``grad_fn += og * normw``,
+  ``grad_normw += sum_r og[r] * fn[r]`` (row sum in a register accumulator, rows ascending, added once).
 
 A persistent loop over column blocks of ``K = m*H`` (each block owned by one task, no atomics) with
 multi-buffered UB tiles; K must be a multiple of 256 (every H % 64 == 0 with m = 4).
@@ -111,11 +111,11 @@ def mhc_fn_normw_merge_forward(fn, normw, out_fn) -> None:
 
 
 def build_mhc_fn_normw_merge_backward(mhc_mult3: int, numel: int, num_cores: int):
-    """prim_func(fn (M3,K) f32, normw (K,) f32, out_fn_grad (M3,K) f32, fn_grad (M3,K) f32 in/out,
-    normw_grad (K,) f32 in/out).
+    """prim_func(fn (M3,K) f32, normw (K,) f32, grad_out_fn (M3,K) f32, grad_fn (M3,K) f32 in/out,
+    grad_normw (K,) f32 in/out).
 
-    ``fn_grad[r] += og[r] * normw`` (fused multiply-add); ``s = og[0]*fn[0]``, ``s += og[r]*fn[r]`` for
-    r = 1..M3-1 (fused), then ``normw_grad += s`` once. Each column block is owned by one task.
+    ``grad_fn[r] += og[r] * normw`` (fused multiply-add); ``s = og[0]*fn[0]``, ``s += og[r]*fn[r]`` for
+    r = 1..M3-1 (fused), then ``grad_normw += s`` once. Each column block is owned by one task.
     """
     M3, K = _check("mhc_fn_normw_merge_backward", mhc_mult3, numel)
     W = BACKWARD_PLAN.width(K, num_cores)
@@ -127,9 +127,9 @@ def build_mhc_fn_normw_merge_backward(mhc_mult3: int, numel: int, num_cores: int
     def mhc_fn_normw_merge_backward_asc(
         fn: T.Tensor[(M3, K), T.float32],
         normw: T.Tensor[(K,), T.float32],
-        out_fn_grad: T.Tensor[(M3, K), T.float32],
-        fn_grad: T.Tensor[(M3, K), T.float32],
-        normw_grad: T.Tensor[(K,), T.float32],
+        grad_out_fn: T.Tensor[(M3, K), T.float32],
+        grad_fn: T.Tensor[(M3, K), T.float32],
+        grad_normw: T.Tensor[(K,), T.float32],
     ):
         with T.Kernel(num_cores) as core_id:
             fn_ub = T.alloc_shared((M3, W), T.float32)
@@ -141,12 +141,12 @@ def build_mhc_fn_normw_merge_backward(mhc_mult3: int, numel: int, num_cores: int
             for (blk,) in T.Persistent([n_blocks], num_cores, core_id, group_size=1, num_stages=stages):
                 base = blk * W
                 T.copy(fn[:, base : base + W], fn_ub)
-                T.copy(out_fn_grad[:, base : base + W], og_ub)
-                T.copy(fn_grad[:, base : base + W], fg_ub)
+                T.copy(grad_out_fn[:, base : base + W], og_ub)
+                T.copy(grad_fn[:, base : base + W], fg_ub)
                 T.copy(normw[base : base + W], nw_ub)
-                T.copy(normw_grad[base : base + W], ng_ub)
+                T.copy(grad_normw[base : base + W], ng_ub)
                 with T.SimdVF():
-                    acc = S.alloc_local((2,), T.float32)  # [row sum | fn_grad row]
+                    acc = S.alloc_local((2,), T.float32)  # [row sum | grad_fn row]
                     for c in T.serial(n_chunks):
                         d = c * LANES
                         nw = S.vld(nw_ub[d])
@@ -162,8 +162,8 @@ def build_mhc_fn_normw_merge_backward(mhc_mult3: int, numel: int, num_cores: int
                             S.vmula(acc[1], og, nw)
                             S.vsts(fg_ub[r, d], acc[1])
                         S.vsts(ng_ub[d], S.vadd(S.vld(ng_ub[d]), acc[0]))
-                T.copy(fg_ub, fn_grad[:, base : base + W])
-                T.copy(ng_ub, normw_grad[base : base + W])
+                T.copy(fg_ub, grad_fn[:, base : base + W])
+                T.copy(ng_ub, grad_normw[base : base + W])
 
     return mhc_fn_normw_merge_backward_asc
 
@@ -172,11 +172,11 @@ BACKWARD = Kernel("mhc_fn_normw_merge_backward", MergeKey, build_mhc_fn_normw_me
                   cases=_cases)
 
 
-def mhc_fn_normw_merge_backward(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
-    """fn, out_fn_grad (M3,K) f32, normw (K,) f32; fn_grad (M3,K) and normw_grad (K,) f32 updated in
+def mhc_fn_normw_merge_backward(fn, normw, grad_out_fn, grad_fn, grad_normw) -> None:
+    """fn, grad_out_fn (M3,K) f32, normw (K,) f32; grad_fn (M3,K) and grad_normw (K,) f32 updated in
     place (+=). Current stream, no sync."""
     kernel = BACKWARD.compiled(BACKWARD.key(fn))
-    kernel(fn, normw, out_fn_grad, fn_grad, normw_grad)
+    kernel(fn, normw, grad_out_fn, grad_fn, grad_normw)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

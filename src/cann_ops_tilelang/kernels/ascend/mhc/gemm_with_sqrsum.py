@@ -4,10 +4,10 @@ Forward ``mhc_gemm_with_sqrsum_forward(x, fn, n_splits, out_mul_part, sqrsum_par
 
     out_mul_part[s, t, j] = sum_{k in K_s} f32(x[t, k]) * hf32(fn[j, k])     sqrsum_part[s, t] = sum_{k in K_s} f32(x[t, k])^2
 
-Backward ``mhc_gemm_with_sqrsum_backward(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad)``::
+Backward ``mhc_gemm_with_sqrsum_backward(grad_out_mul, grad_sqrsum, x, fn, grad_x, grad_fn)``::
 
-    x_grad[t, k] = bf16(f32(x_grad[t, k]) + sum_j g[t, j]*fn[j, k] + (2*sg[t])*f32(x[t, k]))
-    fn_grad[j, k] = sum_t g[t, j]*f32(x[t, k])
+    grad_x[t, k] = bf16(f32(grad_x[t, k]) + sum_j g[t, j]*fn[j, k] + (2*sg[t])*f32(x[t, k]))
+    grad_fn[j, k] = sum_t g[t, j]*f32(x[t, k])
 
 Both products of the backward run on the Cube unit in plain fp32 (see ``build_mhc_gemm_with_sqrsum_backward``).
 
@@ -67,7 +67,7 @@ class BackwardPlan:
         W, BT, st = width, self.block_t, self.stages
         half = BT // _AIVS
         return {
-            # per block: x fp32 + the Cube's g @ fn rows fp32 (stages); x bf16, x_grad bf16, sg (one version:
+            # per block: x fp32 + the Cube's g @ fn rows fp32 (stages); x bf16, grad_x bf16, sg (one version:
             # loaded under the tail guard); the UB -> L1 ND -> NZ staging rows (half + 1); the T = 0 zero row
             "ub": st * half * W * (4 + 4) + half * W * (2 + 2) + half * 4 + (half + 1) * W * 4 + W * 4,
             # per block: x fp32 and g (padded to 32 columns); the fn tile resident
@@ -76,7 +76,7 @@ class BackwardPlan:
             "l0a": st * 2 * BT * _N_PAD * 4,
             # per block: x; the fn tile resident
             "l0b": self.x_l0b_versions(W, l0b_bytes) * BT * W * 4 + _N_PAD * W * 4,
-            # the fn_grad accumulator resident; per block: g @ fn
+            # the grad_fn accumulator resident; per block: g @ fn
             "l0c": _N_PAD * W * 4 + st * BT * W * 4,
         }
 
@@ -84,7 +84,7 @@ class BackwardPlan:
 # Forward ~108 KiB of UB and 192 KiB of L1 (docs/perf/ascend950/mhc.md, 2026-11-30 — gemm_with_sqrsum: tiles).
 FORWARD_PLAN = ForwardPlan()
 # NOTE: BT = 32 keeps a (32, W) fp32 x tile at 32 KiB of L0B beside the resident fn tile at W = 256, and two
-# stages overlap the AIVs' x loads / x_grad stores with the Cube; W by the critical path, since every Cube
+# stages overlap the AIVs' x loads / grad_x stores with the Cube; W by the critical path, since every Cube
 # core sweeps all T tokens of its tiles (2026-12-03 — gemm_with_sqrsum: backward on the Cube (issue 27)).
 BACKWARD_PLAN = BackwardPlan()
 
@@ -221,8 +221,8 @@ def mhc_gemm_with_sqrsum_forward(x, fn, n_splits, out_mul_part, sqrsum_part) -> 
 
 
 def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: int):
-    """prim_func(out_mul_grad (T,M3) f32, sqrsum_grad (T,) f32, x (T,K) bf16, fn (M3,K) f32,
-    x_grad (T,K) bf16 in/out, fn_grad (M3,K) f32 out).
+    """prim_func(grad_out_mul (T,M3) f32, grad_sqrsum (T,) f32, x (T,K) bf16, fn (M3,K) f32,
+    grad_x (T,K) bf16 in/out, grad_fn (M3,K) f32 out).
 
     Mixed Cube/Vector kernel over ``num_cores // 2`` Cube cores; both products on the Cube in plain fp32
     (HF32 off: ``g`` and ``fn`` enter unrounded, so there is no TF32 error on g near zero and no hi/lo split;
@@ -233,8 +233,8 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
     ``acc_fg (32, W) += g^T @ x`` (K = BT, transposed L1 -> L0 loads; L0C-resident across blocks: fixed
     partition, fixed order, no atomics: deterministic) and ``acc_xg (BT, W) = g @ fn`` (K = 32, fn tile
     resident in L0B, pad rows zero); ``acc_xg`` goes to UB (``dual_copy`` L0C -> UB, M-split) where each
-    vector core computes ``bf16((f32(x_grad) + acc_xg) + (2*sg)*x)`` (one rounding) and stores its rows.
-    ``fn_grad`` leaves L0C once per tile; with T = 0 the vector cores store zeros instead.
+    vector core computes ``bf16((f32(grad_x) + acc_xg) + (2*sg)*x)`` (one rounding) and stores its rows.
+    ``grad_fn`` leaves L0C once per tile; with T = 0 the vector cores store zeros instead.
     """
     where = "mhc_gemm_with_sqrsum_backward"
     M3, K = _check(where, mhc_mult3, numel)
@@ -250,12 +250,12 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_backward_asc(
-        out_mul_grad: T.Tensor[(num_tokens, M3), T.float32],
-        sqrsum_grad: T.Tensor[(num_tokens,), T.float32],
+        grad_out_mul: T.Tensor[(num_tokens, M3), T.float32],
+        grad_sqrsum: T.Tensor[(num_tokens,), T.float32],
         x: T.Tensor[(num_tokens, K), T.bfloat16],
         fn: T.Tensor[(M3, K), T.float32],
-        x_grad: T.Tensor[(num_tokens, K), T.bfloat16],
-        fn_grad: T.Tensor[(M3, K), T.float32],
+        grad_x: T.Tensor[(num_tokens, K), T.bfloat16],
+        grad_fn: T.Tensor[(M3, K), T.float32],
     ):
         with T.MixedKernel(ncube, sids=_AIVS) as (core_id, sid):
             T.set_hf32_mode(None)  # full fp32 products (the forward leaves HF32 on)
@@ -264,7 +264,7 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
             xg_ub = T.alloc_shared((half, W), T.bfloat16)
             p_ub = T.alloc_shared((half, W), T.float32)  # this core's rows of g @ fn
             sg_ub = T.alloc_shared((half,), T.float32)
-            zero_ub = T.alloc_shared((1, W), T.float32)  # fn_grad rows for T = 0
+            zero_ub = T.alloc_shared((1, W), T.float32)  # grad_fn rows for T = 0
             x_l1 = T.alloc_l1((BT, W), T.float32)
             g_l1 = T.alloc_l1((BT, _N_PAD), T.float32)
             fn_l1 = T.alloc_l1((_N_PAD, W), T.float32)
@@ -290,8 +290,8 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
                     valid_h = T.max(T.min(num_tokens - a0, half), 0)
                     if valid_h > 0:
                         T.copy(x[a0 : a0 + valid_h, c0 : c0 + W], x_ub[0:valid_h, :])
-                        T.copy(x_grad[a0 : a0 + valid_h, c0 : c0 + W], xg_ub[0:valid_h, :])
-                        T.copy(sqrsum_grad[a0 : a0 + valid_h], sg_ub[0:valid_h])
+                        T.copy(grad_x[a0 : a0 + valid_h, c0 : c0 + W], xg_ub[0:valid_h, :])
+                        T.copy(grad_sqrsum[a0 : a0 + valid_h], sg_ub[0:valid_h])
                     with T.SimdVF():
                         zero = S.vdup(0.0, T.float32)
                         for r in T.serial(valid_h):
@@ -303,7 +303,7 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
                                 S.vsts(xf_ub[r, c * LANES], zero)
                     T.dual_copy(xf_ub, x_l1)
                     # token tail rows and columns M3..31 out of bounds: filled with zeros
-                    T.copy(out_mul_grad[t0 : t0 + BT, 0:_N_PAD], g_l1)
+                    T.copy(grad_out_mul[t0 : t0 + BT, 0:_N_PAD], g_l1)
                     T.copy(g_l1, gt_l0a)
                     T.copy(x_l1, x_l0b)
                     T.gemm(gt_l0a, x_l0b, acc_fg, transpose_A=True, clear_accum=(tb == 0))
@@ -321,9 +321,9 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
                                 S.vmula(r_acc[0], sg2, S.vld(xf_ub[r, d]))
                                 S.vsts(xg_ub[r, d], S.vcvt(r_acc[0], T.bfloat16), dist="PK_B32")
                     if valid_h > 0:
-                        T.copy(xg_ub[0:valid_h, :], x_grad[a0 : a0 + valid_h, c0 : c0 + W])
+                        T.copy(xg_ub[0:valid_h, :], grad_x[a0 : a0 + valid_h, c0 : c0 + W])
                 if num_tokens > 0:
-                    T.copy(acc_fg[0:M3, :], fn_grad[:, c0 : c0 + W])
+                    T.copy(acc_fg[0:M3, :], grad_fn[:, c0 : c0 + W])
                 else:
                     # no token block ran, acc_fg was never cleared: the vector cores store zero rows
                     f0 = sid * half
@@ -333,7 +333,7 @@ def build_mhc_gemm_with_sqrsum_backward(mhc_mult3: int, numel: int, num_cores: i
                         for c in T.unroll(w_chunks, explicit=True):
                             S.vsts(zero_ub[0, c * LANES], zero)
                     for r in T.serial(valid_f):
-                        T.copy(zero_ub[0:1, :], fn_grad[f0 + r : f0 + r + 1, c0 : c0 + W])
+                        T.copy(zero_ub[0:1, :], grad_fn[f0 + r : f0 + r + 1, c0 : c0 + W])
 
     return mhc_gemm_with_sqrsum_backward_asc
 
@@ -343,12 +343,12 @@ BACKWARD = Kernel("mhc_gemm_with_sqrsum_backward", BackwardKey, build_mhc_gemm_w
                   cases=lambda hidden_size, hc_mult: BackwardKey(CASE_MHC_MULT3, hc_mult * hidden_size, CASE_NUM_CORES))
 
 
-def mhc_gemm_with_sqrsum_backward(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad) -> None:
-    """out_mul_grad (T,M3) f32 (or (T,1,M3)), sqrsum_grad (T,) f32 (or (T,1)), x (T,K) bf16, fn (M3,K) f32;
-    x_grad (T,K) bf16 accumulated in place; fn_grad (M3,K) f32 (new, overwritten). Current stream."""
+def mhc_gemm_with_sqrsum_backward(grad_out_mul, grad_sqrsum, x, fn, grad_x, grad_fn) -> None:
+    """grad_out_mul (T,M3) f32 (or (T,1,M3)), grad_sqrsum (T,) f32 (or (T,1)), x (T,K) bf16, fn (M3,K) f32;
+    grad_x (T,K) bf16 accumulated in place; grad_fn (M3,K) f32 (new, overwritten). Current stream."""
     kernel = BACKWARD.compiled(BACKWARD.key(fn))
     n = x.shape[0]
-    kernel(out_mul_grad.reshape(n, -1), sqrsum_grad.reshape(n), x, fn, x_grad, fn_grad)
+    kernel(grad_out_mul.reshape(n, -1), grad_sqrsum.reshape(n), x, fn, grad_x, grad_fn)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -89,9 +89,9 @@ class BackwardKey:
     num_cores: int
 
 
-def _backward_key(input_mix, mhc_scale_grad_partial) -> BackwardKey:
+def _backward_key(input_mix, grad_mhc_scale_partial) -> BackwardKey:
     require_hc_mult("mhc_head_compute_mix_backward", input_mix.shape[-1])
-    return BackwardKey(M, int(mhc_scale_grad_partial.shape[0]), int(num_vector_cores()))
+    return BackwardKey(M, int(grad_mhc_scale_partial.shape[0]), int(num_vector_cores()))
 
 
 def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
@@ -101,10 +101,10 @@ def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
 
 
 def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cores: int):
-    """prim_func(output_mix_grad (T,4), input_mix (T,4), mhc_scale (1,), mhc_base (4,),
-    input_mix_grad (T,4), scale_partial (P,1), base_partial (P,4)); all f32.
+    """prim_func(grad_output_mix (T,4), input_mix (T,4), mhc_scale (1,), mhc_base (4,),
+    grad_input_mix (T,4), scale_partial (P,1), base_partial (P,4)); all f32.
 
-    ``dz = g*(sigma*(1 - sigma))``, ``input_mix_grad = dz*scale``. Partial row p sums ``dz*x`` (scale)
+    ``dz = g*(sigma*(1 - sigma))``, ``grad_input_mix = dz*scale``. Partial row p sums ``dz*x`` (scale)
     and ``dz`` per column (base) over the p-th contiguous range of 64-token blocks; the grid has
     ``G = min(P, cores)`` cores, core q owning rows q, q + G, ...; every row is written (zeros for an
     empty range).
@@ -118,13 +118,13 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cor
 
     @T.prim_func
     def mhc_head_compute_mix_backward_asc(
-        output_mix_grad: T.Tensor[(num_tokens, M), T.float32],
+        grad_output_mix: T.Tensor[(num_tokens, M), T.float32],
         input_mix: T.Tensor[(num_tokens, M), T.float32],
         mhc_scale: T.Tensor[(1,), T.float32],
         mhc_base: T.Tensor[(M,), T.float32],
-        input_mix_grad: T.Tensor[(num_tokens, M), T.float32],
-        mhc_scale_grad_partial: T.Tensor[(P, 1), T.float32],
-        mhc_base_grad_partial: T.Tensor[(P, M), T.float32],
+        grad_input_mix: T.Tensor[(num_tokens, M), T.float32],
+        grad_mhc_scale_partial: T.Tensor[(P, 1), T.float32],
+        grad_mhc_base_partial: T.Tensor[(P, M), T.float32],
     ):
         with T.Kernel(G) as core_id:
             scale_ub = T.alloc_shared((8,), T.float32)
@@ -149,7 +149,7 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cor
                     S.vsts(acc_ub[1, 0], zero)
                 for blk in T.Pipelined(lo, hi, num_stages=stages):
                     t0 = blk * B
-                    T.copy(output_mix_grad[t0 : t0 + B, :], g_ub)
+                    T.copy(grad_output_mix[t0 : t0 + B, :], g_ub)
                     T.copy(input_mix[t0 : t0 + B, :], x_ub)
                     with T.SimdVF():
                         zero = S.vdup(0.0, T.float32)
@@ -173,7 +173,7 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cor
                             acc[1] = S.vadd(acc[1], S.vsel(dz, zero, live))
                         S.vsts(acc_ub[0, 0], acc[0])
                         S.vsts(acc_ub[1, 0], acc[1])
-                    T.copy(xg_ub, input_mix_grad[t0 : t0 + B, :])
+                    T.copy(xg_ub, grad_input_mix[t0 : t0 + B, :])
                 with T.SimdVF():
                     zero = S.vdup(0.0, T.float32)
                     lane = S.vci(0, T.int32)
@@ -189,8 +189,8 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int, num_cor
                     S.vsts(srow_ub[0], S.vcadd(S.vld(acc_ub[0, 0])), dist="ONEPT_B32")
                 if rows_max * G == P or p < P:
                     with T.Task():
-                        T.copy(srow_ub[0:1], mhc_scale_grad_partial[p, :])
-                        T.copy(brow_ub[0:M], mhc_base_grad_partial[p, :])
+                        T.copy(srow_ub[0:1], grad_mhc_scale_partial[p, :])
+                        T.copy(brow_ub[0:M], grad_mhc_base_partial[p, :])
 
     return mhc_head_compute_mix_backward_asc
 
@@ -200,13 +200,13 @@ BACKWARD = Kernel("mhc_head_compute_mix_backward", BackwardKey, build_mhc_head_c
 
 
 def mhc_head_compute_mix_backward(
-    output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial, mhc_base_grad_partial
+    grad_output_mix, input_mix, mhc_scale, mhc_base, grad_input_mix, grad_mhc_scale_partial, grad_mhc_base_partial
 ) -> None:
-    """output_mix_grad (T,4), input_mix (T,4), scale (1,), base (4,) -> input_mix_grad (T,4) written and
-    every row of mhc_scale_grad_partial (P,1) / mhc_base_grad_partial (P,4) written (the caller sums
+    """grad_output_mix (T,4), input_mix (T,4), scale (1,), base (4,) -> grad_input_mix (T,4) written and
+    every row of grad_mhc_scale_partial (P,1) / grad_mhc_base_partial (P,4) written (the caller sums
     them). Current stream."""
-    kernel = BACKWARD.compiled(BACKWARD.key(input_mix, mhc_scale_grad_partial))
-    kernel(output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial, mhc_base_grad_partial)
+    kernel = BACKWARD.compiled(BACKWARD.key(input_mix, grad_mhc_scale_partial))
+    kernel(grad_output_mix, input_mix, mhc_scale, mhc_base, grad_input_mix, grad_mhc_scale_partial, grad_mhc_base_partial)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -3,7 +3,7 @@
 * ``mhc_post_forward(x, residual, post_layer_mix, comb_res_mix, out)`` (also the kernel of the op's
   ``out=`` variant): ``out[o] = bf16(post_o * x + sum_i comb[i, o] * res_i)`` (post term first, then i
   ascending).
-* ``mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, d_o, d_x, d_residual, d_post, d_comb)``.
+* ``mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, grad_out, grad_x, grad_residual, grad_post, grad_comb)``.
 
 Streaming scheme of :mod:`._streaming`; launchers take the op's arguments in schema order followed by
 its new outputs (docs/ops/mhc.md#conventions).
@@ -81,18 +81,18 @@ def mhc_post_forward(x, residual, post_layer_mix, comb_res_mix, out) -> None:
 
 
 def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
-    """prim_func(x (T,H) bf16, residual (T,m,H) bf16, post (T,m) f32, comb (T,m,m) f32, d_o (T,m,H) bf16,
-    d_x (T,H) bf16, d_residual (T,m,H) bf16, d_post (T,m) f32, d_comb (T,m,m) f32); all outputs written.
+    """prim_func(x (T,H) bf16, residual (T,m,H) bf16, post (T,m) f32, comb (T,m,m) f32, grad_out (T,m,H) bf16,
+    grad_x (T,H) bf16, grad_residual (T,m,H) bf16, grad_post (T,m) f32, grad_comb (T,m,m) f32); all outputs written.
 
-    ``d_x = bf16(sum_o post[o]*d_o[o])``, ``d_res[i] = bf16(sum_o comb[i,o]*d_o[o])`` (o ascending,
-    ``vmul`` then ``vmula``); ``d_post[o] = sum_d d_o[o]*x``, ``d_comb[i,o] = sum_d res[i]*d_o[o]``:
+    ``grad_x = bf16(sum_o post[o]*grad_out[o])``, ``grad_res[i] = bf16(sum_o comb[i,o]*grad_out[o])`` (o ascending,
+    ``vmul`` then ``vmula``); ``grad_post[o] = sum_d grad_out[o]*x``, ``grad_comb[i,o] = sum_d res[i]*grad_out[o]``:
     64-lane partial sums over the hidden tiles of the token (one task per token), one lane reduction.
-    Pass A of a tile writes d_x and d_residual; pass B sweeps the tile once per source row (x, res_0..3)
+    Pass A of a tile writes grad_x and grad_residual; pass B sweeps the tile once per source row (x, res_0..3)
     with the m partial sums of that row in registers.
     """
     H, m = check("mhc_post_backward", hidden_size, hc_mult)
     stages = BACKWARD_PLAN.stages
-    # d_o (2m) + x (2) + residual (2m) + d_x (2) + d_residual (2m) bytes per column
+    # grad_out (2m) + x (2) + residual (2m) + grad_x (2) + grad_residual (2m) bytes per column
     h_blk = BACKWARD_PLAN.hidden_tile(H, 4 + 6 * m)
     n_tiles = H // h_blk
     n_chunks = h_blk // LANES
@@ -105,11 +105,11 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
         residual: T.Tensor[(num_tokens, m, H), T.bfloat16],
         post_layer_mix: T.Tensor[(num_tokens, m), T.float32],
         comb_res_mix: T.Tensor[(num_tokens, m, m), T.float32],
-        d_o: T.Tensor[(num_tokens, m, H), T.bfloat16],
-        d_x: T.Tensor[(num_tokens, H), T.bfloat16],
-        d_residual: T.Tensor[(num_tokens, m, H), T.bfloat16],
-        d_post: T.Tensor[(num_tokens, m), T.float32],
-        d_comb: T.Tensor[(num_tokens, m, m), T.float32],
+        grad_out: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        grad_x: T.Tensor[(num_tokens, H), T.bfloat16],
+        grad_residual: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        grad_post: T.Tensor[(num_tokens, m), T.float32],
+        grad_comb: T.Tensor[(num_tokens, m, m), T.float32],
     ):
         with T.Kernel(num_cores) as core_id:
             do_ub = T.alloc_shared((m, h_blk), T.bfloat16)
@@ -135,7 +135,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
                             S.vsts(acc_ub[s, o, 0], zero)
                 for ht in T.serial(n_tiles):
                     h0 = ht * h_blk
-                    T.copy(d_o[t, :, h0 : h0 + h_blk], do_ub)
+                    T.copy(grad_out[t, :, h0 : h0 + h_blk], do_ub)
                     T.copy(x[t, h0 : h0 + h_blk], src_ub[0, :])
                     T.copy(residual[t, :, h0 : h0 + h_blk], src_ub[1 : 1 + m, :], l2_cache_ctrl="NOTALLOC_KEEP")
                     with T.SimdVF():
@@ -148,7 +148,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
                                 cw[i * m + o] = S.vld(comb_ub[i, o], dist="BRC_B32")
                         g = S.alloc_local((m,), T.float32)
                         r = S.alloc_local((1,), T.float32)
-                        # pass A: d_x and d_residual of the tile
+                        # pass A: grad_x and grad_residual of the tile
                         for c in T.serial(n_chunks):
                             d = c * LANES
                             for o in T.unroll(m, explicit=True):
@@ -162,7 +162,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
                                 for o in T.unroll(1, m, explicit=True):
                                     S.vmula(r[0], cw[i * m + o], g[o])
                                 S.vsts(dres_ub[i, d], to_bf16(r[0]), dist="PK_B32")
-                        # pass B: partial sums of d_post (src row 0) and d_comb (src rows 1..m)
+                        # pass B: partial sums of grad_post (src row 0) and grad_comb (src rows 1..m)
                         acc = S.alloc_local((m,), T.float32)
                         for s in T.unroll(n_src, explicit=True):
                             for o in T.unroll(m, explicit=True):
@@ -175,8 +175,8 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
                             for o in T.unroll(m, explicit=True):
                                 S.vsts(acc_ub[s, o, 0], acc[o])
                     with T.Task():
-                        T.copy(dx_ub, d_x[t, h0 : h0 + h_blk])
-                        T.copy(dres_ub, d_residual[t, :, h0 : h0 + h_blk])
+                        T.copy(dx_ub, grad_x[t, h0 : h0 + h_blk])
+                        T.copy(dres_ub, grad_residual[t, :, h0 : h0 + h_blk])
                 with T.SimdVF():
                     for o in T.unroll(m, explicit=True):
                         S.vsts(dpost_ub[o], S.vcadd(S.vld(acc_ub[0, o, 0])), dist="ONEPT_B32")
@@ -184,8 +184,8 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int, num_cores: int):
                         for o in T.unroll(m, explicit=True):
                             S.vsts(dcomb_ub[i, o], S.vcadd(S.vld(acc_ub[1 + i, o, 0])), dist="ONEPT_B32")
                 with T.Task():
-                    T.copy(dpost_ub[0:m], d_post[t, :])
-                    T.copy(dcomb_ub, d_comb[t, :, :])
+                    T.copy(dpost_ub[0:m], grad_post[t, :])
+                    T.copy(dcomb_ub, grad_comb[t, :, :])
 
     return mhc_post_backward_asc
 
@@ -194,13 +194,13 @@ BACKWARD = Kernel("mhc_post_backward", StreamKey, build_mhc_post_backward, cases
                   derive=lambda residual: stream_key(residual.shape[-1], residual.shape[-2], num_vector_cores()))
 
 
-def mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, d_o, d_x, d_residual, d_post, d_comb) -> None:
-    """x (T,H) bf16, residual/d_o (T,m,H) bf16, post (T,m) f32, comb (T,m,m) f32 -> d_x (T,H) bf16,
-    d_residual (T,m,H) bf16, d_post (T,m) f32 (or (T,m,1)), d_comb (T,m,m) f32 (all overwritten).
+def mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, grad_out, grad_x, grad_residual, grad_post, grad_comb) -> None:
+    """x (T,H) bf16, residual/grad_out (T,m,H) bf16, post (T,m) f32, comb (T,m,m) f32 -> grad_x (T,H) bf16,
+    grad_residual (T,m,H) bf16, grad_post (T,m) f32 (or (T,m,1)), grad_comb (T,m,m) f32 (all overwritten).
     Current stream, no sync."""
     kernel = BACKWARD.compiled(BACKWARD.key(residual))
     n, m = residual.shape[0], residual.shape[1]
-    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, d_o, d_x, d_residual, d_post.reshape(n, m), d_comb)
+    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, grad_out, grad_x, grad_residual, grad_post.reshape(n, m), grad_comb)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

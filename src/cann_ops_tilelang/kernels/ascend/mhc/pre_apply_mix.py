@@ -1,8 +1,8 @@
 """Ascend 950 kernels of ``mhc_pre_apply_mix_forward`` / ``_backward`` (docs/ops/mhc.md#pre_apply_mix), m = 4.
 
 * ``mhc_pre_apply_mix_forward(x, mix, out)``: ``out = bf16(sum_i mix_i * f32(x_i))``, i ascending.
-* ``mhc_pre_apply_mix_backward(out_grad, x, mix, x_grad, mix_grad)``: ``x_grad += mix_i * og`` (bf16
-  read-modify-write), ``mix_grad[t, i] = sum_d og * x_i`` (new tensor).
+* ``mhc_pre_apply_mix_backward(grad_out, x, mix, grad_x, grad_mix)``: ``grad_x += mix_i * og`` (bf16
+  read-modify-write), ``grad_mix[t, i] = sum_d og * x_i`` (new tensor).
 
 Streaming scheme of :mod:`._streaming`; launchers take the op's arguments in schema order followed by
 its new outputs (docs/ops/mhc.md#conventions).
@@ -68,32 +68,32 @@ def mhc_pre_apply_mix_forward(x, mix, out) -> None:
 
 
 def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int, num_cores: int):
-    """prim_func(out_grad (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32, x_grad (T,m,H) bf16 in/out,
-    mix_grad (T,m) f32 out).
+    """prim_func(grad_out (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32, grad_x (T,m,H) bf16 in/out,
+    grad_mix (T,m) f32 out).
 
-    One task per token (it owns the H reduction of ``mix_grad``), hidden tiles in ascending order.
+    One task per token (it owns the H reduction of ``grad_mix``), hidden tiles in ascending order.
     """
     H, m = check("mhc_pre_apply_mix_backward", hidden_size, hc_mult)
     stages = BACKWARD_PLAN.stages
-    h_blk = BACKWARD_PLAN.hidden_tile(H, 2 + 4 * m)  # og (2) + x (2m) + x_grad (2m) bytes per column
+    h_blk = BACKWARD_PLAN.hidden_tile(H, 2 + 4 * m)  # og (2) + x (2m) + grad_x (2m) bytes per column
     n_tiles = H // h_blk
     n_chunks = h_blk // LANES
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
     def mhc_pre_apply_mix_backward_asc(
-        out_grad: T.Tensor[(num_tokens, H), T.bfloat16],
+        grad_out: T.Tensor[(num_tokens, H), T.bfloat16],
         x: T.Tensor[(num_tokens, m, H), T.bfloat16],
         mix: T.Tensor[(num_tokens, m), T.float32],
-        x_grad: T.Tensor[(num_tokens, m, H), T.bfloat16],
-        mix_grad: T.Tensor[(num_tokens, m), T.float32],
+        grad_x: T.Tensor[(num_tokens, m, H), T.bfloat16],
+        grad_mix: T.Tensor[(num_tokens, m), T.float32],
     ):
         with T.Kernel(num_cores) as core_id:
             og_ub = T.alloc_shared((h_blk,), T.bfloat16)
             x_ub = T.alloc_shared((m, h_blk), T.bfloat16)
             xg_ub = T.alloc_shared((m, h_blk), T.bfloat16)
             mix_ub = T.alloc_shared((PAD,), T.float32)
-            acc_ub = T.alloc_shared((m, LANES), T.float32)  # 64-lane partial sums of mix_grad
+            acc_ub = T.alloc_shared((m, LANES), T.float32)  # 64-lane partial sums of grad_mix
             mg_ub = T.alloc_shared((PAD,), T.float32)
             T.annotate_buffer_versions({og_ub: stages, x_ub: stages, xg_ub: stages, mix_ub: stages, mg_ub: stages})
             for (t,) in T.Persistent([num_tokens], num_cores, core_id, group_size=1, num_stages=stages):
@@ -104,9 +104,9 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int, num_cores: 
                         S.vsts(acc_ub[i, 0], zero)
                 for ht in T.serial(n_tiles):
                     h0 = ht * h_blk
-                    T.copy(out_grad[t, h0 : h0 + h_blk], og_ub)
+                    T.copy(grad_out[t, h0 : h0 + h_blk], og_ub)
                     T.copy(x[t, :, h0 : h0 + h_blk], x_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                    T.copy(x_grad[t, :, h0 : h0 + h_blk], xg_ub)
+                    T.copy(grad_x[t, :, h0 : h0 + h_blk], xg_ub)
                     with T.SimdVF():
                         w = S.alloc_local((m,), T.float32)
                         acc = S.alloc_local((m,), T.float32)
@@ -124,11 +124,11 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int, num_cores: 
                                 S.vsts(xg_ub[i, d], to_bf16(r[0]), dist="PK_B32")
                         for i in T.unroll(m, explicit=True):
                             S.vsts(acc_ub[i, 0], acc[i])
-                    T.copy(xg_ub, x_grad[t, :, h0 : h0 + h_blk])
+                    T.copy(xg_ub, grad_x[t, :, h0 : h0 + h_blk])
                 with T.SimdVF():
                     for i in T.unroll(m, explicit=True):
                         S.vsts(mg_ub[i], S.vcadd(S.vld(acc_ub[i, 0])), dist="ONEPT_B32")
-                T.copy(mg_ub[0:m], mix_grad[t, :])
+                T.copy(mg_ub[0:m], grad_mix[t, :])
 
     return mhc_pre_apply_mix_backward_asc
 
@@ -137,12 +137,12 @@ BACKWARD = Kernel("mhc_pre_apply_mix_backward", StreamKey, build_mhc_pre_apply_m
                   derive=lambda x: stream_key(x.shape[-1], x.shape[-2], num_vector_cores()))
 
 
-def mhc_pre_apply_mix_backward(out_grad, x, mix, x_grad, mix_grad) -> None:
-    """out_grad (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32; x_grad (T,m,H) bf16 accumulated in place;
-    mix_grad (T,m) f32 (new, overwritten). Current stream, no sync."""
+def mhc_pre_apply_mix_backward(grad_out, x, mix, grad_x, grad_mix) -> None:
+    """grad_out (T,H) bf16, x (T,m,H) bf16, mix (T,m) f32; grad_x (T,m,H) bf16 accumulated in place;
+    grad_mix (T,m) f32 (new, overwritten). Current stream, no sync."""
     kernel = BACKWARD.compiled(BACKWARD.key(x))
     n, m = x.shape[0], x.shape[1]
-    kernel(out_grad, x, mix.reshape(n, m), x_grad, mix_grad.reshape(n, m))
+    kernel(grad_out, x, mix.reshape(n, m), grad_x, grad_mix.reshape(n, m))
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -2,7 +2,7 @@
 m = 4.
 
 The backward writes deterministic per-core partials of the scale/base gradients, then a one-core kernel
-sums them in core order and overwrites ``mhc_scale_grad`` / ``mhc_base_grad``. Numerics and ragged
+sums them in core order and overwrites ``grad_mhc_scale`` / ``grad_mhc_base``. Numerics and ragged
 tails: :mod:`._per_token`.
 
 Layouts: the (64, 24) input block is read with ``vgather2`` straight into the layouts of the pre/post
@@ -103,8 +103,8 @@ def mhc_pre_split_mixes_forward(input_mixes, mhc_scale, mhc_base, pre, post, com
 
 
 def build_mhc_pre_split_mixes_backward(hc_mult: int, num_cores: int):
-    """prim_func(pre_grad (T,4), post_grad (T,4), comb_grad (T,16), input_mixes (T,24), post (T,4),
-    mhc_scale (3,), mhc_base (24,), input_mixes_grad (T,24), partial (P,64), post_mult_value f32); all
+    """prim_func(grad_pre (T,4), grad_post (T,4), grad_comb (T,16), input_mixes (T,24), post (T,4),
+    mhc_scale (3,), mhc_base (24,), grad_input_mixes (T,24), partial (P,64), post_mult_value f32); all
     f32, P = num_cores.
 
     Core p owns the p-th contiguous range of 64-token blocks and writes partial row p:
@@ -117,14 +117,14 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_cores: int):
 
     @T.prim_func
     def mhc_pre_split_mixes_backward_asc(
-        pre_grad: T.Tensor[(num_tokens, M), T.float32],
-        post_grad: T.Tensor[(num_tokens, M), T.float32],
-        comb_grad: T.Tensor[(num_tokens, M2), T.float32],
+        grad_pre: T.Tensor[(num_tokens, M), T.float32],
+        grad_post: T.Tensor[(num_tokens, M), T.float32],
+        grad_comb: T.Tensor[(num_tokens, M2), T.float32],
         input_mixes: T.Tensor[(num_tokens, M3), T.float32],
         post: T.Tensor[(num_tokens, M), T.float32],
         mhc_scale: T.Tensor[(3,), T.float32],
         mhc_base: T.Tensor[(M3,), T.float32],
-        input_mixes_grad: T.Tensor[(num_tokens, M3), T.float32],
+        grad_input_mixes: T.Tensor[(num_tokens, M3), T.float32],
         partial: T.Tensor[(P, _SPLIT_ROW), T.float32],
         post_mult_value: T.float32,
     ):
@@ -151,9 +151,9 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_cores: int):
             lo, hi = token_block_range(core_id, P, num_tokens, B)
             for blk in T.Pipelined(lo, hi, num_stages=stages):
                 t0 = blk * B
-                T.copy(pre_grad[t0 : t0 + B, :], pg_ub)
-                T.copy(post_grad[t0 : t0 + B, :], qg_ub)
-                T.copy(comb_grad[t0 : t0 + B, :], cg_ub)
+                T.copy(grad_pre[t0 : t0 + B, :], pg_ub)
+                T.copy(grad_post[t0 : t0 + B, :], qg_ub)
+                T.copy(grad_comb[t0 : t0 + B, :], cg_ub)
                 T.copy(input_mixes[t0 : t0 + B, :], x_ub)
                 T.copy(post[t0 : t0 + B, :], po_ub)
                 with T.SimdVF():
@@ -201,7 +201,7 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_cores: int):
                         acc[5] = S.vadd(acc[5], S.vsel(S.vmul(dzc, xc), zero, live))
                     for a in T.unroll(6, explicit=True):
                         S.vsts(acc_ub[a, 0], acc[a])
-                T.copy(xg_ub, input_mixes_grad[t0 : t0 + B, :])
+                T.copy(xg_ub, grad_input_mixes[t0 : t0 + B, :])
             # lane reduction of the six accumulators into the partial row
             with T.SimdVF():
                 zero = S.vdup(0.0, T.float32)
@@ -229,7 +229,7 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_cores: int):
 
 
 def build_mhc_pre_split_mixes_backward_reduce(num_partials: int, mhc_mult3: int = M3):
-    """prim_func(partial (P,64) f32, mhc_scale_grad (3,) f32, mhc_base_grad (M3,) f32): one core sums
+    """prim_func(partial (P,64) f32, grad_mhc_scale (3,) f32, grad_mhc_base (M3,) f32): one core sums
     the P rows in row order (p = 0, 1, ...) and overwrites both gradients."""
     where = "mhc_pre_split_mixes_backward_reduce"
     P = _PARTIALS.require(where, int(num_partials))
@@ -238,8 +238,8 @@ def build_mhc_pre_split_mixes_backward_reduce(num_partials: int, mhc_mult3: int 
     @T.prim_func
     def mhc_pre_split_mixes_backward_reduce_asc(
         partial: T.Tensor[(P, _SPLIT_ROW), T.float32],
-        mhc_scale_grad: T.Tensor[(3,), T.float32],
-        mhc_base_grad: T.Tensor[(M3,), T.float32],
+        grad_mhc_scale: T.Tensor[(3,), T.float32],
+        grad_mhc_base: T.Tensor[(M3,), T.float32],
     ):
         with T.Kernel(1) as _core:
             part_ub = T.alloc_shared((P, _SPLIT_ROW), T.float32)
@@ -252,8 +252,8 @@ def build_mhc_pre_split_mixes_backward_reduce(num_partials: int, mhc_mult3: int 
                     s[0] = S.vadd(s[0], S.vld(part_ub[p, 0]))
                 S.vsts(sum_ub[0], s[0])
             with T.Task():
-                T.copy(sum_ub[0:M3], mhc_base_grad[0:M3])
-                T.copy(sum_ub[_SPLIT_SCALE_COL : _SPLIT_SCALE_COL + 3], mhc_scale_grad[0:3])
+                T.copy(sum_ub[0:M3], grad_mhc_base[0:M3])
+                T.copy(sum_ub[_SPLIT_SCALE_COL : _SPLIT_SCALE_COL + 3], grad_mhc_scale[0:3])
 
     return mhc_pre_split_mixes_backward_reduce_asc
 
@@ -276,11 +276,11 @@ BACKWARD_REDUCE = Kernel("mhc_pre_split_mixes_backward_reduce", ReduceKey, build
 
 
 def mhc_pre_split_mixes_backward(
-    pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base,
-    input_mixes_grad, mhc_scale_grad, mhc_base_grad, post_mult_value,
+    grad_pre, grad_post, grad_comb, input_mixes, post, mhc_scale, mhc_base,
+    grad_input_mixes, grad_mhc_scale, grad_mhc_base, post_mult_value,
 ) -> None:
-    """Grads (T,4), (T,4), (T,16), input_mixes (T,24), post (T,4), scale (3,), base (24,) -> input_mixes_grad
-    (T,24) written; mhc_scale_grad (3,) and mhc_base_grad (24,) overwritten (deterministic: per-core
+    """Grads (T,4), (T,4), (T,16), input_mixes (T,24), post (T,4), scale (3,), base (24,) -> grad_input_mixes
+    (T,24) written; grad_mhc_scale (3,) and grad_mhc_base (24,) overwritten (deterministic: per-core
     partials over fixed token ranges, then a fixed-order sum). Two launches on the current stream."""
     import torch
 
@@ -290,10 +290,10 @@ def mhc_pre_split_mixes_backward(
     partial = torch.empty((P, _SPLIT_ROW), dtype=torch.float32, device=input_mixes.device)
     t = int(input_mixes.shape[0])
     kernel(
-        pre_grad.view(t, M), post_grad.view(t, M), comb_grad.view(t, M2), input_mixes, post.view(t, M),
-        mhc_scale, mhc_base, input_mixes_grad, partial, float(post_mult_value),
+        grad_pre.view(t, M), grad_post.view(t, M), grad_comb.view(t, M2), input_mixes, post.view(t, M),
+        mhc_scale, mhc_base, grad_input_mixes, partial, float(post_mult_value),
     )
-    BACKWARD_REDUCE.compiled(ReduceKey(P, M3))(partial, mhc_scale_grad, mhc_base_grad)
+    BACKWARD_REDUCE.compiled(ReduceKey(P, M3))(partial, grad_mhc_scale, grad_mhc_base)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD, BACKWARD_REDUCE)

@@ -126,11 +126,11 @@ def mhc_reduce_partials_and_rmsnorm_forward(
 
 
 def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: int):
-    """prim_func(out_grad (T,M3) f32, out_mul (T,M3) f32, sqrsum (T,) f32, out_mul_grad (T,M3) f32,
-    sqrsum_grad (T,) f32, inv_group f32 = fp32(1/Rg), rms_eps f32, eps_group f32 = fp32(eps*Rg)).
+    """prim_func(grad_out (T,M3) f32, out_mul (T,M3) f32, sqrsum (T,) f32, grad_out_mul (T,M3) f32,
+    grad_sqrsum (T,) f32, inv_group f32 = fp32(1/Rg), rms_eps f32, eps_group f32 = fp32(eps*Rg)).
 
-    ``r = 1/sqrt(sq*inv_group + eps)``, ``out_mul_grad = og*r``, ``rho = sum_j og*om``,
-    ``sqrsum_grad = ((rho*r) / (sq + eps*Rg)) * -0.5`` (= -rho*r/(2(sq + eps*Rg)), the halving is exact).
+    ``r = 1/sqrt(sq*inv_group + eps)``, ``grad_out_mul = og*r``, ``rho = sum_j og*om``,
+    ``grad_sqrsum = ((rho*r) / (sq + eps*Rg)) * -0.5`` (= -rho*r/(2(sq + eps*Rg)), the halving is exact).
     """
     # the M3 <= 32 mixes of a token fill half a vector
     M3 = require_mixes("mhc_reduce_partials_and_rmsnorm_backward", mhc_mult3, _ROW_PAD)
@@ -140,11 +140,11 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: in
 
     @T.prim_func
     def mhc_reduce_partials_and_rmsnorm_backward_asc(
-        out_grad: T.Tensor[(num_tokens, M3), T.float32],
+        grad_out: T.Tensor[(num_tokens, M3), T.float32],
         out_mul: T.Tensor[(num_tokens, M3), T.float32],
         sqrsum: T.Tensor[(num_tokens,), T.float32],
-        out_mul_grad: T.Tensor[(num_tokens, M3), T.float32],
-        sqrsum_grad: T.Tensor[(num_tokens,), T.float32],
+        grad_out_mul: T.Tensor[(num_tokens, M3), T.float32],
+        grad_sqrsum: T.Tensor[(num_tokens,), T.float32],
         inv_group: T.float32,
         rms_eps: T.float32,
         eps_group: T.float32,
@@ -159,7 +159,7 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: in
             T.annotate_buffer_versions({og_ub: stages, om_ub: stages, omg_ub: stages, sq_ub: stages, sqg_ub: stages})
             for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
                 t0 = blk * B
-                T.copy(out_grad[t0 : t0 + B, :], og_ub[:, 0:M3])
+                T.copy(grad_out[t0 : t0 + B, :], og_ub[:, 0:M3])
                 T.copy(out_mul[t0 : t0 + B, :], om_ub[:, 0:M3])
                 T.copy(sqrsum[t0 : t0 + B], sq_ub)
                 with T.SimdVF():
@@ -188,8 +188,8 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: in
                     den = S.vadds(sq, eps_group)
                     S.vsts(sqg_ub[0], S.vmuls(S.vdiv(S.vmul(rho, r), den), -0.5))
                 with T.Task():
-                    T.copy(omg_ub[:, 0:M3], out_mul_grad[t0 : t0 + B, :])
-                    T.copy(sqg_ub, sqrsum_grad[t0 : t0 + B])
+                    T.copy(omg_ub[:, 0:M3], grad_out_mul[t0 : t0 + B, :])
+                    T.copy(sqg_ub, grad_sqrsum[t0 : t0 + B])
 
     return mhc_reduce_partials_and_rmsnorm_backward_asc
 
@@ -197,21 +197,21 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(mhc_mult3: int, num_cores: in
 # the backward at M3 = 24 and at its largest M3, 32
 BACKWARD = Kernel("mhc_reduce_partials_and_rmsnorm_backward", BackwardKey,
                   build_mhc_reduce_partials_and_rmsnorm_backward,
-                  derive=lambda out_grad: BackwardKey(int(out_grad.shape[-1]), int(num_vector_cores())),
+                  derive=lambda grad_out: BackwardKey(int(grad_out.shape[-1]), int(num_vector_cores())),
                   cases=lambda hidden_size, hc_mult: {f"mhc_reduce_partials_and_rmsnorm_backward_m3_{m3}": BackwardKey(
                       m3, CASE_NUM_CORES) for m3 in (24, 32)})
 
 
 def mhc_reduce_partials_and_rmsnorm_backward(
-    out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_group_size, rms_eps
+    grad_out, out_mul, sqrsum, grad_out_mul, grad_sqrsum, rms_group_size, rms_eps
 ) -> None:
-    """out_grad (T,M3), out_mul (T,1,M3), sqrsum (T,1) -> out_mul_grad (T,1,M3), sqrsum_grad (T,1)
+    """grad_out (T,M3), out_mul (T,1,M3), sqrsum (T,1) -> grad_out_mul (T,1,M3), grad_sqrsum (T,1)
     (all f32, written). G must be 1 and M3 <= 32. Current stream."""
-    t, m3 = int(out_grad.shape[0]), int(out_grad.shape[-1])
-    kernel = BACKWARD.compiled(BACKWARD.key(out_grad))
+    t, m3 = int(grad_out.shape[0]), int(grad_out.shape[-1])
+    kernel = BACKWARD.compiled(BACKWARD.key(grad_out))
     group = int(rms_group_size)
     kernel(
-        out_grad, out_mul.view(t, m3), sqrsum.view(t), out_mul_grad.view(t, m3), sqrsum_grad.view(t),
+        grad_out, out_mul.view(t, m3), sqrsum.view(t), grad_out_mul.view(t, m3), grad_sqrsum.view(t),
         float(1.0 / group), float(rms_eps), float(rms_eps) * group,
     )
 

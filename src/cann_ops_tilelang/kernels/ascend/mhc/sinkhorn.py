@@ -118,12 +118,12 @@ def mhc_sinkhorn_max_repeat() -> int:
 
 
 def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
-    """prim_func(grad_output (T,16) f32, x (T,16) f32 logits, grad_input (T,16) f32, eps f32).
+    """prim_func(grad_comb_out (T,16) f32, x (T,16) f32 logits, grad_comb (T,16) f32, eps f32).
 
     Recompute: P = softmax_row(x), U_1 = P + eps (column step), then R-1 x (row, column) steps; step
     n keeps its input U_n and its denominator Sigma_n + eps in UB (index s = n - 1: s = 0 column,
     odd s row, even s > 0 column). Backward, s = 2R-2 .. 0:
-    ``g <- (g - sum_a(g*U_s) / d_s) / d_s``; then ``grad_input = (g - sum_o g*P) * P``.
+    ``g <- (g - sum_a(g*U_s) / d_s) / d_s``; then ``grad_comb = (g - sum_o g*P) * P``.
     """
     R = REPEAT.require("mhc_sinkhorn_backward", int(repeat))
     B, E, stages = BACKWARD_PLAN.tokens, M2, BACKWARD_PLAN.stages
@@ -132,9 +132,9 @@ def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
 
     @T.prim_func
     def mhc_sinkhorn_backward_asc(
-        grad_output: T.Tensor[(num_tokens, E), T.float32],
+        grad_comb_out: T.Tensor[(num_tokens, E), T.float32],
         x: T.Tensor[(num_tokens, E), T.float32],
-        grad_input: T.Tensor[(num_tokens, E), T.float32],
+        grad_comb: T.Tensor[(num_tokens, E), T.float32],
         eps: T.float32,
     ):
         with T.Kernel(num_cores) as core_id:
@@ -148,7 +148,7 @@ def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
             for (blk,) in T.Persistent([T.ceildiv(num_tokens, B)], num_cores, core_id, group_size=1, num_stages=stages):
                 t0 = blk * B
                 T.copy(x[t0 : t0 + B, :], x_ub)
-                T.copy(grad_output[t0 : t0 + B, :], g_ub)
+                T.copy(grad_comb_out[t0 : t0 + B, :], g_ub)
                 with T.SimdVF():
                     y = S.alloc_local((E,), T.float32)
                     tmp = S.alloc_local((E,), T.float32)
@@ -216,7 +216,7 @@ def build_mhc_sinkhorn_backward(repeat: int, num_cores: int):
                         for o in T.unroll(M, explicit=True):
                             y[4 * i + o] = S.vmul(S.vsub(y[4 * i + o], ts), u[o])
                     soa_store(y, tmp, gi_ub)
-                T.copy(gi_ub, grad_input[t0 : t0 + B, :])
+                T.copy(gi_ub, grad_comb[t0 : t0 + B, :])
 
     return mhc_sinkhorn_backward_asc
 
@@ -226,11 +226,11 @@ BACKWARD = Kernel("mhc_sinkhorn_backward", SinkhornKey, build_mhc_sinkhorn_backw
                   derive=lambda x, repeat: _key("mhc_sinkhorn_backward", x, repeat))
 
 
-def mhc_sinkhorn_backward(grad_output, x, grad_input, repeat, eps) -> None:
-    """grad_output (T,4,4) f32, x (T,4,4) f32 logits -> grad_input (T,4,4) f32 (written). Current stream."""
-    kernel = BACKWARD.compiled(BACKWARD.key(x, repeat))
-    t = int(x.shape[0])
-    kernel(grad_output.view(t, M2), x.view(t, M2), grad_input.view(t, M2), float(eps))
+def mhc_sinkhorn_backward(grad_comb_out, comb, grad_comb, repeat, eps) -> None:
+    """grad_comb_out (T,4,4) f32, comb (T,4,4) f32 logits -> grad_comb (T,4,4) f32 (written). Current stream."""
+    kernel = BACKWARD.compiled(BACKWARD.key(comb, repeat))
+    t = int(comb.shape[0])
+    kernel(grad_comb_out.view(t, M2), comb.view(t, M2), grad_comb.view(t, M2), float(eps))
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

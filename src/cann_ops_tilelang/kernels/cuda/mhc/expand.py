@@ -1,6 +1,6 @@
 """CUDA kernels of ``expand_to_mhc_forward`` / ``_backward`` (docs/ops/mhc.md#expand).
 
-Forward: ``out[t, i, :] = x[t, :]`` (a bit copy); backward: ``x_grad = bf16(sum_i f32(out_grad[t, i]))``
+Forward: ``out[t, i, :] = x[t, :]`` (a bit copy); backward: ``grad_x = bf16(sum_i f32(grad_out[t, i]))``
 (``i`` ascending, overwrite). Both run a flat grid over the ``T * H / 8`` 8-element vectors of the
 token-major tensors, ``vectors`` per thread strided by the CTA size so that every warp access is coalesced;
 each thread issues all its loads before it stores. ``H`` in ``limits.MHC_HIDDEN``, any ``T > 0``,
@@ -82,14 +82,14 @@ def expand_to_mhc_forward(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
-    """Builds the expand backward: ``x_grad = bf16(sum_i f32(out_grad[t, i]))`` (i ascending, overwrite).
+    """Builds the expand backward: ``grad_x = bf16(sum_i f32(grad_out[t, i]))`` (i ascending, overwrite).
 
     Args:
         hidden_size: ``H`` (``limits.MHC_HIDDEN``).
         hc_mult: ``m``.
 
     Returns:
-        ``T.prim_func(out_grad (T, m, H) bf16, x_grad (T, H) bf16)``; ``T`` is dynamic.
+        ``T.prim_func(grad_out (T, m, H) bf16, grad_x (T, H) bf16)``; ``T`` is dynamic.
     """
     from tilelang import language as T
 
@@ -100,7 +100,7 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
-    def expand_to_mhc_backward_cuda(out_grad: T.Tensor((num_tokens, m, H), bf16), x_grad: T.Tensor((num_tokens, H), bf16)):
+    def expand_to_mhc_backward_cuda(grad_out: T.Tensor((num_tokens, m, H), bf16), grad_x: T.Tensor((num_tokens, H), bf16)):
         with T.Kernel(T.ceildiv(num_tokens * nvec, threads * nvt), threads=threads) as bid:
             T.annotate_min_blocks_per_sm(min_blocks(threads, 64))
             tid = T.get_thread_binding()
@@ -111,7 +111,7 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
                 if (bid * nvt + j) * threads + tid < total:
                     for i in T.unroll(m):
                         for k in T.vectorized(VEC):
-                            gr[j, i, k] = out_grad[((bid * nvt + j) * threads + tid) // nvec, i, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k]
+                            gr[j, i, k] = grad_out[((bid * nvt + j) * threads + tid) // nvec, i, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k]
             for j in T.unroll(nvt):
                 if (bid * nvt + j) * threads + tid < total:
                     for k in T.unroll(VEC):
@@ -119,24 +119,24 @@ def build_expand_to_mhc_backward(hidden_size: int, hc_mult: int):
                         for i in T.unroll(1, m):
                             acc[k] += T.cast(gr[j, i, k], f32)
                     for k in T.vectorized(VEC):
-                        x_grad[((bid * nvt + j) * threads + tid) // nvec, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k] = T.cast(acc[k], bf16)
+                        grad_x[((bid * nvt + j) * threads + tid) // nvec, (((bid * nvt + j) * threads + tid) % nvec) * VEC + k] = T.cast(acc[k], bf16)
 
     return expand_to_mhc_backward_cuda
 
 
 BACKWARD = Kernel("expand_to_mhc_backward", RowKey, build_expand_to_mhc_backward, cases=RowKey,
-                  derive=lambda out_grad, x_grad: row_key("expand_to_mhc_backward", out_grad.shape[-1],
-                                                          out_grad.shape[1]))
+                  derive=lambda grad_out, grad_x: row_key("expand_to_mhc_backward", grad_out.shape[-1],
+                                                          grad_out.shape[1]))
 
 
-def expand_to_mhc_backward(out_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
-    """Launches ``x_grad = bf16(sum_i f32(out_grad[:, i]))`` on the current stream (overwrites ``x_grad``).
+def expand_to_mhc_backward(grad_out: torch.Tensor, grad_x: torch.Tensor) -> None:
+    """Launches ``grad_x = bf16(sum_i f32(grad_out[:, i]))`` on the current stream (overwrites ``grad_x``).
 
     Args:
-        out_grad: ``(T, m, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
-        x_grad: ``(T, H)`` bf16, written.
+        grad_out: ``(T, m, H)`` bf16, ``T > 0``, ``H % 64 == 0``.
+        grad_x: ``(T, H)`` bf16, written.
     """
-    BACKWARD.compiled(BACKWARD.key(out_grad, x_grad))(out_grad, x_grad)
+    BACKWARD.compiled(BACKWARD.key(grad_out, grad_x))(grad_out, grad_x)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

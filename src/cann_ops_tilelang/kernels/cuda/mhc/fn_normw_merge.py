@@ -2,8 +2,8 @@
 
 Forward: ``out_fn[r, k] = fn[r, k] * normw[k]`` over the fp32 ``(M3, K)`` projection, ``nv`` float4 column
 groups per thread, the ``M3`` rows of a column block in consecutive CTAs (they share the ``normw`` block).
-Backward: both outputs accumulate in place, deterministically (no atomics): ``fn_grad += out_fn_grad * normw``
-and ``normw_grad += sum_r out_fn_grad * fn`` (rows in order, the products rounded before the sum as the
+Backward: both outputs accumulate in place, deterministically (no atomics): ``grad_fn += grad_out_fn * normw``
+and ``grad_normw += sum_r grad_out_fn * fn`` (rows in order, the products rounded before the sum as the
 reference rounds them). ``K`` a multiple of 4 (the column tail is guarded).
 """
 
@@ -114,23 +114,23 @@ def mhc_fn_normw_merge_forward(fn: torch.Tensor, normw: torch.Tensor, out_fn: to
 def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
     """Builds the merge backward (both outputs accumulate in place).
 
-    ``fn_grad[r, k] += out_fn_grad[r, k] * normw[k]``;
-    ``normw_grad[k] += sum_{r=0..M3-1} out_fn_grad[r, k] * fn[r, k]`` (rows in order, added once).
+    ``grad_fn[r, k] += grad_out_fn[r, k] * normw[k]``;
+    ``grad_normw[k] += sum_{r=0..M3-1} grad_out_fn[r, k] * fn[r, k]`` (rows in order, added once).
     Deterministic, no atomics.
 
     A CTA covers ``4 * PLAN.col_groups`` columns and all ``M3`` rows, split over
     ``PLAN.row_groups`` thread groups so that every thread issues all its loads
-    (``ceil(M3 / PLAN.row_groups)`` rows x 3 float4) at once; each thread updates ``fn_grad``
+    (``ceil(M3 / PLAN.row_groups)`` rows x 3 float4) at once; each thread updates ``grad_fn``
     (product rounded before the add, as the reference does) and parks the rounded products
-    ``out_fn_grad * fn`` in shared memory; after one barrier, one thread per column
-    sums the ``M3`` products in row order and adds the sum to ``normw_grad``.
+    ``grad_out_fn * fn`` in shared memory; after one barrier, one thread per column
+    sums the ``M3`` products in row order and adds the sum to ``grad_normw``.
 
     Args:
         rows: ``M3``.
         cols: ``K`` (multiple of 4; the column tail is guarded).
 
     Returns:
-        ``T.prim_func(fn, normw, out_fn_grad, fn_grad, normw_grad)`` (shapes as the forward).
+        ``T.prim_func(fn, normw, grad_out_fn, grad_fn, grad_normw)`` (shapes as the forward).
     """
     from tilelang import language as T
 
@@ -147,9 +147,9 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
     def mhc_fn_normw_merge_backward_cuda(
         fn: T.Tensor((M3, K), f32),
         normw: T.Tensor((K,), f32),
-        out_fn_grad: T.Tensor((M3, K), f32),
-        fn_grad: T.Tensor((M3, K), f32),
-        normw_grad: T.Tensor((K,), f32),
+        grad_out_fn: T.Tensor((M3, K), f32),
+        grad_fn: T.Tensor((M3, K), f32),
+        grad_normw: T.Tensor((K,), f32),
     ):
         # (24, K) with K <= 32768 is at most 9 MiB in all: with every thread's loads issued up
         # front, the whole problem is in flight at once (K / ncols CTAs, ~1-2 per SM).
@@ -167,11 +167,11 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
                 for u in T.unroll(rpg):
                     if (not ragged) or (rg * rpg + u < M3):
                         for k in T.vectorized(4):
-                            g[u, k] = out_fn_grad[rg * rpg + u, (bx * col_groups + lane) * 4 + k]
+                            g[u, k] = grad_out_fn[rg * rpg + u, (bx * col_groups + lane) * 4 + k]
                         for k in T.vectorized(4):
                             a[u, k] = fn[rg * rpg + u, (bx * col_groups + lane) * 4 + k]
                         for k in T.vectorized(4):
-                            fg[u, k] = fn_grad[rg * rpg + u, (bx * col_groups + lane) * 4 + k]
+                            fg[u, k] = grad_fn[rg * rpg + u, (bx * col_groups + lane) * 4 + k]
                 for k in T.vectorized(4):
                     w[k] = normw[(bx * col_groups + lane) * 4 + k]
                 for u in T.unroll(rpg):
@@ -181,7 +181,7 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
                             fg[u, k] = fg[u, k] + T.ieee_mul(g[u, k], w[k])
                             a[u, k] = T.ieee_mul(g[u, k], a[u, k])
                         for k in T.vectorized(4):
-                            fn_grad[rg * rpg + u, (bx * col_groups + lane) * 4 + k] = fg[u, k]
+                            grad_fn[rg * rpg + u, (bx * col_groups + lane) * 4 + k] = fg[u, k]
                         for k in T.vectorized(4):
                             prod[rg * rpg + u, lane * 4 + k] = a[u, k]
             T.sync_threads()
@@ -190,28 +190,28 @@ def build_mhc_fn_normw_merge_backward(rows: int, cols: int):
                     acc[0] = prod[0, tid]
                     for r in T.unroll(1, M3):
                         acc[0] += prod[r, tid]
-                    normw_grad[bx * ncols + tid] = normw_grad[bx * ncols + tid] + acc[0]
+                    grad_normw[bx * ncols + tid] = grad_normw[bx * ncols + tid] + acc[0]
 
     return mhc_fn_normw_merge_backward_cuda
 
 
 BACKWARD = Kernel("mhc_fn_normw_merge_backward", MergeKey, build_mhc_fn_normw_merge_backward, cases=_cases,
-                  derive=lambda fn, normw, out_fn_grad: _key("mhc_fn_normw_merge_backward", fn))
+                  derive=lambda fn, normw, grad_out_fn: _key("mhc_fn_normw_merge_backward", fn))
 
 
 def mhc_fn_normw_merge_backward(
-    fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor, normw_grad: torch.Tensor
+    fn: torch.Tensor, normw: torch.Tensor, grad_out_fn: torch.Tensor, grad_fn: torch.Tensor, grad_normw: torch.Tensor
 ) -> None:
-    """Launches the merge backward on the current stream; ``fn_grad`` and ``normw_grad`` accumulate (``+=``).
+    """Launches the merge backward on the current stream; ``grad_fn`` and ``grad_normw`` accumulate (``+=``).
 
     Args:
         fn: ``(M3, K)`` f32.
         normw: ``(K,)`` f32.
-        out_fn_grad: ``(M3, K)`` f32.
-        fn_grad: ``(M3, K)`` f32, updated in place.
-        normw_grad: ``(K,)`` f32, updated in place.
+        grad_out_fn: ``(M3, K)`` f32.
+        grad_fn: ``(M3, K)`` f32, updated in place.
+        grad_normw: ``(K,)`` f32, updated in place.
     """
-    BACKWARD.compiled(BACKWARD.key(fn, normw, out_fn_grad))(fn, normw, out_fn_grad, fn_grad, normw_grad)
+    BACKWARD.compiled(BACKWARD.key(fn, normw, grad_out_fn))(fn, normw, grad_out_fn, grad_fn, grad_normw)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

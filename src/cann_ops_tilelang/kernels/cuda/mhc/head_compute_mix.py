@@ -104,11 +104,11 @@ def mhc_head_compute_mix_forward(
     FORWARD.compiled(FORWARD.key(input_mix))(input_mix, mhc_scale, mhc_base, output_mix, float(pre_eps))
 
 
-def _backward_key(input_mix: torch.Tensor, mhc_base_grad_partial: torch.Tensor) -> PartialsKey:
-    """``m`` and ``P = mhc_base_grad_partial.shape[0]``, in their ranges."""
+def _backward_key(input_mix: torch.Tensor, grad_mhc_base_partial: torch.Tensor) -> PartialsKey:
+    """``m`` and ``P = grad_mhc_base_partial.shape[0]``, in their ranges."""
     op = "mhc_head_compute_mix_backward"
     return PartialsKey(MHC_HC_MULT.require(op, int(input_mix.shape[1])),
-                       PARTIALS.require(op, int(mhc_base_grad_partial.shape[0])))
+                       PARTIALS.require(op, int(grad_mhc_base_partial.shape[0])))
 
 
 def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
@@ -116,7 +116,7 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
 
     ``P`` persistent CTAs; CTA ``p`` owns tokens ``[p*ceil(T/P), min((p+1)*ceil(T/P), T))``, walked
     ``PLAN.backward_tokens`` (64) at a time (thread = (token, 4-float chunk)). ``dz = g * s * (1 - s)`` with
-    ``s`` recomputed, ``input_mix_grad = dz * scale``; ``dz`` and ``dz * x`` are accumulated per mix index in
+    ``s`` recomputed, ``grad_input_mix = dz * scale``; ``dz`` and ``dz * x`` are accumulated per mix index in
     registers (ascending token), the 64 lanes summed in ascending order through shared memory, and row ``p`` of
     both partials written (zeros for an idle worker; scale partial = sum over the m indices in order).
 
@@ -125,8 +125,8 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
         num_partials: ``P`` (:data:`PARTIALS`).
 
     Returns:
-        ``T.prim_func(output_mix_grad (T, m), input_mix (T, m), mhc_scale (1,), mhc_base (m,),
-        input_mix_grad (T, m), mhc_scale_grad_partial (P, 1), mhc_base_grad_partial (P, m))``, all f32;
+        ``T.prim_func(grad_output_mix (T, m), input_mix (T, m), mhc_scale (1,), mhc_base (m,),
+        grad_input_mix (T, m), grad_mhc_scale_partial (P, 1), grad_mhc_base_partial (P, m))``, all f32;
         ``T`` is dynamic.
     """
     MHC_HC_MULT.require("mhc_head_compute_mix_backward", hc_mult)
@@ -142,13 +142,13 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
 
     @T.prim_func
     def mhc_head_compute_mix_bwd_cuda(
-        output_mix_grad: T.Tensor((num_tokens, m), f32),
+        grad_output_mix: T.Tensor((num_tokens, m), f32),
         input_mix: T.Tensor((num_tokens, m), f32),
         mhc_scale: T.Tensor((1,), f32),
         mhc_base: T.Tensor((m,), f32),
-        input_mix_grad: T.Tensor((num_tokens, m), f32),
-        mhc_scale_grad_partial: T.Tensor((P, 1), f32),
-        mhc_base_grad_partial: T.Tensor((P, m), f32),
+        grad_input_mix: T.Tensor((num_tokens, m), f32),
+        grad_mhc_scale_partial: T.Tensor((P, 1), f32),
+        grad_mhc_base_partial: T.Tensor((P, m), f32),
     ):
         with T.Kernel(P, threads=threads) as p:
             tid = T.get_thread_binding()
@@ -178,7 +178,7 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
                     for k in T.vectorized(v):
                         x[k] = input_mix[t, c * v + k]
                     for k in T.vectorized(v):
-                        gr[k] = output_mix_grad[t, c * v + k]
+                        gr[k] = grad_output_mix[t, c * v + k]
                     for k in T.unroll(v):
                         s[k] = T.sigmoid(T.ieee_mul(x[k], sc[0]) + b[k])
                         gr[k] = gr[k] * s[k] * (1.0 - s[k])  # dz
@@ -186,7 +186,7 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
                         ax[k] = ax[k] + gr[k] * x[k]
                         s[k] = gr[k] * sc[0]
                     for k in T.vectorized(v):
-                        input_mix_grad[t, c * v + k] = s[k]
+                        grad_input_mix[t, c * v + k] = s[k]
             for k in T.unroll(v):
                 red[0, tl, c * v + k] = ab[k]
                 red[1, tl, c * v + k] = ax[k]
@@ -197,14 +197,14 @@ def build_mhc_head_compute_mix_backward(hc_mult: int, num_partials: int):
                 for i in T.unroll(1, TB):
                     sc[0] = sc[0] + red[0, i, tid]
                     sc[1] = sc[1] + red[1, i, tid]
-                mhc_base_grad_partial[p, tid] = sc[0]
+                grad_mhc_base_partial[p, tid] = sc[0]
                 red[1, TB, tid] = sc[1]
             T.sync_threads()
             if tid == 0:
                 sc[1] = red[1, TB, 0]
                 for j in T.unroll(1, m):
                     sc[1] = sc[1] + red[1, TB, j]
-                mhc_scale_grad_partial[p, 0] = sc[1]
+                grad_mhc_scale_partial[p, 0] = sc[1]
 
     return mhc_head_compute_mix_bwd_cuda
 
@@ -215,27 +215,27 @@ BACKWARD = Kernel("mhc_head_compute_mix_backward", PartialsKey, build_mhc_head_c
 
 
 def mhc_head_compute_mix_backward(
-    output_mix_grad: torch.Tensor,
+    grad_output_mix: torch.Tensor,
     input_mix: torch.Tensor,
     mhc_scale: torch.Tensor,
     mhc_base: torch.Tensor,
-    input_mix_grad: torch.Tensor,
-    mhc_scale_grad_partial: torch.Tensor,
-    mhc_base_grad_partial: torch.Tensor,
+    grad_input_mix: torch.Tensor,
+    grad_mhc_scale_partial: torch.Tensor,
+    grad_mhc_base_partial: torch.Tensor,
 ) -> None:
     """Launches the head-mix backward on the current stream.
 
     Args:
-        output_mix_grad: ``(T, m)`` f32, ``T > 0``.
+        grad_output_mix: ``(T, m)`` f32, ``T > 0``.
         input_mix: ``(T, m)`` f32.
         mhc_scale: ``(1,)`` f32.
         mhc_base: ``(m,)`` f32.
-        input_mix_grad: ``(T, m)`` f32, written.
-        mhc_scale_grad_partial: ``(P, 1)`` f32, every row written (the caller sums over ``P``).
-        mhc_base_grad_partial: ``(P, m)`` f32, every row written.
+        grad_input_mix: ``(T, m)`` f32, written.
+        grad_mhc_scale_partial: ``(P, 1)`` f32, every row written (the caller sums over ``P``).
+        grad_mhc_base_partial: ``(P, m)`` f32, every row written.
     """
-    BACKWARD.compiled(BACKWARD.key(input_mix, mhc_base_grad_partial))(
-        output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad, mhc_scale_grad_partial, mhc_base_grad_partial
+    BACKWARD.compiled(BACKWARD.key(input_mix, grad_mhc_base_partial))(
+        grad_output_mix, input_mix, mhc_scale, mhc_base, grad_input_mix, grad_mhc_scale_partial, grad_mhc_base_partial
     )
 
 

@@ -2,7 +2,7 @@
 
 Forward: ``out[t, o, :] = bf16(post[t, o] * x[t] + sum_i comb[t, i, o] * residual[t, i])`` on a 1-D grid over
 ``(token, column chunk)`` pairs, chunks fastest; a thread loads its token's ``m + m*m`` scalars once (uniform
-loads). Backward: one CTA per token; ``d_x`` and ``d_residual`` per vector, ``d_post`` and ``d_comb`` as
+loads). Backward: one CTA per token; ``grad_x`` and ``grad_residual`` per vector, ``grad_post`` and ``grad_comb`` as
 ``m + m*m`` fp32 partials per thread reduced by warp shuffles and one shared-memory step in a fixed order
 (deterministic, no atomics). Where the one-token layout is unguarded with >= 2 vectors per thread, each thread
 stages its next vectors by cp.async into a thread-private shared-memory ring. Every thread access is a full
@@ -191,10 +191,10 @@ def backward_schedule(hidden_size: int, hc_mult: int = 4) -> PostBackwardSchedul
 def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     """Builds the mHC post backward (one CTA per token).
 
-    ``d_x[t, d] = bf16(sum_o f32(d_o[t, o, d]) * post[t, o])``,
-    ``d_res[t, i, d] = bf16(sum_o comb[t, i, o] * f32(d_o[t, o, d]))`` (o ascending),
-    ``d_post[t, o] = sum_d f32(d_o[t, o, d]) * f32(x[t, d])`` and
-    ``d_comb[t, i, o] = sum_d f32(res[t, i, d]) * f32(d_o[t, o, d])``: ``m + m*m`` per-thread fp32
+    ``grad_x[t, d] = bf16(sum_o f32(grad_out[t, o, d]) * post[t, o])``,
+    ``grad_res[t, i, d] = bf16(sum_o comb[t, i, o] * f32(grad_out[t, o, d]))`` (o ascending),
+    ``grad_post[t, o] = sum_d f32(grad_out[t, o, d]) * f32(x[t, d])`` and
+    ``grad_comb[t, i, o] = sum_d f32(res[t, i, d]) * f32(grad_out[t, o, d])``: ``m + m*m`` per-thread fp32
     partials, a butterfly warp reduction and an ascending-warp-order sum (deterministic).
 
     Args:
@@ -203,8 +203,8 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
 
     Returns:
         ``T.prim_func(x (T, H) bf16, residual (T, m, H) bf16, post_layer_mix (T, m) f32,
-        comb_res_mix (T, m, m) f32, d_o (T, m, H) bf16, d_x (T, H) bf16, d_residual (T, m, H) bf16,
-        d_post (T, m) f32, d_comb (T, m, m) f32)``; ``T`` is dynamic.
+        comb_res_mix (T, m, m) f32, grad_out (T, m, H) bf16, grad_x (T, H) bf16, grad_residual (T, m, H) bf16,
+        grad_post (T, m) f32, grad_comb (T, m, m) f32)``; ``T`` is dynamic.
     """
     from tilelang import language as T
 
@@ -213,18 +213,18 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
     threads, nv, guarded = schedule.threads, schedule.nv, schedule.guarded
     stages, slots, blocks = schedule.stages, schedule.slots, schedule.blocks
     nwarps = threads // 32
-    nred = m + m * m  # d_post (m) then d_comb (m*m, row-major [i, o])
-    nrows = 2 * m + 1  # one vector's rows in the ring: d_o (m), x, residual (m)
+    nred = m + m * m  # grad_post (m) then grad_comb (m*m, row-major [i, o])
+    nrows = 2 * m + 1  # one vector's rows in the ring: grad_out (m), x, residual (m)
     nvec = H // VEC
     f32, bf16 = T.float32, T.bfloat16
     num_tokens = T.dynamic("num_tokens")
 
     @T.macro
-    def stage_vector(d_o, x, residual, ring, j, slot, t, tid):
-        # cp.async of this thread's vector j (d_o, x, residual rows) into ring slot ``slot``; one group.
+    def stage_vector(grad_out, x, residual, ring, j, slot, t, tid):
+        # cp.async of this thread's vector j (grad_out, x, residual rows) into ring slot ``slot``; one group.
         for o in T.unroll(m):
             T.ptx_cp_async(T.access_ptr(ring[slot, o, tid * VEC], "w", VEC),
-                           T.access_ptr(d_o[t, o, (j * threads + tid) * VEC], "r", VEC), VEC)
+                           T.access_ptr(grad_out[t, o, (j * threads + tid) * VEC], "r", VEC), VEC)
         T.ptx_cp_async(T.access_ptr(ring[slot, m, tid * VEC], "w", VEC),
                        T.access_ptr(x[t, (j * threads + tid) * VEC], "r", VEC), VEC)
         for i in T.unroll(m):
@@ -238,11 +238,11 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
         residual: T.Tensor((num_tokens, m, H), bf16),
         post_layer_mix: T.Tensor((num_tokens, m), f32),
         comb_res_mix: T.Tensor((num_tokens, m, m), f32),
-        d_o: T.Tensor((num_tokens, m, H), bf16),
-        d_x: T.Tensor((num_tokens, H), bf16),
-        d_residual: T.Tensor((num_tokens, m, H), bf16),
-        d_post: T.Tensor((num_tokens, m), f32),
-        d_comb: T.Tensor((num_tokens, m, m), f32),
+        grad_out: T.Tensor((num_tokens, m, H), bf16),
+        grad_x: T.Tensor((num_tokens, H), bf16),
+        grad_residual: T.Tensor((num_tokens, m, H), bf16),
+        grad_post: T.Tensor((num_tokens, m), f32),
+        grad_comb: T.Tensor((num_tokens, m, m), f32),
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
             # Vectors processed one at a time (9 x 16-byte loads each: staged ``stages - 1``
@@ -276,7 +276,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                 part[r] = 0.0
             if stages:
                 for j in range(stages - 1):
-                    stage_vector(d_o, x, residual, ring, j, j % stages, t, tid)
+                    stage_vector(grad_out, x, residual, ring, j, j % stages, t, tid)
             for j in T.unroll(nv):
                 if (not guarded) or (j * threads + tid < nvec):
                     if stages:
@@ -285,7 +285,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                         # "memory" clobber), so that no slot read moves across the issue or the wait.
                         T.call_extern("void", "__syncwarp")
                         if j + stages - 1 < nv:
-                            stage_vector(d_o, x, residual, ring, j + stages - 1, (j + stages - 1) % stages, t, tid)
+                            stage_vector(grad_out, x, residual, ring, j + stages - 1, (j + stages - 1) % stages, t, tid)
                         else:
                             T.ptx_commit_group()
                         T.ptx_wait_group(stages - 1)
@@ -301,7 +301,7 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                     else:
                         for o in T.unroll(m):
                             for k in T.vectorized(VEC):
-                                gr[o, k] = d_o[t, o, (j * threads + tid) * VEC + k]
+                                gr[o, k] = grad_out[t, o, (j * threads + tid) * VEC + k]
                         for k in T.vectorized(VEC):
                             xr[k] = x[t, (j * threads + tid) * VEC + k]
                         for i in T.unroll(m):
@@ -315,22 +315,22 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                     for i in T.unroll(m):
                         for k in T.unroll(VEC):
                             rf[i, k] = T.cast(rr[i, k], f32)
-                    # d_x = sum_o d_o[o] * post[o]
+                    # grad_x = sum_o grad_out[o] * post[o]
                     for k in T.unroll(VEC):
                         acc[k] = gf[0, k] * pr[0]
                         for o in T.unroll(1, m):
                             acc[k] += gf[o, k] * pr[o]
                     for k in T.vectorized(VEC):
-                        d_x[t, (j * threads + tid) * VEC + k] = T.cast(acc[k], bf16)
-                    # d_residual[i] = sum_o comb[i, o] * d_o[o]
+                        grad_x[t, (j * threads + tid) * VEC + k] = T.cast(acc[k], bf16)
+                    # grad_residual[i] = sum_o comb[i, o] * grad_out[o]
                     for i in T.unroll(m):
                         for k in T.unroll(VEC):
                             acc[k] = cr[i, 0] * gf[0, k]
                             for o in T.unroll(1, m):
                                 acc[k] += cr[i, o] * gf[o, k]
                         for k in T.vectorized(VEC):
-                            d_residual[t, i, (j * threads + tid) * VEC + k] = T.cast(acc[k], bf16)
-                    # partials of d_post[o] and d_comb[i, o]
+                            grad_residual[t, i, (j * threads + tid) * VEC + k] = T.cast(acc[k], bf16)
+                    # partials of grad_post[o] and grad_comb[i, o]
                     for o in T.unroll(m):
                         for k in T.unroll(VEC):
                             part[o] += gf[o, k] * xf[k]
@@ -353,9 +353,9 @@ def build_mhc_post_backward(hidden_size: int, hc_mult: int):
                 for w in T.unroll(1, nwarps):
                     part[0] += red[tid, w]
                 if tid < m:
-                    d_post[t, tid] = part[0]
+                    grad_post[t, tid] = part[0]
                 else:
-                    d_comb[t, (tid - m) // m, (tid - m) % m] = part[0]
+                    grad_comb[t, (tid - m) // m, (tid - m) % m] = part[0]
 
     return mhc_post_backward_cuda
 
@@ -368,11 +368,11 @@ def mhc_post_backward(
     residual: torch.Tensor,
     post_layer_mix: torch.Tensor,
     comb_res_mix: torch.Tensor,
-    d_o: torch.Tensor,
-    d_x: torch.Tensor,
-    d_residual: torch.Tensor,
-    d_post: torch.Tensor,
-    d_comb: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_x: torch.Tensor,
+    grad_residual: torch.Tensor,
+    grad_post: torch.Tensor,
+    grad_comb: torch.Tensor,
 ) -> None:
     """Launches the mHC post backward on the current stream (flat 3-D shapes, ``m = 4``).
 
@@ -381,15 +381,15 @@ def mhc_post_backward(
         residual: ``(T, m, H)`` bf16.
         post_layer_mix: ``(T, m)`` f32 (``(T, m, 1)`` accepted).
         comb_res_mix: ``(T, m, m)`` f32.
-        d_o: ``(T, m, H)`` bf16.
-        d_x: ``(T, H)`` bf16, written.
-        d_residual: ``(T, m, H)`` bf16, written.
-        d_post: ``(T, m)`` f32 (``(T, m, 1)`` accepted), written.
-        d_comb: ``(T, m, m)`` f32, written.
+        grad_out: ``(T, m, H)`` bf16.
+        grad_x: ``(T, H)`` bf16, written.
+        grad_residual: ``(T, m, H)`` bf16, written.
+        grad_post: ``(T, m)`` f32 (``(T, m, 1)`` accepted), written.
+        grad_comb: ``(T, m, m)`` f32, written.
     """
     kernel = BACKWARD.compiled(BACKWARD.key(x, residual))
     n, m = residual.shape[0], residual.shape[1]
-    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, d_o, d_x, d_residual, d_post.view(n, m), d_comb)
+    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, grad_out, grad_x, grad_residual, grad_post.view(n, m), grad_comb)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

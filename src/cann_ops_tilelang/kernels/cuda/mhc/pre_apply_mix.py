@@ -2,8 +2,8 @@
 
 Forward: ``out[t, d] = bf16(sum_i mix[t, i] * f32(x[t, i, d]))`` on a 1-D grid over ``(token, column chunk)``
 pairs, chunks fastest, so that consecutive CTAs read consecutive chunks of the same rows; a thread loads its
-token's mixes once. Backward: one CTA per token; ``x_grad`` accumulates in place (bf16 read-modify-write) and
-``mix_grad`` is reduced over the row in a fixed order (warp shuffles, then one shared-memory step: no atomics).
+token's mixes once. Backward: one CTA per token; ``grad_x`` accumulates in place (bf16 read-modify-write) and
+``grad_mix`` is reduced over the row in a fixed order (warp shuffles, then one shared-memory step: no atomics).
 Every thread access is a full 8-element vector (``H`` in ``limits.MHC_HIDDEN``; where ``H / 8`` has no
 suitable multiple-of-32 divisor the last vector slots are guarded); the kernels are generic in ``m``.
 """
@@ -118,10 +118,10 @@ def mhc_pre_apply_mix_forward(x: torch.Tensor, mix: torch.Tensor, out: torch.Ten
 def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
     """Builds the pre-apply-mix backward (one CTA per token).
 
-    ``x_grad[t, i, d] = bf16(f32(x_grad[t, i, d]) + mix[t, i] * f32(out_grad[t, d]))`` (in place; the
+    ``grad_x[t, i, d] = bf16(f32(grad_x[t, i, d]) + mix[t, i] * f32(grad_out[t, d]))`` (in place; the
     product is rounded before the add, as the contract writes it: nvcc would otherwise contract the two
     into one FMA, whose single rounding moves the bf16 result by an ulp of the prior content) and
-    ``mix_grad[t, i] = sum_d f32(out_grad[t, d]) * f32(x[t, i, d])``: per-thread fp32 partials over the
+    ``grad_mix[t, i] = sum_d f32(grad_out[t, d]) * f32(x[t, i, d])``: per-thread fp32 partials over the
     thread's columns (vector slots ascending), a butterfly warp reduction, then one thread sums the warp
     results in ascending warp order (deterministic).
 
@@ -130,8 +130,8 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
         hc_mult: ``m``.
 
     Returns:
-        ``T.prim_func(out_grad (T, H) bf16, x (T, m, H) bf16, mix (T, m) f32, x_grad (T, m, H) bf16,
-        mix_grad (T, m) f32)``; ``T`` is dynamic.
+        ``T.prim_func(grad_out (T, H) bf16, x (T, m, H) bf16, mix (T, m) f32, grad_x (T, m, H) bf16,
+        grad_mix (T, m) f32)``; ``T`` is dynamic.
     """
     from tilelang import language as T
 
@@ -144,11 +144,11 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
 
     @T.prim_func
     def mhc_pre_apply_mix_backward_cuda(
-        out_grad: T.Tensor((num_tokens, H), bf16),
+        grad_out: T.Tensor((num_tokens, H), bf16),
         x: T.Tensor((num_tokens, m, H), bf16),
         mix: T.Tensor((num_tokens, m), f32),
-        x_grad: T.Tensor((num_tokens, m, H), bf16),
-        mix_grad: T.Tensor((num_tokens, m), f32),
+        grad_x: T.Tensor((num_tokens, m, H), bf16),
+        grad_mix: T.Tensor((num_tokens, m), f32),
     ):
         with T.Kernel(num_tokens, threads=threads) as t:
             # two token CTAs per SM (one's reduction overlaps the other's loads), each with enough
@@ -170,19 +170,19 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
             for j in T.unroll(nv):
                 if (not guarded) or (j * threads + tid < nvec):
                     for k in T.vectorized(VEC):
-                        gr[k] = out_grad[t, (j * threads + tid) * VEC + k]
+                        gr[k] = grad_out[t, (j * threads + tid) * VEC + k]
                     for i in T.unroll(m):
                         for k in T.vectorized(VEC):
                             xr[i, k] = x[t, i, (j * threads + tid) * VEC + k]
                         for k in T.vectorized(VEC):
-                            xg[i, k] = x_grad[t, i, (j * threads + tid) * VEC + k]
+                            xg[i, k] = grad_x[t, i, (j * threads + tid) * VEC + k]
                     for k in T.unroll(VEC):
                         gf[k] = T.cast(gr[k], f32)
                     for i in T.unroll(m):
                         for k in T.unroll(VEC):
                             part[i] += gf[k] * T.cast(xr[i, k], f32)
                         for k in T.vectorized(VEC):
-                            x_grad[t, i, (j * threads + tid) * VEC + k] = T.cast(
+                            grad_x[t, i, (j * threads + tid) * VEC + k] = T.cast(
                                 T.cast(xg[i, k], f32) + T.ieee_mul(mx[i], gf[k]), bf16)
             for i in T.unroll(m):
                 part[i] = T.warp_reduce_sum(part[i])
@@ -194,28 +194,28 @@ def build_mhc_pre_apply_mix_backward(hidden_size: int, hc_mult: int):
                 part[0] = red[tid, 0]
                 for w in T.unroll(1, nwarps):
                     part[0] += red[tid, w]
-                mix_grad[t, tid] = part[0]
+                grad_mix[t, tid] = part[0]
 
     return mhc_pre_apply_mix_backward_cuda
 
 
 BACKWARD = Kernel("mhc_pre_apply_mix_backward", RowKey, build_mhc_pre_apply_mix_backward, cases=RowKey,
-                  derive=lambda out_grad, x: row_key("mhc_pre_apply_mix_backward", x.shape[2], x.shape[1]))
+                  derive=lambda grad_out, x: row_key("mhc_pre_apply_mix_backward", x.shape[2], x.shape[1]))
 
 
 def mhc_pre_apply_mix_backward(
-    out_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, x_grad: torch.Tensor, mix_grad: torch.Tensor
+    grad_out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, grad_x: torch.Tensor, grad_mix: torch.Tensor
 ) -> None:
     """Launches the pre-apply-mix backward on the current stream.
 
     Args:
-        out_grad: ``(T, H)`` bf16, ``T > 0``.
+        grad_out: ``(T, H)`` bf16, ``T > 0``.
         x: ``(T, m, H)`` bf16 residual.
         mix: ``(T, m)`` f32.
-        x_grad: ``(T, m, H)`` bf16, accumulated in place (bf16 read-modify-write).
-        mix_grad: ``(T, m)`` f32, written (the op's new output).
+        grad_x: ``(T, m, H)`` bf16, accumulated in place (bf16 read-modify-write).
+        grad_mix: ``(T, m)`` f32, written (the op's new output).
     """
-    BACKWARD.compiled(BACKWARD.key(out_grad, x))(out_grad, x, mix, x_grad, mix_grad)
+    BACKWARD.compiled(BACKWARD.key(grad_out, x))(grad_out, x, mix, grad_x, grad_mix)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

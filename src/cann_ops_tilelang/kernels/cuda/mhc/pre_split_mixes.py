@@ -153,7 +153,7 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
     them ``TB = PLAN.backward_tokens`` at a time with two threads per token: thread ``tl < TB`` takes the
     token's pre and post mixes (the sigmoid and ``post`` math), thread ``TB + tl`` its ``m*m`` comb
     mixes, so each branch is warp-uniform and both chains are short. A thread loads its rows with
-    vector loads, writes its part of ``input_mixes_grad`` and accumulates ``dz`` and ``dz * x`` per mix
+    vector loads, writes its part of ``grad_input_mixes`` and accumulates ``dz`` and ``dz * x`` per mix
     index in registers (ascending token); the CTA then sums the ``TB`` token rows in ascending order
     through shared memory and writes row ``p`` of the partials: ``[0, M3)`` = sum of ``dz`` per mix,
     ``M3 + c`` = sum of ``dz * x`` over segment ``c`` (ascending mix index).
@@ -163,8 +163,8 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
         num_partials: ``P``.
 
     Returns:
-        ``T.prim_func(pre_grad (T, m), post_grad (T, m), comb_grad (T, m*m), input_mixes (T, M3),
-        post (T, m), mhc_scale (3,), mhc_base (M3,), input_mixes_grad (T, M3), partial (P, M3+3),
+        ``T.prim_func(grad_pre (T, m), grad_post (T, m), grad_comb (T, m*m), input_mixes (T, M3),
+        post (T, m), mhc_scale (3,), mhc_base (M3,), grad_input_mixes (T, M3), partial (P, M3+3),
         post_mult_value: f32)``, all f32; ``T`` is dynamic.
     """
     from tilelang import language as T
@@ -194,14 +194,14 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
 
     @T.prim_func
     def mhc_pre_split_mixes_bwd_cuda(
-        pre_grad: T.Tensor((num_tokens, m), f32),
-        post_grad: T.Tensor((num_tokens, m), f32),
-        comb_grad: T.Tensor((num_tokens, M2), f32),
+        grad_pre: T.Tensor((num_tokens, m), f32),
+        grad_post: T.Tensor((num_tokens, m), f32),
+        grad_comb: T.Tensor((num_tokens, M2), f32),
         input_mixes: T.Tensor((num_tokens, M3), f32),
         post: T.Tensor((num_tokens, m), f32),
         mhc_scale: T.Tensor((3,), f32),
         mhc_base: T.Tensor((M3,), f32),
-        input_mixes_grad: T.Tensor((num_tokens, M3), f32),
+        grad_input_mixes: T.Tensor((num_tokens, M3), f32),
         partial: T.Tensor((P, W), f32),
         post_mult_value: f32,
     ):
@@ -237,8 +237,8 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
                     t = t_begin + it * TB + tl
                     if t < t_end:
                         load_row(x, input_mixes, t, 0, 2 * m)
-                        load_row(gp, pre_grad, t, 0, m)
-                        load_row(gq, post_grad, t, 0, m)
+                        load_row(gp, grad_pre, t, 0, m)
+                        load_row(gq, grad_post, t, 0, m)
                         load_row(pv, post, t, 0, m)
                         for j in T.unroll(m):
                             acc[0] = T.sigmoid(T.ieee_mul(x[j], s3[0]) + b[j])
@@ -250,7 +250,7 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
                         for j in T.unroll(m):
                             dz[j] = dz[j] * s3[0]
                             dz[m + j] = dz[m + j] * s3[1]
-                        store_row(input_mixes_grad, dz, t, 0, 2 * m)
+                        store_row(grad_input_mixes, dz, t, 0, 2 * m)
                 for j in T.unroll(2 * m):
                     red[tl, j] = ab[j]
                     red[tl, M3 + j] = ax[j]
@@ -261,12 +261,12 @@ def build_mhc_pre_split_mixes_backward(hc_mult: int, num_partials: int):
                     t = t_begin + it * TB + tl
                     if t < t_end:
                         load_row(x, input_mixes, t, 2 * m, M2)
-                        load_row(dz, comb_grad, t, 0, M2)
+                        load_row(dz, grad_comb, t, 0, M2)
                         for j in T.unroll(M2):
                             ab[j] = ab[j] + dz[j]
                             ax[j] = ax[j] + dz[j] * x[j]
                             dz[j] = dz[j] * s3[2]
-                        store_row(input_mixes_grad, dz, t, 2 * m, M2)
+                        store_row(grad_input_mixes, dz, t, 2 * m, M2)
                 for j in T.unroll(M2):
                     red[tl, 2 * m + j] = ab[j]
                     red[tl, M3 + 2 * m + j] = ax[j]
@@ -302,14 +302,14 @@ def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     One CTA of ``G = PLAN.reduce_warps`` groups of ``ceil32(M3 + 3)`` threads (one warp at m = 4);
     thread ``j < M3 + 3`` of group ``w`` sums column ``j`` of the partial rows ``w, w + G, w + 2G, ...``
     in ascending order (all its loads in flight at once, then a short add chain), and thread ``j``
-    adds the ``G`` group sums in ascending ``w`` and overwrites ``mhc_base_grad[j]`` (``j < M3``) or ``mhc_scale_grad[j - M3]``.
+    adds the ``G`` group sums in ascending ``w`` and overwrites ``grad_mhc_base[j]`` (``j < M3``) or ``grad_mhc_scale[j - M3]``.
 
     Args:
         hc_mult: ``m``.
         num_partials: ``P``.
 
     Returns:
-        ``T.prim_func(partial (P, M3+3) f32, mhc_scale_grad (3,) f32, mhc_base_grad (M3,) f32)``.
+        ``T.prim_func(partial (P, M3+3) f32, grad_mhc_scale (3,) f32, grad_mhc_base (M3,) f32)``.
     """
     from tilelang import language as T
 
@@ -325,8 +325,8 @@ def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
     @T.prim_func
     def mhc_pre_split_mixes_bwd_reduce_cuda(
         partial: T.Tensor((P, W), f32),
-        mhc_scale_grad: T.Tensor((3,), f32),
-        mhc_base_grad: T.Tensor((M3,), f32),
+        grad_mhc_scale: T.Tensor((3,), f32),
+        grad_mhc_base: T.Tensor((M3,), f32),
     ):
         with T.Kernel(1, threads=threads) as _:
             tid = T.get_thread_binding()
@@ -350,9 +350,9 @@ def build_mhc_pre_split_mixes_backward_reduce(hc_mult: int, num_partials: int):
                 for i in T.unroll(1, NW):
                     acc[0] = acc[0] + red[i, tid]
                 if tid < M3:
-                    mhc_base_grad[tid] = acc[0]
+                    grad_mhc_base[tid] = acc[0]
                 else:
-                    mhc_scale_grad[tid - M3] = acc[0]
+                    grad_mhc_scale[tid - M3] = acc[0]
 
     return mhc_pre_split_mixes_bwd_reduce_cuda
 
@@ -366,45 +366,45 @@ BACKWARD_REDUCE = Kernel("mhc_pre_split_mixes_backward_reduce", PartialsKey, bui
 
 
 def mhc_pre_split_mixes_backward(
-    pre_grad: torch.Tensor,
-    post_grad: torch.Tensor,
-    comb_grad: torch.Tensor,
+    grad_pre: torch.Tensor,
+    grad_post: torch.Tensor,
+    grad_comb: torch.Tensor,
     input_mixes: torch.Tensor,
     post: torch.Tensor,
     mhc_scale: torch.Tensor,
     mhc_base: torch.Tensor,
-    input_mixes_grad: torch.Tensor,
-    mhc_scale_grad: torch.Tensor,
-    mhc_base_grad: torch.Tensor,
+    grad_input_mixes: torch.Tensor,
+    grad_mhc_scale: torch.Tensor,
+    grad_mhc_base: torch.Tensor,
     post_mult_value: float,
 ) -> None:
     """Launches the mix-splitting backward (two kernels) on the current stream.
 
-    The first kernel writes ``input_mixes_grad`` and ``(P, M3 + 3)`` per-worker partials into a
+    The first kernel writes ``grad_input_mixes`` and ``(P, M3 + 3)`` per-worker partials into a
     temporary ``torch.empty`` buffer (every row written); the second sums them in a fixed worker
-    order and **overwrites** ``mhc_scale_grad`` and ``mhc_base_grad``.
+    order and **overwrites** ``grad_mhc_scale`` and ``grad_mhc_base``.
 
     Args:
-        pre_grad: ``(T, m)`` f32, ``T > 0``.
-        post_grad: ``(T, m)`` f32.
-        comb_grad: ``(T, m*m)`` f32.
+        grad_pre: ``(T, m)`` f32, ``T > 0``.
+        grad_post: ``(T, m)`` f32.
+        grad_comb: ``(T, m*m)`` f32.
         input_mixes: ``(T, M3)`` f32.
         post: ``(T, m)`` f32, the forward's ``post`` output.
         mhc_scale: ``(3,)`` f32.
         mhc_base: ``(M3,)`` f32.
-        input_mixes_grad: ``(T, M3)`` f32, written.
-        mhc_scale_grad: ``(3,)`` f32, overwritten.
-        mhc_base_grad: ``(M3,)`` f32, overwritten.
+        grad_input_mixes: ``(T, M3)`` f32, written.
+        grad_mhc_scale: ``(3,)`` f32, overwritten.
+        grad_mhc_base: ``(M3,)`` f32, overwritten.
         post_mult_value: runtime fp32 scalar.
     """
     key = BACKWARD.key(post)
     m, P = key.hc_mult, key.num_partials
     partial = torch.empty((P, m * (m + 2) + 3), dtype=torch.float32, device=input_mixes.device)
     BACKWARD.compiled(key)(
-        pre_grad, post_grad, comb_grad, input_mixes, post, mhc_scale, mhc_base, input_mixes_grad, partial,
+        grad_pre, grad_post, grad_comb, input_mixes, post, mhc_scale, mhc_base, grad_input_mixes, partial,
         float(post_mult_value),
     )
-    BACKWARD_REDUCE.compiled(key)(partial, mhc_scale_grad, mhc_base_grad)
+    BACKWARD_REDUCE.compiled(key)(partial, grad_mhc_scale, grad_mhc_base)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD, BACKWARD_REDUCE)

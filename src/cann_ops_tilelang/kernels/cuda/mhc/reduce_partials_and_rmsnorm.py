@@ -4,8 +4,8 @@
 Forward: ``om = ((p_0 + p_1) + ...) + p_{S-1}`` and ``sq`` likewise (sequential ``s``), ``r = rsqrtf(sq / Rg +
 eps)`` (IEEE division, CUDA ``rsqrtf``), ``out = om * r`` for ``G = 1`` and ``((om_0 * r_0) + om_1 * r_1) + ...``
 (fused multiply-adds) for ``G > 1``: the fused ``mhc_pre_big_fuse`` must reproduce this arithmetic to stay
-bit-exact. Backward: ``out_mul_grad = out_grad * r``, ``sqrsum_grad = -(rho * r) / (2 * (sq + eps * Rg))`` with
-``rho = sum_j out_grad[j] * om[j]`` (ascending ``j``). One launch over blocks of 32 tokens, every thread's loads
+bit-exact. Backward: ``grad_out_mul = grad_out * r``, ``grad_sqrsum = -(rho * r) / (2 * (sq + eps * Rg))`` with
+``rho = sum_j grad_out[j] * om[j]`` (ascending ``j``). One launch over blocks of 32 tokens, every thread's loads
 issued before its math, ``float4`` accesses where the row allows; independent of ``H`` (``Rg`` is a runtime
 scalar). Launchers take contiguous inputs with 16-byte aligned data pointers and ``T > 0``.
 """
@@ -210,18 +210,18 @@ def _backward_key(out_mul: torch.Tensor) -> BackwardKey:
 def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
     """Builds the RMS-normalization backward prim_func (docs/ops/mhc.md#reduce_partials_and_rmsnorm).
 
-    One thread per (token, group), 32 tokens per CTA; each thread loads its ``out_grad`` row and its
-    ``out_mul`` row with vector loads, then ``r = rsqrt(sq/Rg + eps)``, ``out_mul_grad = out_grad * r``,
-    ``rho = sum_j out_grad[j] * om[j]`` (ascending ``j``) and
-    ``sqrsum_grad = -(rho * r) / (2 * (sq + eps * Rg))``.
+    One thread per (token, group), 32 tokens per CTA; each thread loads its ``grad_out`` row and its
+    ``out_mul`` row with vector loads, then ``r = rsqrt(sq/Rg + eps)``, ``grad_out_mul = grad_out * r``,
+    ``rho = sum_j grad_out[j] * om[j]`` (ascending ``j``) and
+    ``grad_sqrsum = -(rho * r) / (2 * (sq + eps * Rg))``.
 
     Args:
         n_groups: ``G`` in ``[1, 16]``.
         mult3: ``M3`` in ``[1, 32]``.
 
     Returns:
-        ``T.prim_func(out_grad (T, M3), out_mul (T, G*M3), sqrsum (T, G), out_mul_grad (T, G*M3),
-        sqrsum_grad (T, G), rms_group_size: f32, rms_eps: f32)``, all f32; ``T`` is dynamic.
+        ``T.prim_func(grad_out (T, M3), out_mul (T, G*M3), sqrsum (T, G), grad_out_mul (T, G*M3),
+        grad_sqrsum (T, G), rms_group_size: f32, rms_eps: f32)``, all f32; ``T`` is dynamic.
     """
     from tilelang import language as T
 
@@ -234,11 +234,11 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
 
     @T.prim_func
     def mhc_reduce_partials_and_rmsnorm_bwd_cuda(
-        out_grad: T.Tensor((num_tokens, M3), f32),
+        grad_out: T.Tensor((num_tokens, M3), f32),
         out_mul: T.Tensor((num_tokens, GM), f32),
         sqrsum: T.Tensor((num_tokens, G), f32),
-        out_mul_grad: T.Tensor((num_tokens, GM), f32),
-        sqrsum_grad: T.Tensor((num_tokens, G), f32),
+        grad_out_mul: T.Tensor((num_tokens, GM), f32),
+        grad_sqrsum: T.Tensor((num_tokens, G), f32),
         rms_group_size: f32,
         rms_eps: f32,
     ):
@@ -252,7 +252,7 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
             if t < num_tokens:
                 for c in T.unroll(M3 // v):
                     for k in T.vectorized(v):
-                        og[c * v + k] = out_grad[t, c * v + k]
+                        og[c * v + k] = grad_out[t, c * v + k]
                 for c in T.unroll(M3 // v):
                     for k in T.vectorized(v):
                         om[c * v + k] = out_mul[t, g * M3 + c * v + k]
@@ -265,8 +265,8 @@ def build_mhc_reduce_partials_and_rmsnorm_backward(n_groups: int, mult3: int):
                     om[j] = og[j] * sc[1]
                 for c in T.unroll(M3 // v):
                     for k in T.vectorized(v):
-                        out_mul_grad[t, g * M3 + c * v + k] = om[c * v + k]
-                sqrsum_grad[t, g] = -(sc[2] * sc[1]) / (2.0 * (sc[0] + rms_eps * rms_group_size))
+                        grad_out_mul[t, g * M3 + c * v + k] = om[c * v + k]
+                grad_sqrsum[t, g] = -(sc[2] * sc[1]) / (2.0 * (sc[0] + rms_eps * rms_group_size))
 
     return mhc_reduce_partials_and_rmsnorm_bwd_cuda
 
@@ -277,32 +277,32 @@ BACKWARD = Kernel("mhc_reduce_partials_and_rmsnorm_backward", BackwardKey,
 
 
 def mhc_reduce_partials_and_rmsnorm_backward(
-    out_grad: torch.Tensor,
+    grad_out: torch.Tensor,
     out_mul: torch.Tensor,
     sqrsum: torch.Tensor,
-    out_mul_grad: torch.Tensor,
-    sqrsum_grad: torch.Tensor,
+    grad_out_mul: torch.Tensor,
+    grad_sqrsum: torch.Tensor,
     rms_group_size: int,
     rms_eps: float,
 ) -> None:
     """Launches the RMS-normalization backward on the current stream.
 
     Args:
-        out_grad: ``(T, M3)`` f32, ``T > 0``.
+        grad_out: ``(T, M3)`` f32, ``T > 0``.
         out_mul: ``(T, G, M3)`` f32 (saved ``om``).
         sqrsum: ``(T, G)`` f32 (saved ``sq``).
-        out_mul_grad: ``(T, G, M3)`` f32, written (``out_grad * r``).
-        sqrsum_grad: ``(T, G)`` f32, written (``-rho * r / (2 * (sq + eps * Rg))``).
+        grad_out_mul: ``(T, G, M3)`` f32, written (``grad_out * r``).
+        grad_sqrsum: ``(T, G)`` f32, written (``-rho * r / (2 * (sq + eps * Rg))``).
         rms_group_size: ``Rg`` (runtime fp32 scalar).
         rms_eps: RMSNorm epsilon (runtime fp32 scalar).
     """
     T_, G, M3 = out_mul.shape
     BACKWARD.compiled(BACKWARD.key(out_mul))(
-        out_grad,
+        grad_out,
         out_mul.view(T_, G * M3),
         sqrsum,
-        out_mul_grad.view(T_, G * M3),
-        sqrsum_grad,
+        grad_out_mul.view(T_, G * M3),
+        grad_sqrsum,
         float(rms_group_size),
         float(rms_eps),
     )

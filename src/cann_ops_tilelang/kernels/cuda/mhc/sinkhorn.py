@@ -199,7 +199,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
         repeat: ``R`` (compile-time; the backward step loop is fully unrolled for ``R <= 32``).
 
     Returns:
-        ``T.prim_func(grad_output (T, m*m) f32, x (T, m*m) f32, grad_input (T, m*m) f32, eps: f32)``;
+        ``T.prim_func(grad_comb_out (T, m*m) f32, x (T, m*m) f32, grad_comb (T, m*m) f32, eps: f32)``;
         ``T`` is dynamic.
     """
     _check("mhc_sinkhorn_backward", hc_mult, repeat)
@@ -266,9 +266,9 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
 
     @T.prim_func
     def mhc_sinkhorn_bwd_cuda(
-        grad_output: T.Tensor((num_tokens, M2), f32),
+        grad_comb_out: T.Tensor((num_tokens, M2), f32),
         x: T.Tensor((num_tokens, M2), f32),
-        grad_input: T.Tensor((num_tokens, M2), f32),
+        grad_comb: T.Tensor((num_tokens, M2), f32),
         eps: f32,
     ):
         with T.Kernel(T.ceildiv(num_tokens, TB), threads=threads) as bx:
@@ -297,7 +297,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
                 for c in T.unroll(k):
                     y[c] = x[t, e + c]
                 for c in T.unroll(k):
-                    g[c] = grad_output[t, e + c]
+                    g[c] = grad_comb_out[t, e + c]
             # Forward recompute (the arithmetic of mhc_sinkhorn_fwd_cuda), saving each step's input
             # and denominators.
             softmax_eps(y, s, pm, eps)
@@ -339,7 +339,7 @@ def build_mhc_sinkhorn_backward(hc_mult: int, repeat: int):
                 g[c] = (g[c] - s[0]) * pm[c]
             if ok:
                 for c in T.unroll(k):
-                    grad_input[t, e + c] = g[c]
+                    grad_comb[t, e + c] = g[c]
 
     return mhc_sinkhorn_bwd_cuda
 
@@ -349,20 +349,20 @@ BACKWARD = Kernel("mhc_sinkhorn_backward", SinkhornKey, build_mhc_sinkhorn_backw
 
 
 def mhc_sinkhorn_backward(
-    grad_output: torch.Tensor, x: torch.Tensor, grad_input: torch.Tensor, repeat: int, eps: float
+    grad_comb_out: torch.Tensor, comb: torch.Tensor, grad_comb: torch.Tensor, repeat: int, eps: float
 ) -> None:
     """Launches the Sinkhorn backward on the current stream.
 
     Args:
-        grad_output: ``(T, m, m)`` f32, ``T > 0``.
-        x: ``(T, m, m)`` f32, the forward's logits.
-        grad_input: ``(T, m, m)`` f32, written.
+        grad_comb_out: ``(T, m, m)`` f32, ``T > 0``.
+        comb: ``(T, m, m)`` f32, the forward's logits.
+        grad_comb: ``(T, m, m)`` f32, written.
         repeat: ``R >= 1`` (compile-time).
         eps: runtime fp32 scalar.
     """
-    T_, m, _ = x.shape
-    kernel = BACKWARD.compiled(BACKWARD.key(x, repeat))
-    kernel(grad_output.view(T_, m * m), x.view(T_, m * m), grad_input.view(T_, m * m), float(eps))
+    T_, m, _ = comb.shape
+    kernel = BACKWARD.compiled(BACKWARD.key(comb, repeat))
+    kernel(grad_comb_out.view(T_, m * m), comb.view(T_, m * m), grad_comb.view(T_, m * m), float(eps))
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

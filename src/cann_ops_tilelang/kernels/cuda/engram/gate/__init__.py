@@ -1,5 +1,5 @@
-"""CUDA kernels of the op module ``gate`` (docs/ops/engram.md#gate): ``engram_gate_fwd`` (also launched by
-``engram_gate_fwd_inplace``) in :mod:`.forward`, ``engram_gate_bwd`` in :mod:`.backward` (its schedule plan,
+"""CUDA kernels of the op module ``gate`` (docs/ops/engram.md#gate): ``engram_gate_forward`` (also launched by
+``engram_gate_forward_inplace``) in :mod:`.forward`, ``engram_gate_backward`` in :mod:`.backward` (its schedule plan,
 which fixes the partial-row count, is device policy: ``policy.py``).
 
 Supported sizes: ``limits.ENGRAM_HIDDEN`` and ``limits.ENGRAM_HC_MULT`` (a builder raises
@@ -10,8 +10,8 @@ keeps an ``m * H`` fp32 tile in shared memory: at most 124 KiB, at m = 4 and H =
 
 from ...._kernel import kernel_module
 from ._keys import BwdKey, FwdKey
-from .backward import BACKWARD, PIPELINED, BwdPlan, build_engram_gate_bwd, bwd_plan, engram_gate_bwd, num_partials
-from .forward import FORWARD, build_engram_gate_fwd, engram_gate_fwd, fwd_layout
+from .backward import BACKWARD, PIPELINED, BwdPlan, build_engram_gate_backward, bwd_plan, engram_gate_backward, num_partials
+from .forward import FORWARD, build_engram_gate_forward, engram_gate_forward, fwd_layout
 
 # kernel parameters named differently from the op argument they receive (the forward's; the backward's
 # parameters carry the op's names)

@@ -1,4 +1,4 @@
-"""CUDA kernel of ``engram_gate_bwd`` (docs/ops/engram.md#gate).
+"""CUDA kernel of ``engram_gate_backward`` (docs/ops/engram.md#gate).
 
 ``P`` persistent workers (``P = grad_w_partial.shape[0]``): worker ``w`` owns the token range
 ``[w*ceil(T/P), min((w+1)*ceil(T/P), T))`` and writes row ``w`` of the weight-gradient partials (zeros when
@@ -12,7 +12,7 @@ warp's partial stored into every CTA's shared memory, one barrier, then one iden
 warp: bitwise-equal sums everywhere); (3) ``x``, ``k``, ``wf``: ``grad_x``, ``grad_k`` and ``beta * x * k``.
 Latency hiding (:class:`BwdPlan`): thread-private ``cp.async`` staging of x/k and prefetch of the next
 go/v (only ``cp.async.wait_group``, no barrier); where a second x/k buffer fits, a token-pipelined variant
-(:func:`build_engram_gate_bwd`) for at most ``BWD_TUNING.pipelined_tokens_per_worker`` tokens per worker.
+(:func:`build_engram_gate_backward`) for at most ``BWD_TUNING.pipelined_tokens_per_worker`` tokens per worker.
 Measurements: the "gate
 backward" entries of docs/perf/h200/engram.md.
 """
@@ -40,7 +40,7 @@ def _key(hidden_states, grad_w_partial, image_token_mask, residual: bool = True)
                   bool(residual))
 
 
-def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, residual: bool = True,
+def build_engram_gate_backward(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, residual: bool = True,
                           pipelined: bool = False):
     """Builds the backward prim_func.
 
@@ -66,17 +66,17 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
 
     plan, vec = bwd_plan(hidden_size, hc_mult), BWD_TUNING.vec  # limits.LimitError outside the Engram ranges
     H, m = int(hidden_size), int(hc_mult)
-    P = IntRange("num_partials", 1).require("engram_gate_bwd", num_partials)
+    P = IntRange("num_partials", 1).require("engram_gate_backward", num_partials)
     S, threads, nc = plan.split, plan.threads, plan.nc
     gw_regs, stage_xk, pre_gov, wf_smem = plan.gw_regs, plan.stage_xk, plan.pre_gov, plan.wf_smem
     if pipelined and not plan.pipe:
-        raise LimitError(f"engram_gate_bwd: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
+        raise LimitError(f"engram_gate_backward: no pipelined schedule at hidden_size {H}, hc_mult {m}, {P} partials")
     # the pipelined kernel implies S > 1, x/k staging, the go/v prefetch, wf in shared memory, tile in registers
     # (plan.pipe is set only where policy._pipe_fits says all hold)
     pipe = pipelined
     if threads % 32 != 0:
         # the weight-gradient flush exchanges values across full warps (H % 256 == 0 guarantees it)
-        raise LimitError(f"engram_gate_bwd: hidden_size {H} gives {threads} threads per CTA, not whole warps")
+        raise LimitError(f"engram_gate_backward: hidden_size {H} gives {threads} threads per CTA, not whole warps")
     wf_pipe = not wf_smem  # wf from global memory: software-pipelined one (vector, stream) step ahead
     gov0 = 4 * m if pipe else 0  # first go/v row (in the pipelined kernel, after the two x/k buffers)
     # The next token's gate / dot / rstd loaded one token ahead (off phase 1's critical path); not in
@@ -596,7 +596,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     if has_mask:
 
         @T.prim_func
-        def engram_gate_bwd_cuda(
+        def engram_gate_backward_cuda(
             grad_out: T.Tensor(xs, bf16),
             hidden_states: T.Tensor(xs, bf16),
             kv: T.Tensor(kvs, bf16),
@@ -617,7 +617,7 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
     else:
 
         @T.prim_func
-        def engram_gate_bwd_cuda(
+        def engram_gate_backward_cuda(
             grad_out: T.Tensor(xs, bf16),
             hidden_states: T.Tensor(xs, bf16),
             kv: T.Tensor(kvs, bf16),
@@ -634,22 +634,22 @@ def build_engram_gate_bwd(hidden_size: int, hc_mult: int, num_partials: int, has
             body(grad_out, hidden_states, kv, weight_fused, dot, gate_score, rstd_x, rstd_k, None, clamp,
                  grad_hidden_states, grad_kv, grad_w_partial)
 
-    return engram_gate_bwd_cuda
+    return engram_gate_backward_cuda
 
 
 def _build_pipelined(hidden_size: int, hc_mult: int, num_partials: int, has_mask: bool, residual: bool = True):
-    return build_engram_gate_bwd(hidden_size, hc_mult, num_partials, has_mask, residual, pipelined=True)
+    return build_engram_gate_backward(hidden_size, hc_mult, num_partials, has_mask, residual, pipelined=True)
 
 
-PIPELINED = Kernel("engram_gate_bwd_pipelined", BwdKey, _build_pipelined, cases=backward_cases(pipelined=True))
+PIPELINED = Kernel("engram_gate_backward_pipelined", BwdKey, _build_pipelined, cases=backward_cases(pipelined=True))
 # One compile per key (never per token count) gives both variants: ``(kernel, pipelined kernel or None)``; the
 # launcher takes the pipelined one for at most ``BWD_TUNING.pipelined_tokens_per_worker`` tokens per worker.
-BACKWARD = Kernel("engram_gate_bwd", BwdKey, build_engram_gate_bwd, derive=_key, cases=backward_cases(pipelined=False),
+BACKWARD = Kernel("engram_gate_backward", BwdKey, build_engram_gate_backward, derive=_key, cases=backward_cases(pipelined=False),
                   compile=lambda key: (BACKWARD.jit(key), PIPELINED.compiled(key)
                                        if bwd_plan(key.hidden_size, key.hc_mult).pipe else None))
 
 
-def engram_gate_bwd(
+def engram_gate_backward(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
     kv: torch.Tensor,

@@ -1,4 +1,4 @@
-"""CUDA kernel of ``engram_gate_fwd`` and ``engram_gate_fwd_inplace`` (docs/ops/engram.md#gate).
+"""CUDA kernel of ``engram_gate_forward`` and ``engram_gate_forward_inplace`` (docs/ops/engram.md#gate).
 
 Schedule: one CTA per token; the CTA holds ``m`` groups of ``32 * wps`` threads, group ``h`` serving
 stream ``h``. Each thread owns ``nv`` 8-element column vectors per summation group it serves (see
@@ -12,7 +12,7 @@ read from HBM exactly once (``residual=False``: ``v`` is loaded into those regis
 streams ``x``, and pass 2 writes ``out = bf16(g * v)``, masked tokens 0). The kernel always
 writes the statistics ``dot, gate_score, rstd_x, rstd_k``;
 without ``save_for_backward`` the launcher points them at a scratch buffer (64 bytes per token, see
-:func:`engram_gate_fwd`). The token count is a dynamic dimension."""
+:func:`engram_gate_forward`). The token count is a dynamic dimension."""
 
 import dataclasses
 
@@ -99,7 +99,7 @@ def _key(hidden_states: torch.Tensor, out: torch.Tensor, image_token_mask: torch
     return FwdKey(int(hidden_size), int(hc_mult), image_token_mask is not None, bool(inplace), bool(residual))
 
 
-def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplace: bool, residual: bool = True):
+def build_engram_gate_forward(hidden_size: int, hc_mult: int, has_mask: bool, inplace: bool, residual: bool = True):
     """Builds the forward prim_func.
 
     Args:
@@ -117,10 +117,10 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     """
     from tilelang import language as T
 
-    H = ENGRAM_HIDDEN.require("engram_gate_fwd", hidden_size)
-    m = ENGRAM_HC_MULT.require("engram_gate_fwd", hc_mult)
+    H = ENGRAM_HIDDEN.require("engram_gate_forward", hidden_size)
+    m = ENGRAM_HC_MULT.require("engram_gate_forward", hc_mult)
     if inplace and not residual:
-        raise LimitError("engram_gate_fwd: no in-place kernel without the residual (hidden_states would be lost)")
+        raise LimitError("engram_gate_forward: no in-place kernel without the residual (hidden_states would be lost)")
     layout, vec = fwd_layout(H, m, residual), FWD_PLAN.vec
     wps, gps, nv, guarded, min_blocks = (layout.warps_per_stream, layout.groups_per_stream, layout.vectors,
                                          layout.guarded, layout.min_blocks)
@@ -271,34 +271,34 @@ def build_engram_gate_fwd(hidden_size: int, hc_mult: int, has_mask: bool, inplac
     if has_mask and not inplace:
 
         @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+        def engram_gate_forward_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, mask, eps, clamp, out, dot, gate, rstd_x, rstd_k)
 
     elif has_mask:
 
         @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+        def engram_gate_forward_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), mask: T.Tensor(ms, T.bool), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, mask, eps, clamp, x, dot, gate, rstd_x, rstd_k)
 
     elif not inplace:
 
         @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+        def engram_gate_forward_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, out: T.Tensor(xs, bf16), dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, None, eps, clamp, out, dot, gate, rstd_x, rstd_k)
 
     else:
 
         @T.prim_func
-        def engram_gate_fwd_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
+        def engram_gate_forward_cuda(x: T.Tensor(xs, bf16), kv: T.Tensor(kvs, bf16), wf: T.Tensor(ws, f32), eps: f32, clamp: f32, dot: T.Tensor(ss, f32), gate: T.Tensor(ss, f32), rstd_x: T.Tensor(ss, f32), rstd_k: T.Tensor(ss, f32)):
             body(x, kv, wf, None, eps, clamp, x, dot, gate, rstd_x, rstd_k)
 
-    return engram_gate_fwd_cuda
+    return engram_gate_forward_cuda
 
 
-FORWARD = Kernel("engram_gate_fwd", FwdKey, build_engram_gate_fwd, derive=_key, cases=forward_cases)
+FORWARD = Kernel("engram_gate_forward", FwdKey, build_engram_gate_forward, derive=_key, cases=forward_cases)
 
 
-def engram_gate_fwd(
+def engram_gate_forward(
     hidden_states: torch.Tensor,
     kv: torch.Tensor,
     weight_fused: torch.Tensor,

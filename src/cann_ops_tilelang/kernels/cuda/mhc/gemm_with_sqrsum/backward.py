@@ -1,28 +1,28 @@
 """CUDA kernels of ``mhc_gemm_with_sqrsum_backward`` (docs/ops/mhc.md#gemm_with_sqrsum).
 
-``x_grad[t, k] = bf16(f32(x_grad[t, k]) + (sum_j g[t, j] * fn[j, k] + 2 * f32(x[t, k]) * sg[t]))``
-(read-modify-write) and ``fn_grad[j, k] = sum_t g[t, j] * f32(x[t, k])``, both products on the bf16 tensor
+``grad_x[t, k] = bf16(f32(grad_x[t, k]) + (sum_j g[t, j] * fn[j, k] + 2 * f32(x[t, k]) * sg[t]))``
+(read-modify-write) and ``grad_fn[j, k] = sum_t g[t, j] * f32(x[t, k])``, both products on the bf16 tensor
 cores: ``g`` and ``fn`` are split into bf16 pairs ``hi = bf16(v)``, ``lo = bf16(v - hi)`` (``hi + lo`` is ``v``
 within 2^-17 relative, exact for the TF32-rounded ``fn`` the forward saves), ``x`` is bf16, so every product
 ``x * hi``, ``hi * lo``... is exact in the fp32 accumulator: each product is within ~2^-16 of the fp32 one (a TF32
-rounding of ``g``, 2^-11, would exceed the bf16 ``x_grad`` tolerance near zero against the fp64 reference), at no
+rounding of ``g``, 2^-11, would exceed the bf16 ``grad_x`` tolerance near zero against the fp64 reference), at no
 cost in bytes.
 
 Grid ``(K / BK, P)``: CTA ``(cb, p)`` owns ``BK`` columns and the token tiles ``[p * per, min((p + 1) * per,
 tiles))`` of ``BT`` tokens, ``per = ceil(tiles / P)``, ``P`` chosen per call by the launcher (a kernel
-argument through the partials' shape, never a compile key). One pass over x and x_grad: per tile (x, g, sg,
-x_grad in a ``PLAN.stages`` cp.async pipeline; with one stage, the next tile's x, g, sg load under the tile's
-x_grad store and its x_grad under the next products) one shared tile ``G = [g_hi 0 g_lo 0]`` (``BT x 64``, each half
+argument through the partials' shape, never a compile key). One pass over x and grad_x: per tile (x, g, sg,
+grad_x in a ``PLAN.stages`` cp.async pipeline; with one stage, the next tile's x, g, sg load under the tile's
+grad_x store and its grad_x under the next products) one shared tile ``G = [g_hi 0 g_lo 0]`` (``BT x 64``, each half
 padded to 32 columns) is the A operand of all three WGMMAs:
 
-* ``x_grad tile (BT x BK) = G @ [fn_hi; 0; fn_hi; 0] + G @ [fn_lo; 0; fn_lo; 0]`` (``64 x BK`` each), then
-  ``+ 2 x sg`` and the prior ``x_grad``, one bf16 rounding, written back into x_grad's stage and stored from
+* ``grad_x tile (BT x BK) = G @ [fn_hi; 0; fn_hi; 0] + G @ [fn_lo; 0; fn_lo; 0]`` (``64 x BK`` each), then
+  ``+ 2 x sg`` and the prior ``grad_x``, one bf16 rounding, written back into grad_x's stage and stored from
   there with 16-byte stores;
-* ``acc (64 x BK) += G^T (64 x BT) @ x (BT x BK)`` (rows ``j`` and ``32 + j``), issued with the x_grad products
-  and waited for after the epilogue; summed ``hi + lo`` once at the end into the CTA's fn_grad partial row ``p``.
+* ``acc (64 x BK) += G^T (64 x BT) @ x (BT x BK)`` (rows ``j`` and ``32 + j``), issued with the grad_x products
+  and waited for after the epilogue; summed ``hi + lo`` once at the end into the CTA's grad_fn partial row ``p``.
 
 Token tiles run in ascending order in every CTA; with ``P > 1`` a second kernel sums the ``P`` partials in
-ascending ``p``. Fixed partition, fixed order, no atomics: fn_grad is bitwise reproducible for a given ``T``.
+ascending ``p``. Fixed partition, fixed order, no atomics: grad_fn is bitwise reproducible for a given ``T``.
 Rows past ``T`` (never loaded: predicated cp.async) are zeroed in the x and g tiles: they add exact zeros.
 """
 
@@ -36,17 +36,17 @@ from ...._kernel import Kernel, compile_key, public_names
 from .._common import GemmWeightKey, check_gemm_weight
 
 
-_PAD = 32  # each of g_hi / g_lo padded to 32 columns of G (M3 <= 32): the 64-row A^T of the fn_grad product
+_PAD = 32  # each of g_hi / g_lo padded to 32 columns of G (M3 <= 32): the 64-row A^T of the grad_fn product
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
-    """The backward's tuning: ``block_t`` tokens per pipeline step (the M of the x_grad product, the K of the
-    fn_grad product), ``block_k`` columns per CTA, ``threads`` per CTA, ``stages`` of the x / x_grad / g
+    """The backward's tuning: ``block_t`` tokens per pipeline step (the M of the grad_x product, the K of the
+    grad_fn product), ``block_k`` columns per CTA, ``threads`` per CTA, ``stages`` of the x / grad_x / g
     pipeline; ``resident_per_sm`` such CTAs share an SM, ``single_stage_per_sm`` single-stage ones (46 KiB of
     shared memory); at most ``max_partials`` token partitions and at least ``min_tiles_per_partial`` token
     tiles per partition (each partition writes an ``M3 x K`` fp32 partial, ``2 * 4 * M3`` bytes per column
-    written and read, against ``6 * 64`` per tile of x / x_grad). Where one wave of two-stage CTAs does not
+    written and read, against ``6 * 64`` per tile of x / grad_x). Where one wave of two-stage CTAs does not
     take the column CTAs: a single partition of single-stage CTAs up to ``single_stage_max_tiles`` token
     tiles, above that about ``ctas_per_sm`` two-stage CTAs per SM over several waves; ``reduce_threads`` of
     the partial reduction."""
@@ -64,7 +64,7 @@ class BackwardPlan:
     reduce_threads: int
 
 
-# NOTE 64 x 64 tiles (22 KiB of x, x_grad, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
+# NOTE 64 x 64 tiles (22 KiB of x, grad_x, g, sg per stage), one warpgroup, 2 stages: 69 KiB of shared memory,
 # 115 registers, so that 3 CTAs share an SM (occupancy is what bounds it). Where 3 per SM take the column CTAs in
 # one wave (H <= 6336) the grid is that wave, with as many token partitions as keep it one (one from H = 3200).
 # Beyond it (H = 7168) a single partition of single-stage CTAs (4 per SM) takes them in one wave up to
@@ -137,9 +137,9 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
         stages: pipeline stages (``PLAN.stages``; 1 where the launcher wants 4 CTAs per SM).
 
     Returns:
-        ``T.prim_func(out_mul_grad (T, M3) f32, sqrsum_grad (T,) f32, x (T, K) bf16, fn (M3, K) f32,
-        x_grad (T, K) bf16, fn_grad_part (P, M3, K) f32)``; ``T`` and ``P`` are dynamic (``P == 1``: the
-        caller passes ``fn_grad`` itself).
+        ``T.prim_func(grad_out_mul (T, M3) f32, grad_sqrsum (T,) f32, x (T, K) bf16, fn (M3, K) f32,
+        grad_x (T, K) bf16, grad_fn_part (P, M3, K) f32)``; ``T`` and ``P`` are dynamic (``P == 1``: the
+        caller passes ``grad_fn`` itself).
     """
     from tilelang import language as T
     from tilelang.layout import make_swizzled_layout
@@ -152,26 +152,26 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
     num_partials = T.dynamic("num_partials")
 
     @T.macro
-    def load_operands(x, out_mul_grad, sqrsum_grad, x_s, gf_s, sg_s, stage, t0, c0):
+    def load_operands(x, grad_out_mul, grad_sqrsum, x_s, gf_s, sg_s, stage, t0, c0):
         # one tile's x, g and sg rows by cp.async (rows past T are skipped), one group each
         T.async_copy(x[t0 : t0 + BT, c0 : c0 + BK], x_s[stage, :, :])
-        T.async_copy(out_mul_grad[t0 : t0 + BT, 0:M3], gf_s[stage, :, :])
-        T.async_copy(sqrsum_grad[t0 : t0 + BT], sg_s[stage, :])
+        T.async_copy(grad_out_mul[t0 : t0 + BT, 0:M3], gf_s[stage, :, :])
+        T.async_copy(grad_sqrsum[t0 : t0 + BT], sg_s[stage, :])
 
     @T.macro
-    def load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, stage, t0, c0):
-        # ... and its x_grad rows, the last of the tile's 4 groups
-        load_operands(x, out_mul_grad, sqrsum_grad, x_s, gf_s, sg_s, stage, t0, c0)
-        T.async_copy(x_grad[t0 : t0 + BT, c0 : c0 + BK], xg_s[stage, :, :])
+    def load(x, grad_x, grad_out_mul, grad_sqrsum, x_s, xg_s, gf_s, sg_s, stage, t0, c0):
+        # ... and its grad_x rows, the last of the tile's 4 groups
+        load_operands(x, grad_out_mul, grad_sqrsum, x_s, gf_s, sg_s, stage, t0, c0)
+        T.async_copy(grad_x[t0 : t0 + BT, c0 : c0 + BK], xg_s[stage, :, :])
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_backward_cuda(
-        out_mul_grad: T.Tensor((num_tokens, M3), f32),
-        sqrsum_grad: T.Tensor((num_tokens,), f32),
+        grad_out_mul: T.Tensor((num_tokens, M3), f32),
+        grad_sqrsum: T.Tensor((num_tokens,), f32),
         x: T.Tensor((num_tokens, K), bf16),
         fn: T.Tensor((M3, K), f32),
-        x_grad: T.Tensor((num_tokens, K), bf16),
-        fn_grad_part: T.Tensor((num_partials, M3, K), f32),
+        grad_x: T.Tensor((num_tokens, K), bf16),
+        grad_fn_part: T.Tensor((num_partials, M3, K), f32),
     ):
         with T.Kernel(K // BK, num_partials, threads=TH) as (cb, p):
             x_s = T.alloc_shared((NS, BT, BK), bf16)
@@ -184,7 +184,7 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
             r_s = T.alloc_shared((2 * _PAD, BK), f32)
             acc_x = T.alloc_fragment((BT, BK), f32)
             acc_f = T.alloc_fragment((2 * _PAD, BK), f32)
-            # x_grad's stage is read and rewritten in the accumulator's fragment layout (two bf16 per thread,
+            # grad_x's stage is read and rewritten in the accumulator's fragment layout (two bf16 per thread,
             # 8 rows per warp access): 128-byte swizzled, as x's stage is for the WGMMA, not 8-way conflicted
             T.annotate_layout({xg_s: make_swizzled_layout(xg_s)})
             sg2 = T.alloc_fragment((BT,), f32)  # 2 sg of the tile's rows, in acc_x's row layout
@@ -202,10 +202,10 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
             T.clear(fl_s)
             T.clear(acc_f)
             # Prologue: tiles 0 .. max(NS-2, 0) of the partition in flight (4 cp.async groups per tile: x, g,
-            # sg, x_grad; empty groups where the partition is shorter, so the wait count below stays constant).
+            # sg, grad_x; empty groups where the partition is shorter, so the wait count below stays constant).
             for st in T.unroll(max(NS - 1, 1)):
                 if st < n:
-                    load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, st, (b0 + st) * BT, c0)
+                    load(x, grad_x, grad_out_mul, grad_sqrsum, x_s, xg_s, gf_s, sg_s, st, (b0 + st) * BT, c0)
                 else:
                     for _ in T.unroll(4):
                         T.ptx_commit_group()
@@ -221,12 +221,12 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
                 if NS > 1:
                     # Tile it + NS - 1 goes into the stage consumed at it - 1 (released by the closing barrier).
                     if it + NS - 1 < n:
-                        load(x, x_grad, out_mul_grad, sqrsum_grad, x_s, xg_s, gf_s, sg_s, (it + NS - 1) % NS,
+                        load(x, grad_x, grad_out_mul, grad_sqrsum, x_s, xg_s, gf_s, sg_s, (it + NS - 1) % NS,
                              (b0 + it + NS - 1) * BT, c0)
                     else:
                         for _ in T.unroll(4):
                             T.ptx_commit_group()
-                # one stage: x, g and sg suffice up to the products; x_grad (the last group) may still land
+                # one stage: x, g and sg suffice up to the products; grad_x (the last group) may still land
                 T.ptx_wait_group(4 * (NS - 1) if NS > 1 else 1)
                 T.sync_threads()
                 t0 = (b0 + it) * BT
@@ -247,7 +247,7 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
                     gt_s[i, _PAD + j] = lo
                 T.fence_proxy_async()  # the generic-proxy writes above are read by the WGMMAs below
                 T.sync_threads()
-                # All three issued at once; the epilogue waits for the two x_grad products only: the fn_grad
+                # All three issued at once; the epilogue waits for the two grad_x products only: the grad_fn
                 # product (it reads x's stage and gt_s, which nothing writes before the closing wait) runs under it.
                 T.wgmma_gemm(gt_s, fh_s, acc_x, clear_accum=True)
                 T.wgmma_gemm(gt_s, fl_s, acc_x)
@@ -267,28 +267,28 @@ def build_mhc_gemm_with_sqrsum_backward(cols: int, rows: int, stages: int = PLAN
                 T.warpgroup_fence_operand(acc_f, num_regs=2 * _PAD * BK // TH)
                 T.sync_threads()
                 if NS == 1 and it + 1 < n:
-                    # one stage: the next tile's x, g, sg load under this tile's x_grad store, its x_grad after
-                    load_operands(x, out_mul_grad, sqrsum_grad, x_s, gf_s, sg_s, 0, t0 + BT, c0)
+                    # one stage: the next tile's x, g, sg load under this tile's grad_x store, its grad_x after
+                    load_operands(x, grad_out_mul, grad_sqrsum, x_s, gf_s, sg_s, 0, t0 + BT, c0)
                 for i, c in T.Parallel(BT, BK):
                     if t0 + i < num_tokens:
-                        x_grad[t0 + i, c0 + c] = xg_s[it % NS, i, c]
+                        grad_x[t0 + i, c0 + c] = xg_s[it % NS, i, c]
                 T.sync_threads()
                 if NS == 1 and it + 1 < n:
-                    T.async_copy(x_grad[t0 + BT : t0 + 2 * BT, c0 : c0 + BK], xg_s[0, :, :])
+                    T.async_copy(grad_x[t0 + BT : t0 + 2 * BT, c0 : c0 + BK], xg_s[0, :, :])
             T.copy(acc_f, r_s)
             T.sync_threads()
             for j, c in T.Parallel(M3, BK):
-                fn_grad_part[p, j, c0 + c] = r_s[j, c] + r_s[_PAD + j, c]
+                grad_fn_part[p, j, c0 + c] = r_s[j, c] + r_s[_PAD + j, c]
 
     return mhc_gemm_with_sqrsum_backward_cuda
 
 
 def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int):
-    """Builds the fixed-order partial reduction ``fn_grad[j, k] = sum_{p=0..P-1} part[p, j, k]`` (``P``
+    """Builds the fixed-order partial reduction ``grad_fn[j, k] = sum_{p=0..P-1} part[p, j, k]`` (``P``
     dynamic, ascending ``p``).
 
     Returns:
-        ``T.prim_func(fn_grad_part (P, M3 * K) f32, fn_grad (M3 * K,) f32)``.
+        ``T.prim_func(grad_fn_part (P, M3 * K) f32, grad_fn (M3 * K,) f32)``.
     """
     from tilelang import language as T
 
@@ -300,7 +300,7 @@ def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int):
 
     @T.prim_func
     def mhc_gemm_with_sqrsum_backward_reduce_cuda(
-        fn_grad_part: T.Tensor((num_partials, M3 * K), f32), fn_grad: T.Tensor((M3 * K,), f32)
+        grad_fn_part: T.Tensor((num_partials, M3 * K), f32), grad_fn: T.Tensor((M3 * K,), f32)
     ):
         # one float4 per thread, the P partials added in ascending p
         with T.Kernel(T.ceildiv(nq, threads), threads=threads) as bx:
@@ -309,14 +309,14 @@ def build_mhc_gemm_with_sqrsum_backward_reduce(cols: int, rows: int):
             a = T.alloc_local((4,), f32)
             if bx * threads + tid < nq:
                 for k in T.vectorized(4):
-                    a[k] = fn_grad_part[0, (bx * threads + tid) * 4 + k]
+                    a[k] = grad_fn_part[0, (bx * threads + tid) * 4 + k]
                 for pp in T.serial(1, num_partials):
                     for k in T.vectorized(4):
-                        v[k] = fn_grad_part[pp, (bx * threads + tid) * 4 + k]
+                        v[k] = grad_fn_part[pp, (bx * threads + tid) * 4 + k]
                     for k in T.unroll(4):
                         a[k] += v[k]
                 for k in T.vectorized(4):
-                    fn_grad[(bx * threads + tid) * 4 + k] = a[k]
+                    grad_fn[(bx * threads + tid) * 4 + k] = a[k]
 
     return mhc_gemm_with_sqrsum_backward_reduce_cuda
 
@@ -337,22 +337,22 @@ BACKWARD_REDUCE = Kernel(
 
 
 def mhc_gemm_with_sqrsum_backward(
-    out_mul_grad: torch.Tensor,
-    sqrsum_grad: torch.Tensor,
+    grad_out_mul: torch.Tensor,
+    grad_sqrsum: torch.Tensor,
     x: torch.Tensor,
     fn: torch.Tensor,
-    x_grad: torch.Tensor,
-    fn_grad: torch.Tensor,
+    grad_x: torch.Tensor,
+    grad_fn: torch.Tensor,
 ) -> None:
     """Launches the pre-norm GEMM backward on the current stream (inputs validated upstream).
 
     Args:
-        out_mul_grad: ``(T, M3)`` f32 (a ``(T, 1, M3)`` view is accepted), ``T > 0``.
-        sqrsum_grad: ``(T,)`` f32 (``(T, 1)`` accepted).
+        grad_out_mul: ``(T, M3)`` f32 (a ``(T, 1, M3)`` view is accepted), ``T > 0``.
+        grad_sqrsum: ``(T,)`` f32 (``(T, 1)`` accepted).
         x: ``(T, K)`` bf16 (the saved residual viewed flat).
         fn: ``(M3, K)`` f32 (the saved, TF32-rounded projection; any fp32 values work).
-        x_grad: ``(T, K)`` bf16, accumulated in place (bf16 read-modify-write).
-        fn_grad: ``(M3, K)`` f32, overwritten (the op's new output). With ``P > 1`` partitions
+        grad_x: ``(T, K)`` bf16, accumulated in place (bf16 read-modify-write).
+        grad_fn: ``(M3, K)`` f32, overwritten (the op's new output). With ``P > 1`` partitions
             (:func:`mhc_gemm_with_sqrsum_backward_partials`) the launcher allocates the ``(P, M3, K)`` f32
             partials with torch on the current stream.
     """
@@ -360,13 +360,13 @@ def mhc_gemm_with_sqrsum_backward(
     num_partials = mhc_gemm_with_sqrsum_backward_partials(n, int(fn.shape[1]))
     key = BACKWARD.key(fn, num_partials)
     cols, rows = key.cols, key.rows
-    args = (out_mul_grad.reshape(n, rows), sqrsum_grad.reshape(n), x.view(n, cols), fn, x_grad.view(n, cols))
+    args = (grad_out_mul.reshape(n, rows), grad_sqrsum.reshape(n), x.view(n, cols), fn, grad_x.view(n, cols))
     if num_partials == 1:
-        BACKWARD.compiled(key)(*args, fn_grad.view(1, rows, cols))
+        BACKWARD.compiled(key)(*args, grad_fn.view(1, rows, cols))
         return
     part = torch.empty((num_partials, rows, cols), dtype=torch.float32, device=fn.device)
     BACKWARD.compiled(key)(*args, part)
-    BACKWARD_REDUCE.compiled(GemmWeightKey(cols, rows))(part.view(num_partials, rows * cols), fn_grad.view(-1))
+    BACKWARD_REDUCE.compiled(GemmWeightKey(cols, rows))(part.view(num_partials, rows * cols), grad_fn.view(-1))
 
 
 __all__ = public_names(__name__)
