@@ -177,6 +177,7 @@ _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     int: (_is_int, "an int"),
     float: (_is_float, "a float"),
     bool: (lambda v: isinstance(v, bool), "a bool"),
+    str: (lambda v: isinstance(v, str), "a str"),
     list[torch.Tensor]: (lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v),
                          "a list of torch.Tensor"),
 }

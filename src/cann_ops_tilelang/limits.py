@@ -29,6 +29,9 @@ __all__ = [
     "MHC_RECOMPUTE_LAYERS",
     "MHC_RMS_GROUPS",
     "MHC_SINKHORN_REPEAT",
+    "QUANT_ELEMENTS",
+    "QUANT_HIDDEN",
+    "QUANT_HIDDEN_SIZES",
     "IntRange",
     "LimitError",
     "PerBackend",
@@ -179,3 +182,15 @@ ENGRAM_HASH_TOKEN_ID = IntRange("an int32 token id", -2**31, 2**31 - 1)  # the o
 ENGRAM_SINKHORN_COLS = IntRange("a column count D", 64, 1024, multiple_of=64)
 # both backends index the flat table with int32 (10^7 rows x 128 columns is 1.28e9 elements)
 ENGRAM_SINKHORN_ELEMENTS = IntRange("element count", 0, 2**31 - 1)
+
+# Quant casts (both backends): H a multiple of 128, so that every per-token group (16, 32, 64 or 128 channels)
+# divides it and each row is whole 16-byte vectors of any input dtype on CUDA and whole vectors of the Ascend
+# 950's vector unit, up to 32768 (one compile per H; the kernels stream each row's groups, so nothing on chip
+# grows with H beyond one row's share per thread). The peer needs H % 64 == 0: its bitwise comparison covers
+# these sizes.
+QUANT_HIDDEN = IntRange("a hidden size", 128, 32768, multiple_of=128)
+# the hidden sizes that matter (see hidden_sizes): the range's edges and the model sizes
+QUANT_HIDDEN_SIZES = (128, 2048, 4096, 7168, 32768)
+# both backends index x, data and scales with int32 element offsets: T times the row pitch of x (its row
+# stride, at least H) stays below 2**31
+QUANT_ELEMENTS = IntRange("elements T * row pitch of x", 0, 2**31 - 1)

@@ -34,10 +34,22 @@ MHC_SPLIT_MIXES_PARTIALS = H200.sms
 ASCEND_CASE_CORES = ASCEND_950.vector_cores
 
 
+# The backend whose device policy a device without kernels follows (meta and fake tensors without a device of
+# their own, the CPU references of the tests): outputs whose bytes depend on the backend (the quant family's
+# UE8M0 words and TMA padding, docs/ops/quant.md#layout) are allocated as on CUDA there.
+FAKE_BACKEND = "cuda"
+
+
+def kernel_backend(device_type: str) -> str:
+    """The kernel backend (``"cuda"`` or ``"ascend"``) of a device type: ``"cuda"`` for CUDA, ``"ascend"`` for
+    ``"npu"`` / ``"privateuseone"`` (``limits.BACKENDS``), :data:`FAKE_BACKEND` for any device without kernels."""
+    return limits.backend_of(device_type) or FAKE_BACKEND
+
+
 def per_backend(table: dict, device_type: str):
     """``table``'s entry for the backend of ``device_type``; any device without kernels (CPU references, meta
-    tensors) takes the CUDA entry."""
-    return table[limits.backend_of(device_type) or "cuda"]
+    tensors) takes the CUDA entry (:data:`FAKE_BACKEND`)."""
+    return table[kernel_backend(device_type)]
 
 
 def grad_w_partials(device_type: str, hidden_size: int, hc_mult: int = 4) -> int:

@@ -17,7 +17,9 @@ import re
 
 _WIDTH = {"uint4": 16, "int4": 16, "float4": 16, "longlong2": 16, "ulonglong2": 16, "double2": 16,
           "uint2": 8, "int2": 8, "float2": 8, "longlong1": 8, "ulonglong1": 8,
-          "uint1": 4, "int1": 4, "float1": 4, "half2": 4, "__nv_bfloat162": 4}
+          "uint1": 4, "int1": 4, "float1": 4, "half2": 4, "__nv_bfloat162": 4,
+          "uchar2": 2, "char2": 2, "uchar4": 4, "char4": 4, "ushort2": 4, "short2": 4, "ushort4": 8, "short4": 8,
+          **{f"fp8_{kind}_{n}_t": n for kind in ("e4", "e5") for n in (2, 4, 8, 16)}}
 _SCALAR = {"float", "int", "uint", "bool", "char", "signed", "int64_t", "uint64_t", "void", "bfloat16_t", "half_t",
            "int8_t", "uint8_t", "int16_t", "short", "double"}
 

@@ -2,14 +2,18 @@
 
 fp32 arithmetic in the contract's order (each fp32 operation correctly rounded, as the kernels do), so that
 the kernels can be compared bitwise; float64 only where the contract defines a value exactly (stochastic
-rounding's grid position). Every ``<op>_ref`` takes the layout as a :class:`ScaleLayout` or its spec string,
-and ``backend`` (``"cuda"`` / ``"ascend"``) for the bytes that depend on it (UE8M0 words, TMA padding, the
-order of one multiplication when re-quantizing). Cast functions return a :class:`QuantTensor`.
+rounding's grid position). The ``<op>_ref`` of a declared op takes the op's arguments (the layout as its spec
+string) and returns its outputs: the test plugin registers it as the op's CPU kernel. The others
+(``per_token_quantize_ref`` with every variant of the per-token cast, the casts that have no op yet) take the
+layout as a :class:`ScaleLayout` or its spec string, and ``backend`` (``"cuda"`` / ``"ascend"``) for the bytes
+that depend on it (UE8M0 words, TMA padding, the order of one multiplication when re-quantizing); the casts
+return a :class:`QuantTensor`.
 """
 
 import torch
 
-from cann_ops_tilelang.quant.layout import FORMATS, UE8M0_WORDS, QuantTensor, ScaleLayout
+from cann_ops_tilelang import policy
+from cann_ops_tilelang.quant import FORMATS, UE8M0_WORDS, QuantTensor, ScaleLayout
 
 F32 = torch.float32
 
@@ -270,12 +274,20 @@ def _kind(layout, kinds, op):
     return layout
 
 
-def per_token_cast_ref(x, layout, x_sf=None, x_layout=None, sf=None, sf_only=False, seed=None, offset=0,
-                       backend="cuda"):
-    """Per-token-group cast (blocks ``(1, g)``). Re-quantization multiplies ``f32(x) * (sx * inv)`` on CUDA,
-    ``(f32(x) * sx) * inv`` on Ascend (the peer's orders). ``sf`` given: data only; ``sf_only``: scales
-    only; ``seed``: stochastic rounding, counter ``offset + t * H + h``."""
-    layout = _kind(layout, ("per_token",), "per_token_cast_ref")
+def per_token_cast_ref(x, layout):
+    """The op ``per_token_cast(x, layout) -> (data, sf)``: ``x`` bf16 / fp32 cast to the per-token ``layout`` (a
+    spec string), the scales in the bytes of the backend of ``x``'s device (``policy.kernel_backend``: CUDA's on
+    CPU and meta tensors). The test plugin registers it as the op's CPU kernel."""
+    q = per_token_quantize_ref(x, layout, backend=policy.kernel_backend(x.device.type))
+    return q.data, q.sf
+
+
+def per_token_quantize_ref(x, layout, x_sf=None, x_layout=None, sf=None, sf_only=False, seed=None, offset=0,
+                           backend="cuda"):
+    """Per-token-group cast (blocks ``(1, g)``) with every variant of the contract. Re-quantization multiplies
+    ``f32(x) * (sx * inv)`` on CUDA, ``(f32(x) * sx) * inv`` on Ascend (the peer's orders). ``sf`` given: data
+    only; ``sf_only``: scales only; ``seed``: stochastic rounding, counter ``offset + t * H + h``."""
+    layout = _kind(layout, ("per_token",), "per_token_quantize_ref")
     q = quantize(x, layout, x_sf=x_sf, x_layout=x_layout, sf=sf, seed=seed, offset=offset, backend=backend,
                  fused_requant=backend == "cuda")
     return q.sf if sf_only else q.data if sf is not None else q

@@ -132,7 +132,7 @@ def test_requantization_equals_the_oracle_in_each_backends_order(into, backend):
     source = ScaleLayout((1, 128), "e4m3", "ue8m0", "col_tma", True)
     x = sample(256, 512, spread=1.0)
     q = ref.quantize(x, source, backend=backend)
-    cast = ref.per_token_cast_ref if into.kind == "per_token" else ref.per_channel_cast_ref
+    cast = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_cast_ref
     got = cast(q.data, into, x_sf=q.sf, x_layout=source, backend=backend)
     xq = q.data.double()
     sx = ref.expand(ref.decode_sf(q.sf, source, 256, 512, backend), source.block, 256, 512).double()
@@ -148,16 +148,16 @@ def test_requantization_equals_the_oracle_in_each_backends_order(into, backend):
 def test_requantizing_power_of_two_scales_into_their_own_layout_keeps_every_value():
     layout = ScaleLayout((1, 32), "e4m3", "ue8m0", round_sf=True)
     q = ref.quantize(sample(64, 256), layout)
-    again = ref.per_token_cast_ref(q.data, layout, x_sf=q.sf, x_layout=layout)
+    again = ref.per_token_quantize_ref(q.data, layout, x_sf=q.sf, x_layout=layout)
     assert torch.equal(ref.cast_back_ref(*again, torch.float32), ref.cast_back_ref(*q, torch.float32))
 
 
 def test_precomputed_scales_use_their_reciprocal_and_sf_only_gives_the_scales():
     layout = ScaleLayout((1, 64), "e4m3", "fp32")
     x = sample(9, 256)
-    sf = ref.per_token_cast_ref(x, layout, sf_only=True)
+    sf = ref.per_token_quantize_ref(x, layout, sf_only=True)
     assert torch.equal(sf, ref.quantize(x, layout).sf)
-    data = ref.per_token_cast_ref(x, layout, sf=sf * 3)
+    data = ref.per_token_quantize_ref(x, layout, sf=sf * 3)
     w = f32(x.double() * ref.expand(f32(1 / (sf * 3).double()), layout.block, 9, 256))
     assert torch.equal(data.view(torch.uint8), oracle_codes(w, "e4m3"))
 
@@ -440,7 +440,7 @@ def test_stochastic_casts_are_reproducible_and_compose_by_offset():
                        ref.cast_ref(x[2:], torch.bfloat16, seed=5, offset=100 + 2 * 256)])
     assert torch.equal(split, ref.cast_ref(x, torch.bfloat16, seed=5, offset=100))
     layout = ScaleLayout((1, 32), "e2m1", "ue8m0", round_sf=True)
-    q = ref.per_token_cast_ref(x, layout, seed=9, offset=0)
+    q = ref.per_token_quantize_ref(x, layout, seed=9, offset=0)
     _, _, inv = ref.block_scales(ref.block_amax(x, layout.block), layout)
     v = x * ref.expand(inv, layout.block, *x.shape)
     expected = ref.e2m1_encode(ref.stochastic_round(v, "e2m1", ref.random_bits(9, 0, v.numel()).view(v.shape)))
@@ -492,7 +492,7 @@ def test_requantization_equals_the_peer_bitwise(peer):
     q = ref.quantize(x, source, backend=backend)
     for into in (ScaleLayout((1, 32), "e2m1", "e4m3"), ScaleLayout((1, 128), "e4m3", "fp32"),
                  ScaleLayout((32, 1), "e4m3", "ue8m0", round_sf=True)):
-        op = ref.per_token_cast_ref if into.kind == "per_token" else ref.per_channel_cast_ref
+        op = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_cast_ref
         mine = op(q.data, into, x_sf=q.sf, x_layout=source, backend=backend)
         theirs = cast.cast((q.data, q.sf), into.fmt, into.block, x_block_size=source.block, round_sf=into.round_sf,
                            use_packed_ue8m0=into.sf == "ue8m0", use_e4m3_sf=into.sf == "e4m3")

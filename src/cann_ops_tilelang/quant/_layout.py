@@ -168,6 +168,10 @@ class ScaleLayout:
         if self.kind == "per_channel" and self.fmt != "e4m3":
             raise ValueError(f"ScaleLayout: field 'fmt' must be 'e4m3' with per-channel block {block} (FP4 packs "
                              f"pairs of channels, which per-channel scales do not share); got {self.fmt!r}")
+        # the spec, built once: under torch.compile(dynamic=True) dynamo may read the block's ints of a layout
+        # passed in as SymInts, which no string can be formatted from (a str attribute is a guarded constant)
+        object.__setattr__(self, "_spec", f"{block[0]}x{block[1]}/{self.fmt}/{self.sf}/{self.storage}/"
+                                          f"{_ROUNDING[self.round_sf]}")
 
     # --- the layout as one string ------------------------------------------------------------------------
 
@@ -175,7 +179,7 @@ class ScaleLayout:
     def spec(self) -> str:
         """The canonical string, ``"<rows>x<cols>/<fmt>/<sf>/<storage>/<round|exact>"``; equal layouts
         have equal specs and ``ScaleLayout.parse(layout.spec) == layout``."""
-        return f"{self.block[0]}x{self.block[1]}/{self.fmt}/{self.sf}/{self.storage}/{_ROUNDING[self.round_sf]}"
+        return self._spec
 
     @classmethod
     def parse(cls, spec: str | ScaleLayout) -> ScaleLayout:

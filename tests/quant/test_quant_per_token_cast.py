@@ -1,0 +1,328 @@
+"""``per_token_cast`` (docs/ops/quant.md#per_token_cast): validation, the fake against the reference on meta
+tensors, opcheck, torch.compile and the ``quantize`` wrapper (CPU tier, the reference as the CPU kernel); the CUDA
+kernel lowered to sm_90a cubins at the sizes that matter, its launch views and keys (CPU tier); and on a GPU the
+kernel bitwise against the reference and against the peer (DeepSeek's tile_kernels) when it imports."""
+
+import shutil
+
+import pytest
+import torch
+from _plugins.cuda_vectors import declared_vector_args, undeclared
+from _plugins.device import requires_cuda
+from _plugins.levels import level_choice
+from _plugins.references import without_cpu_references
+from quant_cases import per_token_cast_call, sample
+from quant_ref import per_token_cast_ref, per_token_quantize_ref
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang import limits
+from cann_ops_tilelang.quant import BLOCKS, QuantTensor, ScaleLayout
+
+BF16, F32 = torch.bfloat16, torch.float32
+HAVE_NVCC = shutil.which("nvcc") is not None
+
+
+def per_token_layouts():
+    """Every per-token layout: 4 groups x 2 formats x the valid (sf, rounding) pairs x 2 storages."""
+    out = []
+    for block in BLOCKS["per_token"]:
+        for fmt in ("e4m3", "e2m1"):
+            for sf, round_sf in (("fp32", False), ("fp32", True), ("e4m3", False), ("ue8m0", True)):
+                for storage in ("row", "col_tma"):
+                    out.append(ScaleLayout(block, fmt, sf, storage, round_sf).spec)
+    return out
+
+
+LAYOUTS = per_token_layouts()
+SOME_LAYOUTS = ["1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round", "1x32/e2m1/ue8m0/row/round",
+                "1x16/e2m1/e4m3/col_tma/exact", "1x64/e4m3/fp32/col_tma/round"]
+
+
+def metadata(t):
+    return tuple(t.shape), t.dtype, t.stride() if t.numel() else None
+
+
+# --- validation -------------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    x = torch.zeros(3, 256, dtype=BF16)
+    return [
+        ({"x": x.double()}, TypeError, r"'x': expected dtype torch.bfloat16 or torch.float32, got torch.float64"),
+        ({"x": x[0]}, ValueError, r"'x': expected a 2-D tensor of shape \(T, H\), got shape \(256,\)"),
+        ({"x": torch.zeros(3, 192, dtype=BF16)}, ValueError, r"'x': expected a hidden size a multiple of 128 in "
+                                                             r"\[128, 32768\], got 192"),
+        ({"x": torch.zeros(3, 32768 + 128, dtype=BF16)}, ValueError, r"'x': expected a hidden size"),
+        ({"x": torch.zeros(256, 3, dtype=BF16).t()}, ValueError, r"'x': expected rows of unit column stride"),
+        ({"x": torch.zeros(3, 260, dtype=BF16)[:, :256]}, ValueError, r"'x': expected a row stride of at least H = "
+                                                                      r"256 and a multiple of 8 elements"),
+        ({"x": torch.zeros(3, 258, dtype=F32)[:, :256]}, ValueError, r"'x': .*multiple of 4 elements \(16 bytes\)"),
+        ({"layout": 128}, TypeError, r"'layout': expected a str, got int 128"),
+        ({"layout": "1x128/e4m3/fp32/row"}, ValueError, r"'layout': expected a ScaleLayout spec .* must have 5 parts"),
+        ({"layout": "1x8/e4m3/fp32/row/exact"}, ValueError, r"'layout': expected a ScaleLayout spec .* 'block'"),
+        ({"layout": "1x128/e4m3/ue8m0/row/exact"}, ValueError, r"'layout': .*'round_sf' must be True"),
+        ({"layout": "1x128/e5m2/fp32/row/exact"}, ValueError, r"'layout': .*'fmt' must be one of"),
+        ({"layout": "128x128/e4m3/fp32/row/exact"}, ValueError, r"'layout': expected a per-token layout, got "
+                                                                r"'128x128/e4m3/fp32/row/exact' \(a per-block block"),
+        ({"layout": "32x1/e4m3/fp32/row/exact"}, ValueError, r"'layout': expected a per-token layout"),
+    ]
+
+
+@pytest.mark.parametrize("change,error,message", _bad_calls(), ids=[str(i) for i in range(len(_bad_calls()))])
+def test_validation_names_op_and_argument(change, error, message):
+    call = {**per_token_cast_call(3, 256), **change}
+    with without_cpu_references(), pytest.raises(error, match=rf"cann_ops_tilelang::per_token_cast: argument {message}"):
+        ops.per_token_cast(**call)
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+def test_validation_refuses_32_bit_offsets_past_the_limit(device):
+    """T times the row pitch reaches 2**31 elements: refused by name (on fake tensors, no memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hidden = 4096
+        tokens = 2**31 // hidden
+        with pytest.raises(ValueError, match=r"'x': expected elements T \* row pitch of x in \[0, 2147483647\], got "
+                                             r"2147483648"):
+            ops.per_token_cast(torch.empty(tokens, hidden, dtype=BF16, device=device), SOME_LAYOUTS[0])
+        data, sf = ops.per_token_cast(torch.empty(tokens - 1, hidden, dtype=BF16, device=device), SOME_LAYOUTS[1])
+        assert data.shape == (tokens - 1, hidden) and sf.shape == (tokens - 1, 8) and sf.stride() == (1, tokens)
+
+
+def test_strided_rows_are_taken_and_never_read_past_h(seed):
+    for dtype, pitch in ((BF16, 264), (F32, 260)):
+        call = per_token_cast_call(5, 256, seed=seed, dtype=dtype, pitch=pitch)  # NaN past H
+        assert call["x"].stride() == (pitch, 1)
+        for layout in SOME_LAYOUTS:
+            got = ops.per_token_cast(call["x"], layout)
+            want = per_token_cast_ref(call["x"].contiguous(), layout)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), layout
+
+
+# --- the fake, the reference, opcheck, compile ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fake_matches_reference_on_every_layout(layout, seed):
+    for tokens, dtype in ((0, BF16), (1, F32), (5, BF16)):
+        real = ops.per_token_cast(**per_token_cast_call(tokens, 256, seed=seed, layout=layout, dtype=dtype))
+        fake = ops.per_token_cast(**per_token_cast_call(tokens, 256, seed=seed, layout=layout, dtype=dtype,
+                                                        device="meta"))
+        assert [metadata(t) for t in fake] == [metadata(t) for t in real], (tokens, layout)
+        s = ScaleLayout.parse(layout)
+        assert real[0].shape == s.data_shape(tokens, 256) and real[1].dtype == s.sf_dtype("cuda")
+
+
+def test_the_op_reference_is_the_contracts_cast(seed):
+    """per_token_cast_ref (the op's CPU kernel) is the contract's cast on CUDA bytes, tested in test_quant_ref.py."""
+    x = sample(9, 512, seed=seed)
+    for layout in SOME_LAYOUTS:
+        data, sf = per_token_cast_ref(x, layout)
+        q = per_token_quantize_ref(x, layout, backend="cuda")
+        assert torch.equal(data, q.data) and torch.equal(sf, q.sf) and sf.stride() == q.sf.stride()
+
+
+@pytest.mark.parametrize("layout", SOME_LAYOUTS)
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_opcheck(layout, tokens, seed):
+    call = per_token_cast_call(tokens, 256, seed=seed, layout=layout, dtype=F32 if "e2m1" in layout else BF16)
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.per_token_cast.default, tuple(call.values()))
+
+
+def quant_model(x, layout):
+    q = ops.quantize(x, layout)
+    return q.data.view(torch.uint8).float().sum(dim=1), q.sf
+
+
+def test_compile_fullgraph_dynamic_no_recompile(seed):
+    torch._dynamo.reset()
+    compiled = torch.compile(quant_model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for layout in (ScaleLayout.parse(SOME_LAYOUTS[1]), SOME_LAYOUTS[2]):
+        first = True
+        for tokens in (7, 9, 17):
+            x = sample(tokens, 256, seed=seed + tokens)
+            with torch._dynamo.config.patch(error_on_recompile=not first):
+                got = compiled(x, layout)
+            first = False
+            want = quant_model(x, layout)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, tokens)
+
+
+def test_quantize_returns_a_quant_tensor_of_the_layout(seed):
+    x = sample(4, 256, seed=seed)
+    for layout in (SOME_LAYOUTS[2], ScaleLayout.parse(SOME_LAYOUTS[1])):
+        q = ops.quantize(x, layout)
+        spec = ScaleLayout.parse(layout)
+        assert isinstance(q, QuantTensor) and q.layout == spec and q.tokens == 4 and q.hidden == 256
+        data, sf = ops.per_token_cast(x, spec.spec)
+        assert torch.equal(q.data, data) and torch.equal(q.sf, sf)
+    with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a per-token layout .* "
+                                         r"per-block block \(128, 128\)"):
+        ops.quantize(x, ScaleLayout((128, 128)))
+    with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a ScaleLayout spec"):
+        ops.quantize(x, "1x128")
+
+
+def test_zero_tokens_launch_nothing(monkeypatch):
+    """On the device path (the CUDA kernel of declare, its launcher stubbed): T = 0 gives empty outputs of the
+    layout's shapes and calls no launcher."""
+    from cann_ops_tilelang import _library
+
+    calls = []
+    monkeypatch.setattr(_library, "_backend_module", lambda *_: calls.append(1))
+    for layout in SOME_LAYOUTS:
+        data, sf = ops.per_token_cast.backend_kernel("cuda")(torch.zeros(0, 256, dtype=BF16), layout)
+        s = ScaleLayout.parse(layout)
+        assert data.shape == s.data_shape(0, 256) and sf.shape == s.sf_shape(0, 256, "cuda")
+    assert calls == []
+
+
+# --- the CUDA kernel: lowering, launch views, keys ----------------------------------------------------------
+
+tilelang = pytest.importorskip("tilelang")
+
+from cann_ops_tilelang.kernels.cuda import _build as cuda_build  # noqa: E402
+from cann_ops_tilelang.kernels.cuda.quant import per_token_cast as cuda_cast  # noqa: E402
+
+HIDDEN = level_choice([128, 7168], list(limits.QUANT_HIDDEN_SIZES))
+CASES = [(h, name) for h in HIDDEN for name in sorted(cuda_cast.PER_TOKEN_CAST.case_keys(h, 4))]
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("hidden,name", CASES, ids=[f"H{h}-{n}" for h, n in CASES])
+def test_cuda_compiles_to_sm90a_cubin(hidden, name):
+    built = cuda_build.compile_cubin(cuda_cast.lowering_cases(hidden)[name], arch="sm_90a")
+    assert built.cubin[:4] == b"\x7fELF" and built.fits and built.smem_bytes == 0
+    assert built.threads == cuda_cast.CAST_PLAN.threads
+    assert not undeclared(f"per_token_cast/{name}", built.source, declared_vector_args())
+    src = built.source
+    # the reference's arithmetic: IEEE divisions and product, the hardware's RNE saturating e4m3 conversion
+    assert "__fdiv_rn(" in src and "__fmul_rn(" in src and "__shfl_xor_sync(" in src
+    key = cuda_cast.PER_TOKEN_CAST.case_keys(hidden, 4)[name]
+    if key.fmt == "e4m3":
+        assert "__NV_SATFINITE, __NV_E4M3" in src
+    # x is read in 16-byte vectors (the op declares it)
+    assert "*(uint4*)(x + " in src or "*(float4*)(x + " in src
+
+
+def test_the_cases_cover_both_inputs_formats_scales_and_storages():
+    keys = cuda_cast.PER_TOKEN_CAST.case_keys(7168, 4).values()
+    assert {k.in_dtype for k in keys} == {"bfloat16", "float32"} and {k.fmt for k in keys} == {"e4m3", "e2m1"}
+    assert {k.sf for k in keys} == {"fp32", "e4m3", "ue8m0"} and {k.storage for k in keys} == {"row", "col_tma"}
+    assert {k.group for k in keys} == {16, 32, 64, 128} and {k.round_sf for k in keys} == {False, True}
+
+
+def test_token_count_and_row_stride_are_dynamic():
+    from tvm import tirx
+
+    prim_func = cuda_cast.lowering_cases(256)["per_token_cast_e4m3_fp32_row_bf16"]
+    x = prim_func.buffer_map[prim_func.params[0]]
+    assert isinstance(x.shape[0], tirx.Var) and isinstance(x.strides[0], tirx.Var)
+
+
+@pytest.mark.parametrize("layout", SOME_LAYOUTS + ["1x128/e2m1/ue8m0/col_tma/round", "1x16/e4m3/ue8m0/row/round"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_launcher_passes_the_views_the_kernel_declares(layout, tokens, monkeypatch):
+    """The launcher hands the kernel the buffers its parameters describe: col_tma scales as the transposed
+    (padded) buffer, UE8M0 words as their bytes, each with the shape and unit inner stride of the prim_func's
+    buffer; the key ignores T and the row stride."""
+    from tvm import tirx
+
+    seen = []
+    monkeypatch.setattr(cuda_cast.PER_TOKEN_CAST, "compiled", lambda key: lambda *args: seen.append((key, args)))
+    hidden = 512
+    for dtype in (BF16, F32):
+        x = sample(tokens, hidden + 16, dtype=dtype)[:, :hidden]
+        data, sf = ops.per_token_cast.prepare(x, layout)
+        cuda_cast.per_token_cast(x=x, layout=layout, data=data, sf=sf)
+        key, (kx, kdata, ksf) = seen[-1]
+        assert kx is x and kdata is data
+        prim_func = cuda_cast.PER_TOKEN_CAST.prim_func(key)
+        buffers = [prim_func.buffer_map[p] for p in prim_func.params]
+        for buffer, arg in zip(buffers, (kx, kdata, ksf)):
+            assert arg.dtype == getattr(torch, str(buffer.dtype)), (buffer.name, arg.dtype)
+            for dim, size in zip(buffer.shape, arg.shape):
+                want = int(dim) if isinstance(dim, tirx.IntImm) else tokens if isinstance(dim, tirx.Var) else \
+                    4 * tokens  # the only expression: the UE8M0 bytes of the transposed words
+                assert want == size, (buffer.name, list(buffer.shape), tuple(arg.shape))
+            assert arg.stride(-1) == 1
+        assert ksf.untyped_storage().data_ptr() == sf.untyped_storage().data_ptr()
+    keys = {k for k, _ in seen}
+    assert len(keys) == 2  # one per input dtype: neither T nor the row stride is in the key
+
+
+def test_builders_refuse_what_the_limits_refuse():
+    from cann_ops_tilelang.limits import LimitError
+
+    build = cuda_cast.build_per_token_cast
+    for hidden in (limits.QUANT_HIDDEN.low - 128, limits.QUANT_HIDDEN.high + 128, 192):
+        with pytest.raises(LimitError, match="hidden size"):
+            build(hidden, 128, "bfloat16", "e4m3", "fp32", "row", False)
+    with pytest.raises(LimitError, match="input dtype"):
+        build(256, 128, "float16", "e4m3", "fp32", "row", False)
+    with pytest.raises(ValueError, match="block"):
+        build(256, 8, "bfloat16", "e4m3", "fp32", "row", False)
+    with pytest.raises(LimitError, match="per-token"):
+        cuda_cast.cast_key("per_token_cast", 256, "bfloat16", ScaleLayout((128, 128)))
+
+
+# --- device: the kernel bitwise against the reference and the peer ------------------------------------------
+
+DEVICE_TOKENS = level_choice([1, 37, 4001], [1, 2, 37, 513, 4001, 8192])
+
+
+def assert_same(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.numel() == 0 or got.stride() == want.stride() or min(got.shape) == 1
+    assert torch.equal(got.cpu().view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.cpu(),
+                       want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+
+
+@requires_cuda
+@pytest.mark.device
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_device_kernel_bitwise(layout, seed):
+    for hidden in (128, 7168):
+        for tokens in DEVICE_TOKENS:
+            for dtype, pitch in ((BF16, None), (F32, None), (BF16, hidden + 64)):
+                call = per_token_cast_call(tokens, hidden, seed=seed + tokens, layout=layout, dtype=dtype,
+                                           pitch=pitch, device="cuda")
+                want = per_token_cast_ref(call["x"].cpu().contiguous(), layout)
+                got = ops.per_token_cast(**call)
+                for g, w in zip(got, want):
+                    assert_same(g, w)
+
+
+@requires_cuda
+@pytest.mark.device
+def test_device_extremes_bitwise(seed):
+    """All-zero groups (the clamp), huge and tiny groups (saturation of e4m3 scales, subnormal data), exact
+    midpoints of the e2m1 grid."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 512, generator=gen)
+    x[0] = 0.0
+    x[1] *= 1e30
+    x[2] *= 1e-30
+    x[3, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -5.0, -6.0, 0.0, -0.0, 7, 1])
+    for layout in LAYOUTS:
+        want = per_token_cast_ref(x, layout)
+        got = ops.per_token_cast(x.cuda(), layout)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+
+
+@requires_cuda
+@pytest.mark.device
+@pytest.mark.parametrize("layout", [s for s in LAYOUTS if "/e4m3/col_tma" not in s])
+def test_device_equals_the_peer(layout, seed):
+    """DeepSeek's tile_kernels (when importable) on the same inputs, bitwise (its H % 64 == 0 sizes)."""
+    peer = pytest.importorskip("tile_kernels.quant")
+    s = ScaleLayout.parse(layout)
+    for tokens, hidden in ((512, 2048), (4001, 7168)):
+        x = sample(tokens, hidden, seed=seed).cuda()
+        data, sf = ops.per_token_cast(x, layout)
+        theirs = peer.per_token_cast(x, s.fmt, s.block[1], use_tma_aligned_col_major_sf=s.storage == "col_tma",
+                                     round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0", use_e4m3_sf=s.sf == "e4m3")
+        assert_same(data, (theirs[0].view(torch.uint8) if s.fmt == "e2m1" else theirs[0]).cpu())
+        assert_same(sf, theirs[1].cpu())
