@@ -106,6 +106,17 @@ def _compare(name: str, key: str, code: str, got: torch.Tensor, want: torch.Tens
             "max_abs_diff": (got.double() - want.double()).abs().max().item() if got.numel() else 0.0}
 
 
+def _full_tensor(dt):
+    """``dt.full_tensor()``; a float8 tensor gathered as its bytes (gloo has no float8 type)."""
+    if dt.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return dt.full_tensor()
+    from torch.distributed.tensor import DTensor
+
+    raw = DTensor.from_local(dt.to_local().view(torch.uint8), dt.device_mesh, dt.placements, run_check=False,
+                             shape=dt.shape, stride=dt.stride())
+    return raw.full_tensor().view(dt.dtype)
+
+
 def run_strategy(name: str, index: int, codes: dict, returns: tuple, mesh, rank: int) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -134,7 +145,7 @@ def run_strategy(name: str, index: int, codes: dict, returns: tuple, mesh, rank:
             continue
         code = returns[int(key[8:-1])] if key.startswith("returns[") and returns else codes.get(key.split("[")[0], "R")
         dt = got[key]
-        checks[key] = {"placement": str(dt.placements), **_compare(name, key, code, dt.full_tensor(), ref)}
+        checks[key] = {"placement": str(dt.placements), **_compare(name, key, code, _full_tensor(dt), ref)}
     return {"op": name, "strategy": index, "collectives": collectives, "checks": checks}
 
 

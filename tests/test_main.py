@@ -201,8 +201,8 @@ def test_default_lowers_the_first_case_of_every_kernel_module_of_both_backends(f
     n, total = len(modules), sum(len(fake_cases(m)) for _, _, m in modules)
     assert [row[:5] for row in progress_rows(out)] == [
         (i + 1, n, t, name, "ok") for i, (t, name) in enumerate(expected)]
-    assert ("lowering the first kernel of each engram, mhc kernel module (--all: every kernel) at H=512 for "
-            "AscendC (Ascend 950) and CUDA (sm_90a), in this process\n") in out
+    assert (f"lowering the first kernel of each {', '.join(FAMILIES)} kernel module (--all: every kernel) at H=512 "
+            f"for AscendC (Ascend 950) and CUDA (sm_90a), in this process\n") in out
     assert f"summary (H={H}; {n} of the {total} kernels):\n" in out
     assert f"  AscendC (Ascend 950): lowered {n // 2}/{n // 2} within the UB budget\n" in out
     assert "  failures: 0\n" in out
@@ -231,7 +231,7 @@ def test_all_lowers_every_kernel(fake_lowering, capsys):
     assert [(row[0], row[1], row[2], row[3]) for row in progress_rows(out)] == [
         (i + 1, len(expected), t, name) for i, (t, name) in enumerate(expected)]
     assert f"summary (H={H}; {len(expected)} of the {len(expected)} kernels):\n" in out
-    assert "lowering every engram, mhc kernel at H=512" in out
+    assert f"lowering every {', '.join(FAMILIES)} kernel at H=512" in out
 
 
 def test_a_failed_lowering_makes_the_exit_status_1(fake_lowering, capsys):
