@@ -12,7 +12,7 @@ from cann_ops_tilelang import limits  # noqa: E402
 from cann_ops_tilelang.kernels.ascend import _build  # noqa: E402
 from cann_ops_tilelang.kernels.ascend import quant as ascend_quant  # noqa: E402
 from cann_ops_tilelang.kernels.ascend.quant import per_token_cast as kernel  # noqa: E402
-from cann_ops_tilelang.quant.layout import ScaleLayout  # noqa: E402
+from cann_ops_tilelang.quant import ScaleLayout  # noqa: E402
 
 CASES = sorted(kernel.per_token_cast_cases(limits.QUANT_HIDDEN_SIZES[0], 4))
 

@@ -37,7 +37,7 @@ from tilelang.ascend.language import simd as S
 
 from .... import limits
 from ....policy import ASCEND_CASE_CORES
-from ....quant.layout import BLOCKS, ScaleLayout
+from ....quant import BLOCKS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
 
