@@ -136,7 +136,7 @@ def test_bench_sinkhorn(bench, device, name, tokens, repeat):
 
 
 def _unfused_pre(args):
-    from test_mhc_fused_device import unfused_pre
+    from mhc_testing import unfused_pre
 
     mul, sq, scale, base, residual = args[:5]
     rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, splits = args[8:14]
