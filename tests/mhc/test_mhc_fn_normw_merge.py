@@ -1,6 +1,6 @@
 """``mhc_fn_normw_merge_forward`` / ``_backward`` (docs/ops/mhc.md#fn_normw_merge): validation, fakes against the
 references and opcheck (CPU tier; the reference backward against float64 autograd is checked with the other
-primitives' in test_mhc_across_ops.py); both kernels lowered for both targets (Ascend 950 within the UB, CUDA sm_90a
+primitives' in test_mhc_family.py); both kernels lowered for both targets (Ascend 950 within the UB, CUDA sm_90a
 cubins) and the builders' declared ranges (CPU tier); both ops against their references on the device, the
 backward's accumulation into its prior gradients, and opcheck there (device tier)."""
 

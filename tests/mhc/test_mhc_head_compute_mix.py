@@ -1,6 +1,6 @@
 """``mhc_head_compute_mix_forward`` / ``_backward`` (docs/ops/mhc.md#head_compute_mix): validation, fakes against
 the references and opcheck (CPU tier; the reference backward against float64 autograd is checked with the other
-primitives' in test_mhc_across_ops.py); both per-token kernels lowered for both targets (Ascend 950 within the UB,
+primitives' in test_mhc_family.py); both per-token kernels lowered for both targets (Ascend 950 within the UB,
 CUDA sm_90a cubins) and the builders' and keys' declared ranges (CPU tier); both ops against their references on
 the device and opcheck there (device tier)."""
 

@@ -1,6 +1,6 @@
 """``mhc_post_forward`` (and its out= variant) / ``mhc_post_backward`` (docs/ops/mhc.md#post): validation, fakes
 against the references and opcheck (CPU tier; the references' backward against float64 autograd is checked with
-the other primitives' in test_mhc_across_ops.py); the kernels lowered for both targets (Ascend 950 within the UB,
+the other primitives' in test_mhc_family.py); the kernels lowered for both targets (Ascend 950 within the UB,
 CUDA sm_90a cubins), the CUDA backward's cp.async ring within its annotated occupancy and the builders' declared
 ranges (CPU tier); the ops against their references on the device and opcheck there (device tier)."""
 

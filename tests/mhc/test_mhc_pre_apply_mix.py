@@ -1,6 +1,6 @@
 """``mhc_pre_apply_mix_forward`` / ``_backward`` (docs/ops/mhc.md#pre_apply_mix): validation (the hidden sizes
 out of range among it), fakes against the references and opcheck (CPU tier; the reference backward against float64
-autograd is checked with the other primitives' in test_mhc_across_ops.py); both kernels lowered for both targets
+autograd is checked with the other primitives' in test_mhc_family.py); both kernels lowered for both targets
 (Ascend 950 within the UB, CUDA sm_90a cubins) and the builders' declared ranges (CPU tier); both ops against their
 references on the device, the backward's accumulation into its prior grad_x, and opcheck there (device tier)."""
 
