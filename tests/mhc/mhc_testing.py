@@ -395,3 +395,47 @@ def unfused_pre(gemm_out_mul, gemm_out_sqrsum, scale, base, residual, rms_eps, p
     layer_input = residual.new_empty(tokens, hidden)
     ops.mhc_pre_apply_mix_forward(residual, pre, layer_input)
     return post, comb.view(tokens, m * m), layer_input
+
+
+def op_module_tests(module: str) -> dict:
+    """The tests every op file runs alike over the ops of ``cann_ops_tilelang.mhc.<module>``: validation (wrong
+    dtype and shape of every tensor argument, nothing written on bad input, no CPU kernel), fakes against the
+    references, opcheck, and opcheck on the device. An op file takes them in with
+    ``globals().update(op_module_tests("<module>"))``; their node ids are those of tests written in the file."""
+    from _plugins.device import requires_device
+
+    by_name = pytest.mark.parametrize("name", ops_of(module))
+    by_tokens = pytest.mark.parametrize("tokens", TOKENS)
+
+    @by_name
+    def test_wrong_dtype_of_every_tensor_argument(name):
+        check_wrong_dtype_of_every_tensor_argument(name)
+
+    @by_name
+    def test_wrong_shape_of_every_tensor_argument(name):
+        check_wrong_shape_of_every_tensor_argument(name)
+
+    @by_name
+    def test_nothing_written_on_bad_input(name):
+        check_nothing_written_on_bad_input(name)
+
+    @by_name
+    def test_cpu_tensors_have_no_kernel(name):
+        check_cpu_tensors_have_no_kernel(name)
+
+    @by_tokens
+    @by_name
+    def test_fakes_match_references(name, tokens, seed):
+        check_fakes_match_references(name, tokens, seed)
+
+    @by_tokens
+    @by_name
+    def test_opcheck(name, tokens, seed):
+        check_opcheck(name, tokens, seed)
+
+    @requires_device
+    @by_name
+    def test_opcheck_on_device(name, device, seed):
+        check_opcheck_on_device(name, device, seed)
+
+    return {name: test for name, test in locals().items() if name.startswith("test_")}

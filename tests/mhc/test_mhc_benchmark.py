@@ -10,12 +10,11 @@ mean recorded). Bytes: every tensor the op reads or writes once, buffers it accu
 
 import importlib.util
 
+import mhc_ref as ref
 import pytest
 import torch
 from _plugins.device import requires_cuda
 from mhc_cases import make_args
-
-import mhc_ref as ref
 
 pytestmark = [pytest.mark.benchmark, requires_cuda]
 

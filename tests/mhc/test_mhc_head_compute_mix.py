@@ -11,21 +11,14 @@ from mhc_testing import (
     CORES,
     DEVICE_TOKENS,
     HAVE_NVCC,
-    TOKENS,
     ascend_mhc,
     check_ascend_lowers_within_ub,
-    check_cpu_tensors_have_no_kernel,
     check_cuda_compiles_to_sm90a_cubin,
-    check_fakes_match_references,
-    check_nothing_written_on_bad_input,
-    check_opcheck,
-    check_opcheck_on_device,
     check_per_token_op_vs_reference,
     check_values_outside_the_declared_ranges_raise_limit_error,
-    check_wrong_dtype_of_every_tensor_argument,
-    check_wrong_shape_of_every_tensor_argument,
     cuda_mhc,
     lowering_cases,
+    op_module_tests,
     ops_of,
 )
 
@@ -34,39 +27,9 @@ from cann_ops_tilelang.kernels.ascend.mhc import head_compute_mix
 OPS = ops_of("head_compute_mix")
 
 
-# --- validation, fakes and opcheck (CPU tier) -------------------------------------------------------------------------
+# --- validation, fakes and opcheck (CPU tier; opcheck also on the device): the tests every op file runs alike ---
 
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_dtype_of_every_tensor_argument(name):
-    check_wrong_dtype_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_shape_of_every_tensor_argument(name):
-    check_wrong_shape_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_nothing_written_on_bad_input(name):
-    check_nothing_written_on_bad_input(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_cpu_tensors_have_no_kernel(name):
-    check_cpu_tensors_have_no_kernel(name)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_fakes_match_references(name, tokens, seed):
-    check_fakes_match_references(name, tokens, seed)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck(name, tokens, seed):
-    check_opcheck(name, tokens, seed)
+globals().update(op_module_tests("head_compute_mix"))
 
 
 # --- the kernels lowered for both targets, the declared ranges (CPU tier) ---------------------------------------------
@@ -103,8 +66,3 @@ def test_values_outside_the_declared_ranges_raise_limit_error(case):
 def test_per_token_op_vs_reference(name, tokens, device, seed):
     check_per_token_op_vs_reference(name, tokens, device, seed)
 
-
-@requires_device
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck_on_device(name, device, seed):
-    check_opcheck_on_device(name, device, seed)

@@ -27,23 +27,16 @@ from mhc_testing import (
     CORES,
     HAVE_NVCC,
     HIDDEN,
-    TOKENS,
     M,
     _lowered,
     _lowered_prim_func,
     _unfused_vector_functions,
-    check_cpu_tensors_have_no_kernel,
-    check_fakes_match_references,
     check_fused_lowers_within_ub,
     check_fused_token_count_is_dynamic,
-    check_nothing_written_on_bad_input,
-    check_opcheck,
-    check_opcheck_on_device,
     check_out_of_range_raises_limit_error,
-    check_wrong_dtype_of_every_tensor_argument,
-    check_wrong_shape_of_every_tensor_argument,
     cuda_mhc,
     fused_lowering_cases,
+    op_module_tests,
     ops_of,
     vector_functions,
 )
@@ -58,39 +51,9 @@ from cann_ops_tilelang.limits import MHC_RECOMPUTE_LAYERS, LimitError
 OPS = ops_of("multilayer_recompute")
 
 
-# --- validation, fakes and opcheck (CPU tier) -------------------------------------------------------------------------
+# --- validation, fakes and opcheck (CPU tier; opcheck also on the device): the tests every op file runs alike ---
 
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_dtype_of_every_tensor_argument(name):
-    check_wrong_dtype_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_shape_of_every_tensor_argument(name):
-    check_wrong_shape_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_nothing_written_on_bad_input(name):
-    check_nothing_written_on_bad_input(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_cpu_tensors_have_no_kernel(name):
-    check_cpu_tensors_have_no_kernel(name)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_fakes_match_references(name, tokens, seed):
-    check_fakes_match_references(name, tokens, seed)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck(name, tokens, seed):
-    check_opcheck(name, tokens, seed)
+globals().update(op_module_tests("multilayer_recompute"))
 
 
 def test_multilayer_recompute_refuses_more_layers_than_its_kernels_take():
@@ -401,8 +364,3 @@ def test_multilayer_recompute_equals_the_apply_mix_post_chain(layers, kept, toke
             r = ops.mhc_post_forward(outputs[layer], r, posts[layer], combs[layer])
             assert torch.equal(residuals[layer], r), layer
 
-
-@requires_device
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck_on_device(name, device, seed):
-    check_opcheck_on_device(name, device, seed)

@@ -21,22 +21,15 @@ from mhc_testing import (
     CONTRACT_HIDDEN,
     CORES,
     HAVE_NVCC,
-    TOKENS,
     M,
     _lowered,
     _unfused_vector_functions,
-    check_cpu_tensors_have_no_kernel,
-    check_fakes_match_references,
     check_fused_lowers_within_ub,
     check_fused_token_count_is_dynamic,
-    check_nothing_written_on_bad_input,
-    check_opcheck,
-    check_opcheck_on_device,
     check_out_of_range_raises_limit_error,
-    check_wrong_dtype_of_every_tensor_argument,
-    check_wrong_shape_of_every_tensor_argument,
     cuda_mhc,
     fused_lowering_cases,
+    op_module_tests,
     ops_of,
     unfused_pre,
     vector_functions,
@@ -58,39 +51,9 @@ from cann_ops_tilelang.limits import MHC_SINKHORN_REPEAT, LimitError
 OPS = ops_of("pre_big_fuse")
 
 
-# --- validation, fakes and opcheck (CPU tier) -------------------------------------------------------------------------
+# --- validation, fakes and opcheck (CPU tier; opcheck also on the device): the tests every op file runs alike ---
 
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_dtype_of_every_tensor_argument(name):
-    check_wrong_dtype_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_shape_of_every_tensor_argument(name):
-    check_wrong_shape_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_nothing_written_on_bad_input(name):
-    check_nothing_written_on_bad_input(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_cpu_tensors_have_no_kernel(name):
-    check_cpu_tensors_have_no_kernel(name)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_fakes_match_references(name, tokens, seed):
-    check_fakes_match_references(name, tokens, seed)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck(name, tokens, seed):
-    check_opcheck(name, tokens, seed)
+globals().update(op_module_tests("pre_big_fuse"))
 
 
 # --- the Ascend 950 kernel (CPU tier) ---------------------------------------------------------------------------------
@@ -347,8 +310,3 @@ def test_pre_big_fuse_equals_the_unfused_chain(tokens, hidden, repeat, device, s
     for got, ref in zip((post, comb, layer_input), want):
         assert torch.equal(got, ref)
 
-
-@requires_device
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck_on_device(name, device, seed):
-    check_opcheck_on_device(name, device, seed)

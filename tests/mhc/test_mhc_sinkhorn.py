@@ -14,23 +14,16 @@ from mhc_testing import (
     CORES,
     DEVICE_TOKENS,
     HAVE_NVCC,
-    TOKENS,
     ascend_mhc,
     check,
     check_ascend_lowers_within_ub,
-    check_cpu_tensors_have_no_kernel,
     check_cuda_compiles_to_sm90a_cubin,
-    check_fakes_match_references,
-    check_nothing_written_on_bad_input,
-    check_opcheck,
-    check_opcheck_on_device,
     check_per_token_op_vs_reference,
     check_values_outside_the_declared_ranges_raise_limit_error,
-    check_wrong_dtype_of_every_tensor_argument,
-    check_wrong_shape_of_every_tensor_argument,
     close,
     cuda_mhc,
     lowering_cases,
+    op_module_tests,
     ops_of,
     run_both,
 )
@@ -42,39 +35,9 @@ from cann_ops_tilelang.kernels.ascend.mhc import sinkhorn
 OPS = ops_of("sinkhorn")
 
 
-# --- validation, fakes and opcheck (CPU tier) -------------------------------------------------------------------------
+# --- validation, fakes and opcheck (CPU tier; opcheck also on the device): the tests every op file runs alike ---
 
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_dtype_of_every_tensor_argument(name):
-    check_wrong_dtype_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_wrong_shape_of_every_tensor_argument(name):
-    check_wrong_shape_of_every_tensor_argument(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_nothing_written_on_bad_input(name):
-    check_nothing_written_on_bad_input(name)
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_cpu_tensors_have_no_kernel(name):
-    check_cpu_tensors_have_no_kernel(name)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_fakes_match_references(name, tokens, seed):
-    check_fakes_match_references(name, tokens, seed)
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck(name, tokens, seed):
-    check_opcheck(name, tokens, seed)
+globals().update(op_module_tests("sinkhorn"))
 
 
 # --- the reference's backward against float64 autograd (CPU tier) -----------------------------------------------------
@@ -173,8 +136,3 @@ def test_sinkhorn_large_logits(name, offset, eps, device, seed):
     assert torch.isfinite(oa[out]).all()
     torch.testing.assert_close(oa[out], ra[out], rtol=1e-5, atol=1e-6)
 
-
-@requires_device
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck_on_device(name, device, seed):
-    check_opcheck_on_device(name, device, seed)
