@@ -53,6 +53,21 @@ def test_each_family_has_a_cases_registry(family):
     assert set(cases.builders(family)) == declared
 
 
+_TIER_FILE = re.compile(r"test_\w+_(cpu|device|lowering|validation|ascend|cuda)\.py$")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_op_module_has_one_test_file_and_no_tier_files(family):
+    """docs/adding-an-op.md: the tests of op module ``<family>/<module>.py`` are in
+    ``tests/<family>/test_<family>_<module>.py``, every tier in that file (tiers are markers: ``device``,
+    ``benchmark``), never in a file per tier."""
+    declared = {p.declaration.module for p in ops.registered_ops().values() if p.declaration.family == family}
+    folder = ROOT / "tests" / family
+    missing = [m for m in sorted(declared) if not (folder / f"test_{family}_{m}.py").is_file()]
+    assert missing == [], f"op modules of {family} without their test file: {missing}"
+    assert [f.name for f in sorted(folder.glob("test_*.py")) if _TIER_FILE.search(f.name)] == []
+
+
 def _recorded_launch(public, backend: str, call: dict, monkeypatch) -> tuple[str, dict]:
     calls = []
     stub = types.SimpleNamespace(**{public.declaration.kernel: lambda **kw: calls.append(kw)})

@@ -25,8 +25,7 @@ M, M3 = 4, 24
 # mHC per-token kernels, the Engram hash and the Engram Sinkhorn optimizer's kernels (also "sinkhorn/")
 _SIZE_FREE = ("reduce_partials_and_rmsnorm/", "pre_split_mixes/", "sinkhorn/", "head_compute_mix/", "hash/")
 # the fused mHC kernels: every case is lowered at the hidden-size edges by their own files, with their stricter
-# checks (test_mhc_fused_ascend_lowering.py, test_mhc_pre_big_fuse_cuda_lowering.py,
-# test_mhc_multilayer_recompute_cuda_lowering.py), so not twice
+# checks (tests/mhc/test_mhc_pre_big_fuse.py, tests/mhc/test_mhc_multilayer_recompute.py), so not twice
 _OWN_EDGES = ("pre_big_fuse/", "multilayer_recompute/")
 
 

@@ -208,10 +208,10 @@ def test_readme_anchors_within_the_readme_exist():
 def test_path_extraction():
     text = ("See `docs/ops/mhc.md#sinkhorn`, `limits.py`, `true/false`, `1/0`, `tests/<family>/x.jsonl`, "
             "`python tools/run_tests.py --benchmarks` and [a](docs/ops/engram.md#gate) or [b](https://x.y/z).\n"
-            "```bash\npython -m pytest tests/engram/test_engram_device.py -q\n```\n"
+            "```bash\npython -m pytest tests/engram/test_engram_gate.py -q\n```\n"
             "```python\nopen('tests/not/checked.py')\n```\n")
     assert referenced_paths(text) == ["docs/ops/engram.md#gate", "docs/ops/mhc.md#sinkhorn", "limits.py",
-                                      "tests/engram/test_engram_device.py", "tools/run_tests.py"]
+                                      "tests/engram/test_engram_gate.py", "tools/run_tests.py"]
     tree = "## Layout\n\n```\nsrc/pkg/\n  a.py     comment\n  sub/\n    b/     more\n  c/\ntools/   x\n```\n"
     assert layout_tree_paths(tree) == ["src/pkg/", "src/pkg/a.py", "src/pkg/sub/", "src/pkg/sub/b/", "src/pkg/c/",
                                        "tools/"]

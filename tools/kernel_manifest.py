@@ -41,7 +41,8 @@ def normalizer(renames: dict):
     """The source text with the renames applied: substrings first, then whole identifiers."""
     subs, words = renames.get("substrings", {}), renames.get("words", {})
     sub_re = re.compile("|".join(map(re.escape, sorted(subs, key=len, reverse=True)))) if subs else None
-    word_re = re.compile(r"\b(" + "|".join(map(re.escape, sorted(words, key=len, reverse=True))) + r")\b") \
+    # an old identifier alone or as the prefix of one the code generator derives from it (x_grad_local_cast)
+    word_re = re.compile(r"\b(" + "|".join(map(re.escape, sorted(words, key=len, reverse=True))) + r")(?=\b|_)") \
         if words else None
 
     def apply(text: str) -> str:

@@ -262,15 +262,14 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"cann_ops_tilelang device binding: {b.reason if b else 'not run'}"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Tests that demand a device run kernels on it: give them the `device` marker (memory profiles).
-    for item in items:
-        if item.get_closest_marker("device") is None and (
-            any(item.get_closest_marker(m) for m in _REQUIRES)
-            or any(f in getattr(item, "fixturenames", ()) for f in ("device", *_REQUIRES))
-        ):
-            item.add_marker("device")
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Tests that demand a device run kernels on it: give them the `device` marker as each is collected, so that
+    # every collection hook (memprofile's large_npu_mem, -m deselection) sees it.
+    if item.get_closest_marker("device") is None and (
+        any(item.get_closest_marker(m) for m in _REQUIRES)
+        or any(f in getattr(item, "fixturenames", ()) for f in ("device", *_REQUIRES))
+    ):
+        item.add_marker("device")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

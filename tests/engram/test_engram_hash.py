@@ -1,6 +1,7 @@
 """``engram_hash`` (docs/ops/engram.md#hash): the exact int64 contract of the reference, validation, fakes,
-opcheck and torch.compile (CPU tier), both backends' kernels lowered and their generated code run on the host
-against the reference (CPU tier), and the device kernels bitwise against the reference (device tier)."""
+opcheck and torch.compile (CPU tier), both backends' kernels lowered (at the sizes that matter and at the Ascend
+range edges) and their generated code run on the host against the reference (CPU tier), and the device kernels
+bitwise against the reference (device tier)."""
 
 import ctypes
 import os
@@ -14,6 +15,7 @@ from _plugins import cases
 from _plugins.device import requires_device
 from _plugins.references import without_cpu_references
 from engram_ref import engram_hash_ref, make_hash_inputs
+from engram_testing import lowering_tests
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cann_ops_tilelang as ops
@@ -229,6 +231,9 @@ def test_compile_fullgraph_dynamic_no_recompile(seed):
 
 
 # --- kernels: lowering, launch keys, and the generated code run on the host ------------------------------
+
+
+test_ascend_lowers_within_ub, test_cuda_compiles_to_sm90a_cubin = lowering_tests("hash")
 
 
 def test_both_backends_lower_at_the_ascend_range_edges():

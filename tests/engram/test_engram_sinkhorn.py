@@ -4,15 +4,20 @@ CPU tier (the ops run their references, tests/engram/engram_ref.py): validation,
 fakes, opcheck, torch.compile traces, the references against independent fp32/fp64 arithmetic, the optimizer
 against a plain PyTorch formulation of its update, determinism, zero rows, the state_dict round trip, refused
 steps that change nothing (bitwise), the beta1/momentum alias under torch's schedulers, numpy numbers, bool-only
-flags and misuse named by function and argument, and lowering of both backends at the widths the lowering suite
-skips (DTensor tables: tests/test_dtensor.py). Device tier (skipped without a GPU/NPU):
-every op against its reference on the device and bitwise run to run, and the optimizer for a few steps.
+flags and misuse named by function and argument, and both backends' kernels lowered at the sizes that matter, at the
+other widths and with mixed dtypes, the CUDA step's table streaming and schedules (DTensor tables:
+tests/test_dtensor.py). Device tier (skipped without a GPU/NPU): every op against its reference on the device and
+bitwise run to run, and the optimizer for a few steps.
+
+The optimizer (src/cann_ops_tilelang/optim/sinkhorn.py) is the one user of the ops of
+src/cann_ops_tilelang/engram/sinkhorn.py: its tests are here, with theirs.
 """
 
 import copy
 import io
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,10 +38,12 @@ from engram_ref import (
     engram_sinkhorn_update_model,
     sinkhorn_worker_rows,
 )
+from engram_testing import lowering_tests
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang.engram.sinkhorn import sinkhorn_partials
+from cann_ops_tilelang.kernels.cuda import _build as cuda_build
 from cann_ops_tilelang.optim import EngramSinkhorn, sinkhorn_update
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -940,7 +947,31 @@ def test_sinkhorn_update_takes_numpy_ints_and_floats(seed):
     assert torch.equal(sinkhorn_update(x, np.int64(3), np.float64(1e-8), np.float32(8.0)), want)
 
 
-# --- lowering at the widths and dtypes the lowering suite does not cover ----------------------------------
+# --- lowering: the sizes that matter, the table streaming, other widths and mixed dtypes --------------
+
+
+test_ascend_lowers_within_ub, test_cuda_compiles_to_sm90a_cubin = lowering_tests("sinkhorn")
+
+
+@pytest.mark.parametrize("cols", [64, 128, 1024])
+def test_cuda_sinkhorn_step_streams_the_table_evict_first(cols):
+    """The step's table rows come in by the evict-first helper only (kernels/cuda/_cp_async.py), every
+    16-byte copy of the table one of them, inside the step's commit groups; the row scales by TileLang's
+    4-byte cp.async; and the helper's PTX carries the L2 policy on the copy."""
+    from cann_ops_tilelang.kernels.cuda import _cp_async
+    from cann_ops_tilelang.kernels.cuda.engram import sinkhorn as sk
+
+    for split in (False, True):  # the split schedule's row bounds are variables: TileLang guards the scale copy
+        body = cuda_build.lower_source(sk.build_engram_sinkhorn_step(cols, split))
+        body = body[body.index("__global__ void __launch_bounds__"):]
+        hinted = re.findall(r"ops_cp_async16_evict_first\([^;]*?\)\),\s*\(&\((\w+)\[", body)
+        plain = re.findall(r"cp_async_gs(?:_conditional)?<(\d+)>\([^;]*?\)\),\s*\(&\((\w+)\[", body)
+        assert hinted and set(hinted) == {"matrix"}
+        assert set(plain) == {("4", "row_scale")}
+        assert body.index("ops_cp_async16_evict_first") < body.index("cp_async_commit")
+    helper = _cp_async.PRELUDE[_cp_async.PRELUDE.index("ops_cp_async16_evict_first"):]
+    assert '"l"(0x12f0000000000000ull)' in helper and _cp_async.L2_EVICT_FIRST_POLICY == 0x12F0000000000000
+    assert "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;" in helper
 
 
 def test_ascend_lowers_other_widths_and_mixed_dtypes_within_ub():

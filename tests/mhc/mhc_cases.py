@@ -22,7 +22,8 @@ BF16, F32 = torch.bfloat16, torch.float32
 # the family's ops as registered, not listed here (each has an <op>_call below: tests/test_example_calls.py)
 OPS = [name for name, public in ops.registered_ops().items() if public.declaration.family == "mhc"]
 
-# fused ops: held to the chains they replace, bit for bit (tests/mhc/test_mhc_fused_device.py)
+# fused ops: held to the chains they replace, bit for bit (tests/mhc/test_mhc_pre_big_fuse.py,
+# tests/mhc/test_mhc_multilayer_recompute.py)
 FUSED_OPS = {"mhc_pre_big_fuse", "mhc_multilayer_recompute"}
 
 # token-independent ops (weights only)

@@ -10,12 +10,11 @@ mean recorded). Bytes: every tensor the op reads or writes once, buffers it accu
 
 import importlib.util
 
+import mhc_ref as ref
 import pytest
 import torch
 from _plugins.device import requires_cuda
 from mhc_cases import make_args
-
-import mhc_ref as ref
 
 pytestmark = [pytest.mark.benchmark, requires_cuda]
 
@@ -136,7 +135,7 @@ def test_bench_sinkhorn(bench, device, name, tokens, repeat):
 
 
 def _unfused_pre(args):
-    from test_mhc_fused_device import unfused_pre
+    from mhc_testing import unfused_pre
 
     mul, sq, scale, base, residual = args[:5]
     rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, splits = args[8:14]

@@ -31,6 +31,10 @@ def test_missing():
 def test_param(n):
     pass
 
+@requires_device
+def test_requires_missing():  # `device` comes from requires_device: unprofiled, so large
+    pass
+
 def test_cpu():
     pass
 
@@ -58,33 +62,34 @@ def tree(inner, monkeypatch):
 
 def test_large_and_missing_profiles_marked(tree):
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "large_npu_mem", "--large-mem-threshold", "64")
-    assert _collected(r) == ["test_big", "test_missing", "test_param[2]"]
+    assert _collected(r) == ["test_big", "test_missing", "test_param[2]", "test_requires_missing"]
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "not large_npu_mem", "--large-mem-threshold", "64")
     assert _collected(r) == ["test_cpu", "test_cpu_unprofiled", "test_param[1]", "test_small"]
 
 
 def test_default_threshold_16gib(tree):
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "large_npu_mem")
-    assert _collected(r) == ["test_missing"]
+    assert _collected(r) == ["test_missing", "test_requires_missing"]
 
 
 def test_threshold_from_env(tree, monkeypatch):
     monkeypatch.setenv(memprofile.THRESHOLD_ENV, "4")  # MiB
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "large_npu_mem")
-    assert _collected(r) == ["test_big", "test_missing", "test_param[1]", "test_param[2]"]
+    assert _collected(r) == ["test_big", "test_missing", "test_param[1]", "test_param[2]", "test_requires_missing"]
     # the option wins over the environment
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "large_npu_mem", "--large-mem-threshold", "4096")
-    assert _collected(r) == ["test_missing"]
+    assert _collected(r) == ["test_missing", "test_requires_missing"]
 
 
 def test_cuda_uses_cuda_profiles(tree, monkeypatch):
     monkeypatch.setattr(device, "_DEVICE_TYPE", "cuda")
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "large_npu_mem")
-    assert _collected(r) == ["test_big", "test_missing", "test_param[1]", "test_param[2]", "test_small"]  # no cuda file
+    assert _collected(r) == ["test_big", "test_missing", "test_param[1]", "test_param[2]", "test_requires_missing",
+                             "test_small"]  # no cuda file
     (tree.path / "fam" / "cuda_mem_profiles").mkdir()
     (tree.path / "fam" / "cuda_mem_profiles" / "test_m.json").write_text(json.dumps({"test_big": 1, "test_missing": 1}))
     r = tree.runpytest(*INNER_ARGS, "--collect-only", "-q", "-m", "large_npu_mem")
-    assert _collected(r) == ["test_param[1]", "test_param[2]", "test_small"]
+    assert _collected(r) == ["test_param[1]", "test_param[2]", "test_requires_missing", "test_small"]
 
 
 class FakeMemory:

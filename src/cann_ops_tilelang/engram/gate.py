@@ -223,7 +223,8 @@ engram_gate_forward.op = _engram_gate_forward.op
 _TOKEN_ARGS = ("hidden_states", "kv", "image_token_mask")
 _engram_gate_forward.sharding({**dict.fromkeys(_TOKEN_ARGS, "S0"), "returns": ("S0",) * 5})
 engram_gate_forward_inplace.sharding(dict.fromkeys(_TOKEN_ARGS, "S0"))
-engram_gate_backward.sharding({**dict.fromkeys(("grad_out", "dot", "gate_score", "rstd_x", "rstd_k", *_TOKEN_ARGS), "S0"),
+engram_gate_backward.sharding({**dict.fromkeys(("grad_out", "dot", "gate_score", "rstd_x", "rstd_k", *_TOKEN_ARGS),
+                                               "S0"),
                           "returns": ("S0", "S0", "P")})
 
 __getattr__ = _deprecated.module_getattr(__name__, globals())  # the names renamed in 0.2, for one release

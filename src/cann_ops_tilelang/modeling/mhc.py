@@ -146,7 +146,8 @@ def _mixes_backward(grad_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, grad_
     """Reduce + RMSNorm and GEMM backward; accumulates into ``grad_residual`` (T, m, H) and returns d fn_m."""
     tokens, m, hidden = residual.shape
     grad_out_mul, grad_sqrsum = torch.empty_like(out_mul), torch.empty_like(sqrsum)
-    mhc_reduce_partials_and_rmsnorm_backward(grad_mixes, out_mul, sqrsum, grad_out_mul, grad_sqrsum, m * hidden, norm_eps)
+    mhc_reduce_partials_and_rmsnorm_backward(grad_mixes, out_mul, sqrsum, grad_out_mul, grad_sqrsum, m * hidden,
+                                             norm_eps)
     # explicit sizes (a -1 is ambiguous at zero tokens)
     k = m * hidden
     return mhc_gemm_with_sqrsum_backward(grad_out_mul.view(tokens, fn_m.shape[0]), grad_sqrsum.view(tokens),
@@ -214,7 +215,8 @@ class _Pre(torch.autograd.Function):
         zeros = torch.zeros_like
         # the one bf16 buffer of the residual gradient: post's contribution first (or zeros), then ours
         grad_residual = grad_residual_link.contiguous().clone() if grad_residual_link is not None else zeros(residual)
-        grad_li = grad_layer_input.contiguous() if grad_layer_input is not None else per_token(residual, hidden, zero=True)
+        grad_li = (grad_layer_input.contiguous() if grad_layer_input is not None
+                   else per_token(residual, hidden, zero=True))
         grad_pre = mhc_pre_apply_mix_backward(grad_li, residual, pre, grad_residual)
         grad_comb_logits = torch.empty_like(comb_logits)
         grad_comb = grad_comb.contiguous() if grad_comb is not None else per_token(comb_logits, m, m, zero=True)
@@ -223,8 +225,8 @@ class _Pre(torch.autograd.Function):
         grad_mixes = torch.empty_like(mixes)
         grad_scale, grad_base = over_tokens(mixes, *scale.shape), over_tokens(mixes, *base.shape)
         grad_post = grad_post.contiguous() if grad_post is not None else zeros(post)
-        mhc_pre_split_mixes_backward(grad_pre, grad_post, grad_comb_logits, mixes, post, scale, base, grad_mixes, grad_scale,
-                                     grad_base, post_mult_value)
+        mhc_pre_split_mixes_backward(grad_pre, grad_post, grad_comb_logits, mixes, post, scale, base, grad_mixes,
+                                     grad_scale, grad_base, post_mult_value)
         grad_fn_m = _mixes_backward(grad_mixes, residual, fn_m, out_mul, sqrsum, norm_eps, grad_residual)
         main_fn, main_scale, main_base, main_nw = ctx.mains
         grad_fn, grad_nw = _fn_grads(fn, norm_weight, grad_fn_m, (main_fn, main_nw), residual)

@@ -63,7 +63,7 @@ class BackwardPlan:
 
     def budget(self, width: int, l0b_bytes: int) -> dict[str, int]:
         """Bytes per buffer scope at column tile ``width`` as the kernel allocates them (UB: per vector
-        core); the lowering's merged pools equal these (tests/mhc/test_mhc_lowering.py)."""
+        core); the lowering's merged pools equal these (tests/mhc/test_mhc_gemm_with_sqrsum.py)."""
         W, BT, st = width, self.block_t, self.stages
         half = BT // _AIVS
         return {

@@ -3,7 +3,8 @@
 * ``mhc_post_forward(x, residual, post_layer_mix, comb_res_mix, out)`` (also the kernel of the op's
   ``out=`` variant): ``out[o] = bf16(post_o * x + sum_i comb[i, o] * res_i)`` (post term first, then i
   ascending).
-* ``mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, grad_out, grad_x, grad_residual, grad_post, grad_comb)``.
+* ``mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, grad_out, grad_x, grad_residual, grad_post,
+  grad_comb)``.
 
 Streaming scheme of :mod:`._streaming`; launchers take the op's arguments in schema order followed by
 its new outputs (docs/ops/mhc.md#conventions).
@@ -194,13 +195,15 @@ BACKWARD = Kernel("mhc_post_backward", StreamKey, build_mhc_post_backward, cases
                   derive=lambda residual: stream_key(residual.shape[-1], residual.shape[-2], num_vector_cores()))
 
 
-def mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, grad_out, grad_x, grad_residual, grad_post, grad_comb) -> None:
+def mhc_post_backward(x, residual, post_layer_mix, comb_res_mix, grad_out, grad_x, grad_residual, grad_post,
+                      grad_comb) -> None:
     """x (T,H) bf16, residual/grad_out (T,m,H) bf16, post (T,m) f32, comb (T,m,m) f32 -> grad_x (T,H) bf16,
     grad_residual (T,m,H) bf16, grad_post (T,m) f32 (or (T,m,1)), grad_comb (T,m,m) f32 (all overwritten).
     Current stream, no sync."""
     kernel = BACKWARD.compiled(BACKWARD.key(residual))
     n, m = residual.shape[0], residual.shape[1]
-    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, grad_out, grad_x, grad_residual, grad_post.reshape(n, m), grad_comb)
+    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, grad_out, grad_x, grad_residual,
+           grad_post.reshape(n, m), grad_comb)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -389,7 +389,8 @@ def mhc_post_backward(
     """
     kernel = BACKWARD.compiled(BACKWARD.key(x, residual))
     n, m = residual.shape[0], residual.shape[1]
-    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, grad_out, grad_x, grad_residual, grad_post.view(n, m), grad_comb)
+    kernel(x, residual, post_layer_mix.reshape(n, m), comb_res_mix, grad_out, grad_x, grad_residual,
+           grad_post.view(n, m), grad_comb)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

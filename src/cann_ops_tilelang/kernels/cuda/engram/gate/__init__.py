@@ -10,7 +10,8 @@ keeps an ``m * H`` fp32 tile in shared memory: at most 124 KiB, at m = 4 and H =
 
 from ...._kernel import kernel_module
 from ._keys import BwdKey, FwdKey
-from .backward import BACKWARD, PIPELINED, BwdPlan, build_engram_gate_backward, bwd_plan, engram_gate_backward, num_partials
+from .backward import (BACKWARD, PIPELINED, BwdPlan, build_engram_gate_backward, bwd_plan, engram_gate_backward,
+                       num_partials)
 from .forward import FORWARD, build_engram_gate_forward, engram_gate_forward, fwd_layout
 
 # kernel parameters named differently from the op argument they receive (the forward's; the backward's

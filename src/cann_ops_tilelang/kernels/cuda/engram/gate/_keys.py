@@ -48,7 +48,8 @@ def backward_cases(pipelined: bool):
         if pipelined and not bwd_plan(hidden_size, hc_mult).pipe:
             return {}
         partials, tag = grad_w_partials("cuda", hidden_size, hc_mult), "pipelined_" if pipelined else ""
-        return {f"engram_gate_backward_{infix}{tag}{mask}": BwdKey(hidden_size, hc_mult, partials, mask == "mask", residual)
+        return {f"engram_gate_backward_{infix}{tag}{mask}":
+                BwdKey(hidden_size, hc_mult, partials, mask == "mask", residual)
                 for residual, infix in ((True, ""), (False, "noresidual_")) for mask in ("nomask", "mask")}
 
     return cases

@@ -644,7 +644,8 @@ def _build_pipelined(hidden_size: int, hc_mult: int, num_partials: int, has_mask
 PIPELINED = Kernel("engram_gate_backward_pipelined", BwdKey, _build_pipelined, cases=backward_cases(pipelined=True))
 # One compile per key (never per token count) gives both variants: ``(kernel, pipelined kernel or None)``; the
 # launcher takes the pipelined one for at most ``BWD_TUNING.pipelined_tokens_per_worker`` tokens per worker.
-BACKWARD = Kernel("engram_gate_backward", BwdKey, build_engram_gate_backward, derive=_key, cases=backward_cases(pipelined=False),
+BACKWARD = Kernel("engram_gate_backward", BwdKey, build_engram_gate_backward, derive=_key,
+                  cases=backward_cases(pipelined=False),
                   compile=lambda key: (BACKWARD.jit(key), PIPELINED.compiled(key)
                                        if bwd_plan(key.hidden_size, key.hc_mult).pipe else None))
 

@@ -1,10 +1,13 @@
-"""``modeling.Engram`` and the gate's no-residual mode.
+"""The modeling layer of the Engram family: ``modeling.Engram``, and the gate's autograd wrapper
+``modeling.engram_gate`` / ``modeling.EngramGate`` (the gate ops themselves: test_engram_gate.py).
 
 CPU tier (the gate runs on the CPU references of tests/_plugins/references.py): the layer's output and the
 gradient of every input and parameter against float64 autograd of the demo's math (``engram_layer_model``
 in engram_ref.py), eager and under ``torch.compile(fullgraph=True)``; ``main_grad``; bad inputs; the n-gram
-windows and the hash helper; the gate op without its residual against its references and float64 autograd.
-Device tier (skipped without a device): the same comparisons on the device, compiled by inductor.
+windows and the hash helper; the autograd wrapper against autograd of the gate's fp32 model, with and without the
+residual, into ``main_grad``, compiled. Device tier (skipped without a device): the layer, compared the same way,
+compiled by inductor; the autograd wrapper against the gate's fp32 model and its weight gradients bitwise against
+the op chain, into ``main_grad``, compiled by inductor and CUDA graphs.
 
 Comparison metric (docs/ops/engram.md#layer): the module stores ``kv``, ``g·v``, the norms'
 and the convolution's outputs and every gradient in bf16, so it is compared with the float64 model with
@@ -17,16 +20,18 @@ import math
 
 import pytest
 import torch
-from _plugins.device import requires_device
+from _plugins.device import requires_cuda, requires_device
 from engram_ref import (
     calc_diff,
     engram_fused_weight_ref,
     engram_gate_backward_ref,
     engram_gate_forward_ref,
+    engram_grad_w_reduce_ref,
     engram_layer_model,
     gate_model,
     make_inputs,
 )
+from engram_testing import all_args, assert_equal, gate_args, inputs
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import config
@@ -560,57 +565,79 @@ def test_hash_ids_compiled_fullgraph_equals_eager(device, seed):
         assert torch.equal(got, want)
 
 
-# --- the gate without its residual ----------------------------------------------------------------------
+# --- the autograd wrapper over the CPU reference kernels ----------------------------------------------
 
 
-def gate_args(tokens, masked, seed):
-    x, kv, wh, we, mask = make_inputs(tokens, HIDDEN, masked=masked, generator=gen(seed))
-    return x, kv, wh, we, engram_fused_weight_ref(wh, we), mask
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_gate_no_residual_reference_is_the_residual_output_without_x(masked, seed):
-    """``residual=False``: output ``bf16(g·v)`` (zeros on masked tokens), the same statistics; the backward's
-    ``grad_x`` lacks exactly ``go`` (masked tokens: 0), ``grad_kv`` and the partials are unchanged."""
-    x, kv, wh, we, wf, mask = gate_args(33, masked, seed)
-    res = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask)
-    nores = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP, True, mask, residual=False)
-    for a, b in zip(res[1:], nores[1:]):
-        assert torch.equal(a, b)
-    gated = (res[2].unsqueeze(-1) * kv[:, 4:].float()).bfloat16()
-    if mask is not None:
-        gated[mask] = 0
-    assert torch.equal(nores[0], gated)
-    go = torch.randn(x.shape, generator=gen(seed + 1)).bfloat16()
-    full = engram_gate_backward_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, partials=3)
-    part = engram_gate_backward_ref(go.float(), x, kv, wf, *res[1:], CLAMP, mask, False, partials=3)
-    assert torch.equal(full[1], part[1]) and torch.equal(full[2], part[2])
-    # masked tokens: go with the residual, 0 without; others: go + the gate's term, the term alone
-    torch.testing.assert_close(full[0] - go.float(), part[0], rtol=0, atol=2e-6)
-    if mask is not None:
-        assert torch.equal(part[0][mask], torch.zeros_like(part[0][mask]))
+def wrapper_vs_reference(tokens, masked, seed, lead=None):
+    x, kv, wh, we, _, mask = all_args(tokens, masked, seed)
+    eps, clamp = 1e-6, 1e-6
+    go = torch.randn(x.shape, generator=gen(seed + 2)).bfloat16()
+    shape_x = x.shape if lead is None else (*lead, *x.shape[1:])
+    ours = [t.clone().requires_grad_() for t in (x.view(shape_x), kv.view(*shape_x[:-2], -1), wh, we)]
+    m_arg = None if mask is None else mask.view(shape_x[:-2])
+    out = engram_gate(*ours, clamp, eps, m_arg)
+    out.backward(go.view(shape_x))
+    ref = [t.float().clone().requires_grad_() for t in (x, kv, wh, we)]
+    ref_out = gate_model(*ref, eps, clamp, mask)
+    ref_out.backward(go.float())
+    return out.view(x.shape), ours, ref_out, ref
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_gate_no_residual_backward_vs_float64_autograd(masked, seed):
-    x, kv, wh, we, _, mask = gate_args(13, masked, seed)
-    d, eps, clamp = torch.float64, 1e-6, 1e-6
-    x64, kv64, wh64, we64 = (t.to(d).requires_grad_() for t in (x, kv, wh, we))
-    out = gate_model(x64, kv64, wh64, we64, eps, clamp, mask, residual=False)
-    go = torch.randn(out.shape, generator=gen(seed + 1), dtype=d)
-    out.backward(go)
+def test_autograd_wrapper_vs_reference_autograd(masked, seed):
+    out, ours, ref_out, ref = wrapper_vs_reference(64, masked, seed, lead=(8, 8))
+    torch.testing.assert_close(out.float(), ref_out, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(ours[0].grad.float().view(ref[0].shape), ref[0].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[1].grad.float().view(ref[1].shape), ref[1].grad, rtol=8e-3, atol=7e-3)
+    # bf16 parameter gradients: compare at bf16 resolution
+    torch.testing.assert_close(ours[2].grad.float(), ref[2].grad, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(ours[3].grad.float(), ref[3].grad, rtol=1.6e-2, atol=1e-3)
+    assert ours[2].grad.dtype == torch.bfloat16
+
+
+def test_autograd_wrapper_main_grad(seed):
+    x, kv, wh, we, _, mask = all_args(16, True, seed)
+    go = torch.randn(x.shape, generator=gen(seed + 3)).bfloat16()
+    module = EngramGate(HIDDEN)
     with torch.no_grad():
-        xd, kd, wf = x64.detach(), kv64.detach(), wh64.detach() * we64.detach()
-        raw = (xd * wf * kd[:, :4]).sum(-1)
-        rx = torch.rsqrt(xd.square().mean(-1) + eps)
-        rk = torch.rsqrt(kd[:, :4].square().mean(-1) + eps)
-        z = raw * rx * rk / HIDDEN**0.5
-        g = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp_min(z.abs(), clamp)), z))
-        gx, gkv, part = engram_gate_backward_ref(go, xd, kd, wf, raw, g, rx, rk, clamp, mask, False, partials=3)
-        gw = part.sum(0)
-    for name, got, want in (("x", gx, x64.grad), ("kv", gkv, kv64.grad), ("wh", gw * we64.detach(), wh64.grad),
-                            ("we", gw * wh64.detach(), we64.grad)):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+        module.weight_hidden.copy_(wh)
+        module.weight_embed.copy_(we)
+    prior_h = torch.randn(4, HIDDEN, generator=gen(seed + 4))
+    prior_e = torch.randn(4, HIDDEN, generator=gen(seed + 5))
+    module.weight_hidden.main_grad = prior_h.clone()
+    module.weight_embed.main_grad = prior_e.clone()
+    module(x, kv.view(16, -1), mask).backward(go)
+    assert module.weight_hidden.grad is None and module.weight_embed.grad is None
+    # the expected increment: the reference partials reduced in order, as grad_w_reduce does
+    out, dot, g, rx, rk = engram_gate_forward_ref(x, kv, engram_fused_weight_ref(wh, we), 1e-6, 1e-6, True, mask)
+    _, _, part = engram_gate_backward_ref(go, x, kv, engram_fused_weight_ref(wh, we), dot, g, rx, rk, 1e-6, mask,
+                              partials=config.grad_w_partials("cpu", HIDDEN))
+    want_h, want_e = prior_h.clone(), prior_e.clone()
+    engram_grad_w_reduce_ref(part, wh, we, want_h, want_e)
+    assert torch.equal(module.weight_hidden.main_grad, want_h)
+    assert torch.equal(module.weight_embed.main_grad, want_e)
+
+
+def test_autograd_wrapper_compiled(seed):
+    module = EngramGate(HIDDEN)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+
+    def grads(fn, x, kv, mask):
+        x = x.clone().requires_grad_()
+        module.zero_grad()
+        fn(x, kv, mask).float().square().sum().backward()
+        return [x.grad, module.weight_hidden.grad.clone(), module.weight_embed.grad.clone()]
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for tokens in (8, 12):
+            x, kv, wh, we, _, mask = all_args(tokens, True, seed + tokens)
+            kv = kv.view(tokens, -1)
+            for a, b in zip(grads(compiled, x, kv, mask), grads(module, x, kv, mask)):
+                assert torch.equal(a, b)
+
+
+# --- the gate without its residual: opcheck and the autograd wrapper ----------------------------------
 
 
 def test_gate_no_residual_opcheck_and_wrapper(seed):
@@ -633,17 +660,6 @@ def test_gate_no_residual_opcheck_and_wrapper(seed):
     torch.testing.assert_close(leaves[1].grad.float().view(ref[1].shape), ref[1].grad, rtol=8e-3, atol=7e-3)
     torch.testing.assert_close(leaves[2].grad.float(), ref[2].grad, rtol=1.6e-2, atol=1e-3)
     torch.testing.assert_close(leaves[3].grad.float(), ref[3].grad, rtol=1.6e-2, atol=1e-3)
-
-
-def test_gate_no_residual_refusals(seed):
-    x, kv, wh, we, wf, mask = gate_args(5, False, seed)
-    with pytest.raises(ValueError, match="engram_gate_forward: argument 'inplace': .*residual=False"):
-        ops.engram_gate_forward(x.clone(), kv, wf, EPS, CLAMP, False, None, inplace=True, residual=False)
-    with pytest.raises(TypeError, match="engram_gate_forward: argument 'residual'"):
-        ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, None, residual=1)
-    out, dot, g, rx, rk = engram_gate_forward_ref(x, kv, wf, EPS, CLAMP)
-    with pytest.raises(TypeError, match="engram_gate_backward: argument 'residual'"):
-        ops.engram_gate_backward(out, x, kv, wf, dot, g, rx, rk, CLAMP, None, "no")
 
 
 # --- device tier ----------------------------------------------------------------------------------------
@@ -676,3 +692,105 @@ def test_layer_on_device_main_grad(device, seed):
     assert module.gate.weight_hidden.grad is None
     assert torch.equal(module.gate.weight_hidden.main_grad.bfloat16(), grads[4])
     assert torch.equal(module.gate.weight_embed.main_grad.bfloat16(), grads[5])
+
+
+# --- device tier: the autograd wrapper ----------------------------------------------------------------
+
+
+# Weight gradients: the wrapper's contract is exact, bf16 of the op chain's fp32 sums (fused weight -> forward ->
+# backward -> grad_w_reduce into zeros), each op checked against its reference at the tolerances of §E with shared
+# statistics. Against a float64 model they are ill-posed: the signed sqrt's derivative is singular at z = 0, so a
+# token with |z| ~ 1e-5 turns the rounding of its dot product into errors of ~1e-3 of the largest gradient, and the
+# bf16 rounding of the gradient alone gives calc_diff 1.3e-6 .. 1.8e-6 (the fp32 reference chain on the CPU).
+
+
+def check_wrapper_vs_model(masked, device, seed, residual):
+    """``modeling.engram_gate`` forward and backward (T = 509, H = 4096): output and activation gradients against
+    autograd of the gate's fp32 model at the op tolerances, weight gradients bitwise against the op chain (see
+    the note above)."""
+    tokens, hidden = 509, 4096
+    x, kv, wh, we, mask = inputs(tokens, hidden, masked, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 2)).bfloat16().to(device)
+    ours = [t.clone().requires_grad_() for t in (x, kv.view(tokens, -1), wh, we)]
+    out = engram_gate(*ours, CLAMP, EPS, mask, residual=residual)
+    out.backward(go)
+    ref32 = [t.float().clone().requires_grad_() for t in (x, kv, wh, we)]
+    ref_out = gate_model(*ref32, EPS, CLAMP, mask, residual=residual)
+    ref_out.backward(go.float())
+    torch.testing.assert_close(out.float(), ref_out, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(ours[0].grad.float(), ref32[0].grad, rtol=8e-3, atol=7e-3)
+    torch.testing.assert_close(ours[1].grad.float().view(ref32[1].shape), ref32[1].grad, rtol=8e-3, atol=7e-3)
+    wf = ops.engram_fused_weight(wh, we)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, EPS, CLAMP, True, mask, residual=residual)
+    _, _, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, CLAMP, mask, residual)
+    want_h, want_e = torch.zeros_like(wf), torch.zeros_like(wf)
+    ops.engram_grad_w_reduce(part, wh, we, want_h, want_e)
+    assert_equal(ours[2].grad, want_h.bfloat16())
+    assert_equal(ours[3].grad, want_e.bfloat16())
+
+
+@requires_device
+@pytest.mark.parametrize("masked", [False, True])
+def test_autograd_wrapper_vs_reference(masked, device, seed):
+    check_wrapper_vs_model(masked, device, seed, residual=True)
+
+
+@requires_device
+@pytest.mark.parametrize("masked", [False, True])
+def test_autograd_wrapper_no_residual_vs_reference(masked, device, seed):
+    """``modeling.engram_gate(..., residual=False)``: ``g*v`` alone, masked tokens 0."""
+    check_wrapper_vs_model(masked, device, seed, residual=False)
+
+
+@requires_device
+def test_autograd_wrapper_main_grad_on_device(device, seed):
+    tokens, hidden = 257, 2560
+    x, kv, wh, we, mask = inputs(tokens, hidden, True, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 3)).bfloat16().to(device)
+    module = EngramGate(hidden, device=device)
+    with torch.no_grad():
+        module.weight_hidden.copy_(wh)
+        module.weight_embed.copy_(we)
+    prior = torch.randn(2, 4, hidden, generator=torch.Generator().manual_seed(seed + 4)).to(device)
+    module.weight_hidden.main_grad = prior[0].clone()
+    module.weight_embed.main_grad = prior[1].clone()
+    module(x, kv.view(tokens, -1), mask).backward(go)
+    assert module.weight_hidden.grad is None and module.weight_embed.grad is None
+    wf = ops.engram_fused_weight(wh, we)
+    _, dot, g, rx, rk = ops.engram_gate_forward(x, kv, wf, 1e-6, 1e-6, True, mask)
+    _, _, part = ops.engram_gate_backward(go, x, kv, wf, dot, g, rx, rk, 1e-6, mask)
+    want_h, want_e = prior[0].clone(), prior[1].clone()
+    ops.engram_grad_w_reduce(part, wh, we, want_h, want_e)
+    assert_equal(module.weight_hidden.main_grad, want_h)
+    assert_equal(module.weight_embed.main_grad, want_e)
+
+
+@requires_device
+@requires_cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_gate_training_step_cuda(mode, device, seed):
+    """The gate module compiled (inductor, then CUDA graphs) gives the eager forward and gradients."""
+    tokens, hidden = 512, 4096
+    x, kv, wh, we, mask = inputs(tokens, hidden, True, device, seed)
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 5)).bfloat16().to(device)
+    module = EngramGate(hidden, device=device)
+    with torch.no_grad():
+        module.weight_hidden.copy_(wh)
+        module.weight_embed.copy_(we)
+
+    def run(fn):
+        module.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        kvg = kv.view(tokens, -1).clone().requires_grad_()
+        out = fn(xg, kvg, mask)
+        out.backward(go)
+        return [out.detach().clone(), xg.grad, kvg.grad, module.weight_hidden.grad.clone(),
+                module.weight_embed.grad.clone()]
+
+    want = run(module)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, mode=mode)
+    for _ in range(3):  # CUDA graphs record on a later call
+        got = run(compiled)
+    for a, b in zip(got, want):
+        assert_equal(a, b)
