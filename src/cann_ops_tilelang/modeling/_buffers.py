@@ -21,8 +21,8 @@ from torch import Tensor
 
 from .._checks import OpError, describe, overlap
 
-__all__ = ["check_device", "check_main_grads", "dtensor_class", "gather_lead", "grad_buffers", "honoured_main_grad",
-           "local_view", "over_tokens", "per_token", "reduced", "restore"]
+__all__ = ["check_device", "check_main_grads", "dtensor_class", "flat_tokens", "gather_lead", "grad_buffers",
+           "honoured_main_grad", "local_view", "over_tokens", "per_token", "reduced", "restore"]
 
 
 def dtensor_class(value: object):
@@ -203,6 +203,16 @@ def gather_lead(value: Optional[Tensor], lead: int, *, whole_rows: bool = False)
     # the placements themselves are kept (not Shard(dim)): a _StridedShard comes back as it was
     placements = [Replicate() if i in gather else p for i, p in enumerate(value.placements)]
     return value.redistribute(value.device_mesh, placements), gather
+
+
+def flat_tokens(value: Optional[Tensor], lead: tuple[int, ...], *rest: int, whole_rows: bool = False
+                ) -> tuple[Optional[Tensor], Optional[dict]]:
+    """A checked ``(*lead, *rest)`` tensor viewed as contiguous tokens ``(T, *rest)``, the one place where the modeling
+    layer flattens leading dims: a DTensor is gathered first where its sharding does not flatten
+    (:func:`gather_lead`, ``whole_rows`` as there); also returns what :func:`restore` needs for results shaped like
+    it. None stays None."""
+    value, back = gather_lead(value, len(lead), whole_rows=whole_rows)
+    return (None if value is None else value.reshape(-1, *rest).contiguous()), back
 
 
 def restore(value: Tensor, back: Optional[dict]) -> Tensor:

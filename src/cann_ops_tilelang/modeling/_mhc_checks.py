@@ -13,10 +13,10 @@ from torch import Tensor
 from .. import limits
 from .._checks import OpError, check_bool, check_float, check_int, describe
 from ..mhc._common import check_hc, check_hidden
-from ._buffers import check_device, gather_lead
+from ._buffers import check_device
 
 __all__ = ["check_hyper", "check_like_residual", "check_module", "check_params", "check_residual",
-           "check_sublayer_output", "flat_tokens"]
+           "check_sublayer_output"]
 
 M = limits.MHC_HC_MULT.low
 
@@ -54,13 +54,6 @@ def check_like_residual(err: OpError, arg: str, value: object, dtype: torch.dtyp
                              f"{tuple(residual.shape)}), got {tuple(value.shape)}")
     if value.device != residual.device:
         raise err.value(arg, f"expected a tensor on {residual.device} (the residual's), got {value.device}")
-
-
-def flat_tokens(value: Tensor, lead: tuple[int, ...], *rest: int) -> tuple[Tensor, Optional[dict]]:
-    """A checked ``(*lead, *rest)`` tensor viewed ``(T, *rest)`` contiguous (a DTensor gathered first where its
-    sharding does not flatten, :func:`gather_lead`), and what :func:`restore` needs for results shaped like it."""
-    value, back = gather_lead(value, len(lead))
-    return value.reshape(-1, *rest).contiguous(), back
 
 
 def check_params(op: str, residual: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Optional[Tensor],

@@ -8,7 +8,7 @@ no ``.grad``), else fresh zeros returned as the gradient.
 Every argument is checked under the caller's names before any internal tensor (the fused weight, the flat
 token views) is built. DTensors whose sharding does not flatten into a ``Shard(0)`` of the tokens (a ``kv``
 sharded on its last dim, uneven or non-first leading dims) are gathered on those mesh dims first and the output
-sliced back to ``hidden_states``' placements (:func:`._buffers.gather_lead`, docs/distributed.md).
+sliced back to ``hidden_states``' placements (:func:`._buffers.flat_tokens`, docs/distributed.md).
 """
 
 from typing import Optional
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .. import limits
 from .._checks import OpError, check_bool, check_float, check_int, describe
 from ..engram import engram_fused_weight, engram_gate_backward, engram_gate_forward, engram_grad_w_reduce
-from ._buffers import (check_device, check_main_grads, gather_lead, grad_buffers, honoured_main_grad, reduced,
+from ._buffers import (check_device, check_main_grads, flat_tokens, grad_buffers, honoured_main_grad, reduced,
                        restore)
 
 __all__ = ["EngramGate", "engram_gate"]
@@ -176,14 +176,11 @@ def engram_gate(
         check_main_grads(_OP, weights, mains, (("hidden_states", hidden_states), ("kv", kv)))
     # only now the internal tensors: flat token views (DTensors gathered where they do not flatten; whole rows:
     # kv is split into m + 1 rows of H per token)
-    x, back = gather_lead(hidden_states, len(lead), whole_rows=True)
-    kv, _ = gather_lead(kv, len(lead), whole_rows=True)
-    mask, _ = gather_lead(image_token_mask, len(lead), whole_rows=True)
-    x = x.reshape(-1, m, hidden)
-    kv3 = kv.reshape(-1, m + 1, hidden)
-    mask = None if mask is None else mask.reshape(-1).contiguous()
+    x, back = flat_tokens(hidden_states, lead, m, hidden, whole_rows=True)
+    kv3, _ = flat_tokens(kv, lead, m + 1, hidden, whole_rows=True)
+    mask, _ = flat_tokens(image_token_mask, lead, whole_rows=True)
     out = _EngramGateFunction.apply(
-        x.contiguous(), kv3.contiguous(), weight_hidden, weight_embed, clamp_value, eps, mask, *mains, residual,
+        x, kv3, weight_hidden, weight_embed, clamp_value, eps, mask, *mains, residual,
     )
     return restore(out.view(*lead, m, hidden), back)
 

@@ -59,10 +59,10 @@ from ..mhc import (
     mhc_sinkhorn_forward,
 )
 from ..mhc._common import check_hc, check_hidden
-from ._buffers import (check_main_grads, gather_lead, grad_buffers, honoured_main_grad, over_tokens, per_token,
-                       reduced, restore)
+from ._buffers import (check_main_grads, flat_tokens, gather_lead, grad_buffers, honoured_main_grad, over_tokens,
+                       per_token, reduced, restore)
 from ._mhc_checks import (check_hyper, check_like_residual, check_module, check_params, check_residual,
-                          check_sublayer_output, flat_tokens)
+                          check_sublayer_output)
 
 __all__ = ["MHCHead", "MHCSublayer", "expand_from_embedding", "mhc_head", "mhc_multilayer_recompute", "mhc_post",
            "mhc_pre", "mhc_recompute_chunk"]
