@@ -1,7 +1,9 @@
-"""``per_token_cast`` (docs/ops/quant.md#per_token_cast): validation, the fake against the reference on meta
+"""``per_token_cast`` and its variants ``per_token_cast_sf``, ``per_token_cast_with_sf`` and re-quantization
+(``x_sf`` / ``x_layout``) (docs/ops/quant.md#per_token_cast): validation, the fake against the reference on meta
 tensors, opcheck, torch.compile and the ``quantize`` wrapper (CPU tier, the reference as the CPU kernel); the CUDA
-kernel lowered to sm_90a cubins and the Ascend 950 kernel to AscendC within the UB budget at the sizes that matter,
-their launch views and keys (CPU tier); and on a GPU the CUDA kernel bitwise against the reference and against the peer (DeepSeek's tile_kernels) when it imports."""
+kernels lowered to sm_90a cubins and the Ascend 950 kernels to AscendC within the UB budget at the sizes that
+matter, their launch views and keys (CPU tier); and on a GPU the CUDA kernels bitwise against the reference and
+against the peer (DeepSeek's tile_kernels) when it imports."""
 
 import shutil
 
@@ -11,8 +13,9 @@ from _plugins.cuda_vectors import declared_vector_args, undeclared
 from _plugins.device import requires_cuda
 from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
-from quant_cases import per_token_cast_call, sample
-from quant_ref import per_token_cast_ref, per_token_quantize_ref
+from quant_cases import per_token_cast_call, per_token_cast_sf_call, per_token_cast_with_sf_call, sample, to_device
+from quant_ref import (per_token_cast_ref, per_token_cast_sf_ref, per_token_cast_with_sf_ref,
+                       per_token_quantize_ref)
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
@@ -178,6 +181,193 @@ def test_zero_tokens_launch_nothing(monkeypatch):
     assert calls == []
 
 
+# --- the variants: scales alone, data from given scales, re-quantization (CPU tier) ------------------------------
+
+REQUANT_PAIRS = [  # (x_layout, layout): each input format, scale kind and storage, groups both ways
+    ("1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round"),
+    ("1x32/e2m1/ue8m0/row/round", "1x128/e4m3/fp32/row/exact"),
+    ("1x128/e4m3/ue8m0/col_tma/round", "1x16/e2m1/e4m3/col_tma/exact"),
+    ("1x16/e2m1/e4m3/col_tma/exact", "1x64/e4m3/fp32/col_tma/round"),
+    ("1x64/e4m3/e4m3/row/exact", "1x32/e2m1/ue8m0/row/round"),
+]
+
+
+def _variant_bad_calls():
+    x = torch.zeros(3, 256, dtype=BF16)
+    q = per_token_quantize_ref(x, "1x128/e4m3/ue8m0/col_tma/round")
+    row = per_token_quantize_ref(x, "1x128/e4m3/fp32/row/exact")
+    fp4 = per_token_quantize_ref(x, "1x32/e2m1/ue8m0/row/round")
+    cols = "1x128/e4m3/ue8m0/col_tma/round"
+    wide = torch.zeros(3, 1024, dtype=BF16)
+    return [
+        ("per_token_cast", {"x": q.data, "x_sf": q.sf}, ValueError, r"'x_layout': expected both x_sf and x_layout "
+                                                                    r"\(re-quantization\) or neither"),
+        ("per_token_cast", {"x": q.data, "x_layout": cols}, ValueError, r"'x_sf': expected both x_sf and x_layout"),
+        ("per_token_cast", {"x": q.data, "x_sf": q.sf, "x_layout": "128x128/e4m3/fp32/row/exact"}, ValueError,
+         r"'x_layout': expected a per-token layout"),
+        ("per_token_cast", {"x": q.data, "x_sf": q.sf, "x_layout": "1x128/e4m3"}, ValueError,
+         r"'x_layout': expected a ScaleLayout spec"),
+        ("per_token_cast", {"x": x, "x_sf": q.sf, "x_layout": cols}, TypeError,
+         r"'x': expected dtype torch.float8_e4m3fn \(the data of x_layout 1x128/e4m3/ue8m0/col_tma/round\), got "
+         r"torch.bfloat16"),
+        ("per_token_cast", {"x": fp4.data, "x_sf": fp4.sf, "x_layout": cols}, TypeError,
+         r"'x': expected dtype torch.float8_e4m3fn"),
+        ("per_token_cast", {"x": q.data, "x_sf": fp4.sf, "x_layout": "1x32/e2m1/ue8m0/row/round"}, TypeError,
+         r"'x': expected dtype torch.uint8"),
+        ("per_token_cast", {"x": fp4.data[:, :96], "x_sf": fp4.sf, "x_layout": "1x32/e2m1/ue8m0/row/round"},
+         ValueError, r"'x': expected a hidden size a multiple of 128 in \[128, 32768\], got 192"),
+        ("per_token_cast", {"x": torch.zeros(3, 264, dtype=torch.float8_e4m3fn)[:, :256], "x_sf": q.sf,
+                            "x_layout": cols}, ValueError, r"'x': expected a row stride of at least 256 and a "
+                                                           r"multiple of 16"),
+        ("per_token_cast", {"x": q.data, "x_sf": row.sf, "x_layout": cols}, TypeError,
+         r"'x_sf': expected the scales of layout 1x128/e4m3/ue8m0/col_tma/round .* must be torch.int32 on cuda"),
+        ("per_token_cast", {"x": q.data, "x_sf": q.sf.contiguous()[:2], "x_layout": cols}, ValueError,
+         r"'x_sf': .*must have shape \(3, 1\)"),
+        ("per_token_cast", {"x": row.data, "x_sf": row.sf.t().contiguous().t(), "x_layout": row.layout.spec},
+         ValueError, r"'x_sf': .*must have strides \(2, 1\) \(row\); got \(1, 3\)"),
+        ("per_token_cast", {"x": q.data, "x_sf": [1], "x_layout": cols}, TypeError, r"'x_sf': expected a torch.Tensor "
+                                                                                    r"or None"),
+        ("per_token_cast_sf", {"x": x.double()}, TypeError, r"'x': expected dtype torch.bfloat16 or torch.float32"),
+        ("per_token_cast_sf", {"layout": "32x1/e4m3/fp32/row/exact"}, ValueError, r"'layout': expected a per-token"),
+        ("per_token_cast_with_sf", {"sf": row.sf}, TypeError, r"'sf': expected the scales of layout "
+                                                              r"1x128/e4m3/ue8m0/col_tma/round .* torch.int32"),
+        ("per_token_cast_with_sf", {"x": wide, "sf": per_token_quantize_ref(wide, cols).sf.contiguous()}, ValueError,
+         r"'sf': .*must have strides \(1, 4\) \(col_tma\); got \(2, 1\)"),
+        ("per_token_cast_with_sf", {"sf": q.sf[:2]}, ValueError, r"'sf': .*must have shape \(3, 1\)"),
+        ("per_token_cast_with_sf", {"layout": "1x128/e4m3/fp32/row/exact"}, TypeError,
+         r"'sf': expected the scales of layout 1x128/e4m3/fp32/row/exact .* torch.float32"),
+        ("per_token_cast_with_sf", {"sf": 1.0}, TypeError, r"'sf': expected a torch.Tensor, got float 1.0"),
+        ("per_token_cast_with_sf", {"sf": q.sf.to("meta")}, ValueError, r"'sf': expected a tensor on cpu"),
+    ]
+
+
+VARIANT_CALLS = {"per_token_cast": per_token_cast_call, "per_token_cast_sf": per_token_cast_sf_call,
+                 "per_token_cast_with_sf": per_token_cast_with_sf_call}
+
+
+@pytest.mark.parametrize("op,change,error,message", _variant_bad_calls(),
+                         ids=[str(i) for i in range(len(_variant_bad_calls()))])
+def test_variant_validation_names_op_and_argument(op, change, error, message):
+    call = {**VARIANT_CALLS[op](3, 256), **change}
+    with without_cpu_references(), pytest.raises(error, match=rf"cann_ops_tilelang::{op}: argument {message}"):
+        getattr(ops, op)(**call)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_variant_fakes_match_the_references_and_the_cast(layout, seed):
+    """On every layout: the scales alone are the cast's scales, and the data from the cast's own scales is its data
+    wherever the cast's ``inv`` is ``fl(1 / s)`` (power-of-two and e4m3 scales); fakes shaped as the references."""
+    s = ScaleLayout.parse(layout)
+    for tokens in (0, 5):
+        call = per_token_cast_sf_call(tokens, 256, seed=seed, layout=layout)
+        data, sf = ops.per_token_cast(**call)
+        alone = ops.per_token_cast_sf(**call)
+        assert torch.equal(alone, sf) and alone.stride() == sf.stride() or tokens == 0
+        assert metadata(ops.per_token_cast_sf(**per_token_cast_sf_call(tokens, 256, layout=layout, device="meta"))) \
+            == metadata(alone)
+        given = ops.per_token_cast_with_sf(call["x"], sf, layout)
+        fake = ops.per_token_cast_with_sf(**per_token_cast_with_sf_call(tokens, 256, layout=layout, device="meta"))
+        assert metadata(fake) == metadata(given) == metadata(data)
+        if s.round_sf or s.sf == "e4m3":
+            assert torch.equal(given.view(torch.uint8), data.view(torch.uint8)), layout
+
+
+def test_data_from_given_scales_uses_their_reciprocal(seed):
+    """Scales of another draw (values far off their groups' amax: saturation and underflow): the data is
+    ``Q(fl(x * fl(1 / s)))`` of the decoded scales, on the oracle's terms."""
+    for layout in SOME_LAYOUTS:
+        call = per_token_cast_with_sf_call(9, 512, seed=seed, layout=layout, sf_seed=seed + 1)
+        got = ops.per_token_cast_with_sf(**call)
+        s = ScaleLayout.parse(layout)
+        from quant_ref import data_values, decode_sf, expand
+
+        scale = expand(decode_sf(call["sf"], s, 9, 512, "cuda"), s.block, 9, 512)
+        want = per_token_quantize_ref(call["x"].float() * (torch.ones_like(scale) / scale), ScaleLayout(
+            s.block, s.fmt, "fp32", "row", True), sf=torch.ones(9, 512 // s.block[1]), backend="cuda")
+        assert torch.equal(data_values(got, s.fmt), data_values(want, s.fmt)), layout
+        assert (data_values(got, s.fmt).abs() == s.fmax).any()  # the other draw saturates somewhere
+
+
+@pytest.mark.parametrize("x_layout,layout", REQUANT_PAIRS)
+def test_requant_fake_matches_reference_and_quantize_takes_a_quant_tensor(x_layout, layout, seed):
+    for tokens in (0, 5):
+        call = per_token_cast_call(tokens, 512, seed=seed, layout=layout, x_layout=x_layout)
+        real = ops.per_token_cast(**call)
+        fake = ops.per_token_cast(**per_token_cast_call(tokens, 512, layout=layout, x_layout=x_layout,
+                                                        device="meta"))
+        assert [metadata(t) for t in fake] == [metadata(t) for t in real]
+        q = ops.quantize(QuantTensor(call["x"], call["x_sf"], ScaleLayout.parse(x_layout)), layout)
+        assert q.layout == ScaleLayout.parse(layout) and all(torch.equal(a, b) for a, b in zip(q[:2], real))
+        # CUDA's order on the CPU (the reference's bytes): f32(data) * fl(sx * inv)
+        want = per_token_quantize_ref(call["x"], layout, x_sf=call["x_sf"], x_layout=x_layout, backend="cuda")
+        assert torch.equal(real[0].view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(real[1], want.sf)
+
+
+def test_requant_from_power_of_two_scales_is_the_cast_of_the_values(seed):
+    """From UE8M0 scales the two orders agree (``fl(sx * inv)`` is exact): re-quantizing equals casting the fp32
+    values ``f32(data) * sx`` themselves, to any layout."""
+    from quant_ref import cast_back_ref
+
+    for source in ("1x128/e4m3/ue8m0/col_tma/round", "1x32/e2m1/ue8m0/row/round"):
+        q = ops.quantize(sample(7, 1024, seed=seed), source)
+        values = cast_back_ref(q.data, q.sf, source, torch.float32)
+        for layout in ("1x16/e2m1/e4m3/col_tma/exact", "1x128/e4m3/fp32/row/exact", "1x64/e4m3/ue8m0/row/round"):
+            again, direct = ops.quantize(q, layout), ops.quantize(values, layout)
+            assert torch.equal(again.data.view(torch.uint8), direct.data.view(torch.uint8)), (source, layout)
+            assert torch.equal(again.sf, direct.sf), (source, layout)
+
+
+VARIANT_OPCHECK = [("per_token_cast_sf", per_token_cast_sf_call, {}),
+                   ("per_token_cast_with_sf", per_token_cast_with_sf_call, {}),
+                   ("per_token_cast", per_token_cast_call, {"x_layout": REQUANT_PAIRS[1][0]})]
+
+
+@pytest.mark.parametrize("op,make,extra", VARIANT_OPCHECK, ids=[f"{o}-{bool(e)}" for o, _, e in VARIANT_OPCHECK])
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_variant_opcheck(op, make, extra, tokens, seed):
+    call = make(tokens, 256, seed=seed, **extra)
+    torch.library.opcheck(getattr(torch.ops.cann_ops_tilelang, op).default, tuple(call.values()))
+
+
+def bits(t):
+    """A tensor torch.equal can compare: float8 as its bytes."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def variant_model(x, sf, source, layout):
+    q = ops.quantize(QuantTensor(*ops.quantize(x, source)[:2], source), layout)
+    return q.data.view(torch.uint8).float().sum(dim=1), ops.per_token_cast_sf(x, layout.spec), \
+        ops.per_token_cast_with_sf(x, sf, layout.spec)
+
+
+def test_variants_compile_fullgraph_dynamic_no_recompile(seed):
+    torch._dynamo.reset()
+    compiled = torch.compile(variant_model, backend="aot_eager", fullgraph=True, dynamic=True)
+    source, layout = ScaleLayout.parse(REQUANT_PAIRS[0][0]), ScaleLayout.parse(REQUANT_PAIRS[0][1])
+    for i, tokens in enumerate((7, 9, 17)):
+        call = per_token_cast_with_sf_call(tokens, 256, seed=seed + tokens, layout=layout.spec)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(call["x"], call["sf"], source, layout)
+        want = variant_model(call["x"], call["sf"], source, layout)
+        assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want)), tokens
+
+
+def test_variants_launch_nothing_for_zero_tokens(monkeypatch):
+    from cann_ops_tilelang import _library
+
+    calls = []
+    monkeypatch.setattr(_library, "_backend_module", lambda *_: calls.append(1))
+    layout = SOME_LAYOUTS[1]
+    sf = ops.per_token_cast_sf.backend_kernel("cuda")(torch.zeros(0, 256, dtype=BF16), layout)
+    assert sf.shape == (0, 1) and sf.dtype == torch.int32
+    data = ops.per_token_cast_with_sf.backend_kernel("cuda")(torch.zeros(0, 256, dtype=BF16), sf, layout)
+    assert data.shape == (0, 256) and data.dtype == torch.float8_e4m3fn
+    call = per_token_cast_call(0, 256, layout=layout, x_layout=REQUANT_PAIRS[1][0])
+    data, sf = ops.per_token_cast.backend_kernel("cuda")(**call)
+    assert data.shape == (0, 256) and sf.shape == (0, 1)
+    assert calls == []
+
+
 # --- the CUDA kernel: lowering, launch views, keys ----------------------------------------------------------
 
 tilelang = pytest.importorskip("tilelang")
@@ -235,7 +425,7 @@ def test_launcher_passes_the_views_the_kernel_declares(layout, tokens, monkeypat
     for dtype in (BF16, F32):
         x = sample(tokens, hidden + 16, dtype=dtype)[:, :hidden]
         data, sf = ops.per_token_cast.prepare(x, layout)
-        cuda_cast.per_token_cast(x=x, layout=layout, data=data, sf=sf)
+        cuda_cast.per_token_cast(x=x, layout=layout, x_sf=None, x_layout=None, data=data, sf=sf)
         key, (kx, kdata, ksf) = seen[-1]
         assert kx is x and kdata is data
         prim_func = cuda_cast.PER_TOKEN_CAST.prim_func(key)
@@ -281,7 +471,8 @@ def _lowers_within_budget(key):
     assert not lowered.has_simt
     assert 0 < lowered.ub_bytes <= lowered.budget_bytes, f"{key}: UB {lowered.ub_bytes} B > {lowered.budget_bytes} B"
     # the tile formula the hidden tile is chosen by counts at least what the kernel requests
-    til = ascend_cast.tiling(key.hidden, key.group, key.in_dtype, key.fmt, key.sf, key.storage)
+    til = ascend_cast.tiling(key.hidden, key.group, key.in_dtype, key.fmt, key.sf, key.storage, key.variant,
+                             key.x_group, key.x_sf, key.x_storage)
     assert lowered.ub_bytes <= til.ub_bytes <= ascend_build.UB_BUDGET_BYTES, (key, lowered.ub_bytes, til)
     return lowered
 
@@ -292,6 +483,8 @@ def test_ascend_per_token_cast_lowers_within_ub(hidden, name):
     key = ascend_cast.per_token_cast_cases(hidden, 4)[name]
     lowered = _lowers_within_budget(key)
     source = lowered.source
+    if key.variant == "requant":  # the input's data widened (e2m1 through bf16) and multiplied by its scales
+        assert ("float4_e2m1x2_t" in source) == (key.in_dtype == "e2m1") and "vmul" in source
     if key.fmt == "e2m1":
         assert "float4_e2m1x2_t" in source  # bf16 (with the sticky bit) -> e2m1
     else:
@@ -307,6 +500,9 @@ def test_family_aggregates_the_cases():
     cases = ascend_quant.lowering_cases(hidden)
     assert {f"per_token_cast/{name}" for name in ASCEND_CASES} <= set(cases)
     assert all(name.startswith("per_token_cast_") for name in ASCEND_CASES)
+    variants = {f"per_token_cast/{name}" for kernel in ascend_cast.KERNELS.values()
+                for name in kernel.case_keys(hidden, 4)}
+    assert variants <= set(cases) and len(variants) == len(ASCEND_CASES) + 2  # one case of sf only, one of with sf
 
 
 @pytest.mark.parametrize("hidden,storage,in_dtype", [
@@ -352,7 +548,7 @@ def test_ascend_per_token_cast_launcher_arguments(monkeypatch):
         layout = ScaleLayout.parse(spec)
         data = layout.empty_data(tokens, hidden, like=x)
         sf = layout.empty_sf(tokens, hidden, "ascend", like=x)
-        ascend_cast.per_token_cast(x=x, layout=spec, data=data, sf=sf)
+        ascend_cast.per_token_cast(x=x, layout=spec, x_sf=None, x_layout=None, data=data, sf=sf)
         key, (x_arg, data_arg, sf_arg) = calls[-1]
         assert key == ascend_cast.PerTokenCastKey(hidden, layout.block[1], "bfloat16", layout.fmt, layout.sf,
                                              layout.storage, layout.round_sf, key.num_cores)

@@ -380,35 +380,29 @@ def _cases(hidden_size: int, hc_mult: int) -> dict:
     return cases
 
 
+# one lowering case per variant (the CPU tier's time): the scales alone and the data from given scales of SM100's
+# UE8M0 col_tma layout (the words' bytes read back), and MXFP4 (e2m1, UE8M0 1x32 row) re-quantized to SM100's layout
+_SF_CASE = ("e4m3_ue8m0_col_bf16", "1x128/e4m3/ue8m0/col_tma/round", "bfloat16")
+_WITH_SF_CASE = ("e4m3_ue8m0_col_f32", "1x128/e4m3/ue8m0/col_tma/round", "float32")
+_REQUANT_CASE = ("e2m1_ue8m0_g32_to_e4m3_ue8m0_col", "1x32/e2m1/ue8m0/row/round", "1x128/e4m3/ue8m0/col_tma/round")
+
+
 def _sf_cases(hidden_size: int, hc_mult: int) -> dict:
-    """The scales alone: SM100's UE8M0 col_tma from bf16, e4m3 scales of 1x16 from fp32."""
-    del hc_mult
+    name, spec, dtype = _SF_CASE
     return {f"per_token_cast_sf_{name}": cast_key("per_token_cast_sf", hidden_size, dtype, ScaleLayout.parse(spec),
-                                                  "sf_only")
-            for name, spec, dtype in (("e4m3_ue8m0_col_bf16", "1x128/e4m3/ue8m0/col_tma/round", "bfloat16"),
-                                      ("e2m1_e4m3_g16_f32", "1x16/e2m1/e4m3/row/exact", "float32"))}
+                                                  "sf_only")}
 
 
 def _with_sf_cases(hidden_size: int, hc_mult: int) -> dict:
-    """The data from given scales: fp32 row scales (the peer's only case), UE8M0 col_tma words, e4m3 1x16 scales."""
-    del hc_mult
+    name, spec, dtype = _WITH_SF_CASE
     return {f"per_token_cast_with_sf_{name}": cast_key("per_token_cast_with_sf", hidden_size, dtype,
-                                                       ScaleLayout.parse(spec), "with_sf")
-            for name, spec, dtype in (("e4m3_fp32_row_bf16", "1x128/e4m3/fp32/row/exact", "bfloat16"),
-                                      ("e4m3_ue8m0_col_f32", "1x128/e4m3/ue8m0/col_tma/round", "float32"),
-                                      ("e2m1_e4m3_g16_bf16", "1x16/e2m1/e4m3/row/exact", "bfloat16"))}
+                                                       ScaleLayout.parse(spec), "with_sf")}
 
 
 def _requant_cases(hidden_size: int, hc_mult: int) -> dict:
-    """Re-quantization: SM90 fp32 e4m3 to SM100 UE8M0 col_tma, MXFP4 (e2m1 UE8M0 1x32) to e4m3 1x128, e4m3 UE8M0
-    col_tma 1x128 to e2m1 e4m3 1x16."""
-    del hc_mult
-    pairs = (("e4m3_fp32_to_e4m3_ue8m0_col", "1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round"),
-             ("e2m1_ue8m0_g32_to_e4m3_fp32", "1x32/e2m1/ue8m0/row/round", "1x128/e4m3/fp32/row/exact"),
-             ("e4m3_ue8m0_col_to_e2m1_e4m3_g16", "1x128/e4m3/ue8m0/col_tma/round", "1x16/e2m1/e4m3/col_tma/exact"))
+    name, source, out = _REQUANT_CASE
     return {f"per_token_cast_requant_{name}": requant_key("per_token_cast", hidden_size, ScaleLayout.parse(out),
-                                                          ScaleLayout.parse(source))
-            for name, source, out in pairs}
+                                                          ScaleLayout.parse(source))}
 
 
 PER_TOKEN_CAST = Kernel("per_token_cast", CastKey, build_per_token_cast, cases=_cases,
