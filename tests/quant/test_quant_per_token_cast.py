@@ -456,6 +456,77 @@ def test_builders_refuse_what_the_limits_refuse():
     with pytest.raises(LimitError, match="per-token"):
         cuda_cast.cast_key("per_token_cast", 256, "bfloat16", ScaleLayout((128, 128)))
 
+VARIANT_KERNELS = (cuda_cast.PER_TOKEN_CAST_SF, cuda_cast.PER_TOKEN_CAST_WITH_SF, cuda_cast.PER_TOKEN_CAST_REQUANT)
+VARIANT_CASES = [(h, kernel.name, name) for h in HIDDEN for kernel in VARIANT_KERNELS
+                 for name in sorted(kernel.case_keys(h, 4))]
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("hidden,kernel,name", VARIANT_CASES, ids=[f"H{h}-{n}" for h, _, n in VARIANT_CASES])
+def test_cuda_variants_compile_to_sm90a_cubins(hidden, kernel, name):
+    kernel = cuda_cast.KERNELS[kernel]
+    key = kernel.case_keys(hidden, 4)[name]
+    built = cuda_build.compile_cubin(kernel.prim_func(key), arch="sm_90a")
+    assert built.cubin[:4] == b"\x7fELF" and built.fits and built.smem_bytes == 0
+    assert built.threads == cuda_cast.CAST_PLAN.threads
+    assert not undeclared(f"per_token_cast/{name}", built.source, declared_vector_args())
+    src = built.source
+    if kernel is cuda_cast.PER_TOKEN_CAST_SF:  # the amax and the scales, no data
+        assert "__shfl_xor_sync(" in src and "__NV_E4M3" not in src and "data" not in src
+    elif kernel is cuda_cast.PER_TOKEN_CAST_WITH_SF:  # inv = 1 / s from the given scale, no amax, no scale written
+        assert "__fdiv_rn(1." in src.replace("0x1p+0f", "1.") and "__shfl_xor_sync(" not in src
+        assert "sf_out" not in src and "__NV_SATFINITE, __NV_E4M3" in src
+    else:  # the input read in vectors (16 e4m3 bytes or 8 of e2m1 pairs), the factor fl(sx * inv) applied
+        assert "*(uint2*)(x + " in src or "*(uint4*)(x + " in src
+        assert src.count("__fmul_rn(") >= 3 and "__shfl_xor_sync(" in src
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_variant_launchers_pass_the_views_the_kernels_declare(tokens, monkeypatch):
+    """As for the cast: every buffer a variant's kernel takes has the shape, dtype and unit inner stride of its
+    parameter (given scales and input scales included), and the keys ignore T."""
+    from tvm import tirx
+
+    seen = []
+    for kernel in VARIANT_KERNELS:
+        monkeypatch.setattr(kernel, "compiled", lambda key, kernel=kernel: lambda *args: seen.append((kernel, key,
+                                                                                                      args)))
+    hidden = 512
+    for layout in ("1x128/e4m3/ue8m0/col_tma/round", "1x16/e2m1/e4m3/row/exact"):
+        call = per_token_cast_with_sf_call(tokens, hidden, layout=layout)
+        cuda_cast.per_token_cast_sf(x=call["x"], layout=layout, sf=call["sf"])
+        cuda_cast.per_token_cast_with_sf(data=ops.per_token_cast_with_sf.prepare(**call), **call)
+        for x_layout in ("1x32/e2m1/ue8m0/col_tma/round", "1x128/e4m3/fp32/row/exact"):
+            req = per_token_cast_call(tokens, hidden, layout=layout, x_layout=x_layout)
+            data, sf = ops.per_token_cast.prepare(**req)
+            cuda_cast.per_token_cast(data=data, sf=sf, **req)
+    assert len(seen) == 8
+    for kernel, key, args in seen:
+        prim_func = kernel.prim_func(key)
+        for buffer, arg in zip([prim_func.buffer_map[p] for p in prim_func.params], args):
+            assert arg.dtype == getattr(torch, str(buffer.dtype)), (buffer.name, arg.dtype)
+            for dim, size in zip(buffer.shape, arg.shape):
+                want = int(dim) if isinstance(dim, tirx.IntImm) else tokens if isinstance(dim, tirx.Var) else \
+                    4 * tokens  # the UE8M0 bytes of the transposed words
+                assert want == size, (kernel.name, buffer.name, list(buffer.shape), tuple(arg.shape))
+            assert arg.stride(-1) == 1
+    assert {k.variant for _, k, _ in seen if isinstance(k, cuda_cast.CastKey)} == {"sf_only", "with_sf"}
+
+
+def test_variant_keys_refuse_what_the_limits_refuse():
+    from cann_ops_tilelang.limits import LimitError
+
+    with pytest.raises(LimitError, match="variant must be one of"):
+        cuda_cast.build_per_token_cast(256, 128, "bfloat16", "e4m3", "fp32", "row", False, "requant")
+    with pytest.raises(LimitError, match="input layout must be per-token"):
+        cuda_cast.requant_key("per_token_cast", 256, ScaleLayout((1, 128)), ScaleLayout((128, 128)))
+    with pytest.raises(ValueError, match="block"):  # the input's layout checks itself
+        cuda_cast.build_per_token_cast_requant(256, 128, "e4m3", "fp32", "row", False, "e4m3", 8, "fp32", "row")
+    key = cuda_cast.requant_key("per_token_cast", 512, ScaleLayout.parse(SOME_LAYOUTS[1]),
+                                ScaleLayout.parse("1x32/e2m1/ue8m0/row/round"))
+    assert (key.x_fmt, key.x_group, key.x_sf, key.x_storage, key.hidden) == ("e2m1", 32, "ue8m0", "row", 512)
+
+
 # --- the Ascend 950 kernel: lowered to AscendC within the UB budget at the sizes that matter ---------------------
 
 from cann_ops_tilelang.kernels.ascend import _build as ascend_build  # noqa: E402
@@ -561,6 +632,56 @@ def test_ascend_per_token_cast_launcher_arguments(monkeypatch):
         ascend_cast.per_token_cast_key(x, "128x128/e4m3/fp32/row/exact", 64)
 
 
+ASCEND_VARIANTS = [(kernel.name, name) for kernel in (ascend_cast.PER_TOKEN_CAST_SF, ascend_cast.PER_TOKEN_CAST_WITH_SF)
+                   for name in sorted(kernel.case_keys(limits.QUANT_HIDDEN_SIZES[0], 4))]
+
+
+@pytest.mark.parametrize("hidden", limits.QUANT_HIDDEN_SIZES)
+@pytest.mark.parametrize("kernel,name", ASCEND_VARIANTS, ids=[n for _, n in ASCEND_VARIANTS])
+def test_ascend_variants_lower_within_ub(hidden, kernel, name):
+    kernel = ascend_cast.KERNELS[kernel]
+    key = kernel.case_keys(hidden, 4)[name]
+    lowered = ascend_build.lower_ascendc(kernel.prim_func(key))
+    assert "__global__" in lowered.source and not lowered.has_simt
+    til = ascend_cast.tiling(key.hidden, key.group, key.in_dtype, key.fmt, key.sf, key.storage, key.variant)
+    assert 0 < lowered.ub_bytes <= til.ub_bytes <= ascend_build.UB_BUDGET_BYTES, (key, lowered.ub_bytes, til)
+    source = lowered.source
+    if key.variant == "sf_only":  # the scales' words, no data conversion
+        assert "vsts_pack_b32" in source and "fp8_e4_t" not in source
+    else:  # the given words' bytes widened to fp32 scales, inverted, the data narrowed
+        assert "vdiv" in source and "vand" in source and "vcvt<fp8_e4_t>" in source
+
+
+def test_ascend_variant_keys_and_launchers(monkeypatch):
+    calls = []
+    for kernel in ascend_cast.KERNELS.values():
+        monkeypatch.setattr(kernel, "compiled", lambda key: lambda *args: calls.append((key, args)))
+    tokens, hidden = 5, 256
+    x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="meta")
+    layout = ScaleLayout.parse("1x128/e4m3/ue8m0/col_tma/round")
+    sf = layout.empty_sf(tokens, hidden, "ascend", like=x)
+    data = layout.empty_data(tokens, hidden, like=x)
+    ascend_cast.per_token_cast_sf(x=x, layout=layout.spec, sf=sf)
+    ascend_cast.per_token_cast_with_sf(x=x, sf=sf, layout=layout.spec, data=data)
+    source = ScaleLayout.parse("1x32/e2m1/ue8m0/row/round")
+    q = source.empty_data(tokens, hidden, like=x), source.empty_sf(tokens, hidden, "ascend", like=x)
+    ascend_cast.per_token_cast(x=q[0], layout=layout.spec, x_sf=q[1], x_layout=source.spec, data=data, sf=sf)
+    (k_sf, a_sf), (k_with, a_with), (k_req, a_req) = calls
+    assert (k_sf.variant, k_with.variant, k_req.variant) == ("sf_only", "with_sf", "requant")
+    assert a_sf[1].shape == (sf.shape[1], tokens) and a_with[1].shape == (sf.shape[1], tokens) and a_with[2] is data
+    assert (k_req.in_dtype, k_req.x_group, k_req.x_sf, k_req.x_storage, k_req.hidden) == ("e2m1", 32, "ue8m0", "row",
+                                                                                          hidden)
+    assert a_req[0] is q[0] and a_req[1] is q[1] and a_req[2] is data
+    for change, match in [(dict(variant="requant", x_group=8, x_sf="fp32", x_storage="row"), "block"),
+                          (dict(variant="stochastic"), "variant must be one of"),
+                          (dict(variant="requant", in_dtype="bfloat16", x_group=32, x_sf="fp32", x_storage="row"),
+                           "x must be one of")]:
+        fields = dict(hidden=256, group=128, in_dtype="e4m3", fmt="e4m3", sf="fp32", storage="row", round_sf=False,
+                      num_cores=64)
+        with pytest.raises(limits.LimitError, match=match):
+            ascend_cast.build_per_token_cast(**{**fields, **change})
+
+
 # --- device: the kernel bitwise against the reference and the peer ------------------------------------------
 
 DEVICE_TOKENS = level_choice([1, 37, 4001], [1, 2, 37, 513, 4001, 8192])
@@ -618,5 +739,74 @@ def test_device_equals_the_peer(layout, seed):
         data, sf = ops.per_token_cast(x, layout)
         theirs = peer.per_token_cast(x, s.fmt, s.block[1], use_tma_aligned_col_major_sf=s.storage == "col_tma",
                                      round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0", use_e4m3_sf=s.sf == "e4m3")
+        assert_same(data, (theirs[0].view(torch.uint8) if s.fmt == "e2m1" else theirs[0]).cpu())
+        assert_same(sf, theirs[1].cpu())
+
+
+@requires_cuda
+@pytest.mark.device
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_device_variants_bitwise(layout, seed):
+    """The scales alone and the data from given scales (its own, and another draw's: saturation, underflow)
+    bitwise against the references, strided rows included."""
+    for hidden in (128, 7168):
+        for tokens in DEVICE_TOKENS:
+            for dtype, pitch in ((BF16, None), (F32, hidden + 64)):
+                call = per_token_cast_with_sf_call(tokens, hidden, seed=seed + tokens, layout=layout, dtype=dtype,
+                                                   pitch=pitch, device="cuda", sf_seed=seed + tokens + 1)
+                x = call["x"].cpu().contiguous()
+                assert_same(ops.per_token_cast_sf(call["x"], layout), per_token_cast_sf_ref(x, layout))
+                sf_cpu = to_device(call["sf"], "cpu")
+                assert_same(ops.per_token_cast_with_sf(**call), per_token_cast_with_sf_ref(x, sf_cpu, layout))
+
+
+@requires_cuda
+@pytest.mark.device
+@pytest.mark.parametrize("x_layout", [s for s in LAYOUTS if s.startswith(("1x16/", "1x32/", "1x128/"))])
+def test_device_requant_bitwise(x_layout, seed):
+    """Re-quantization from every input layout (groups 16, 32, 128) to a few outputs, bitwise against the
+    reference (CUDA's order), strided data rows included."""
+    for layout in SOME_LAYOUTS:
+        for hidden, tokens in ((128, 37), (7168, 513)):
+            call = per_token_cast_call(tokens, hidden, seed=seed, layout=layout, x_layout=x_layout)
+            want = per_token_cast_ref(**call)
+            strided = torch.zeros(tokens, call["x"].shape[1] + 32, dtype=call["x"].dtype, device="cuda")
+            strided[:, : call["x"].shape[1]] = call["x"].cuda()
+            for x in (call["x"].cuda(), strided[:, : call["x"].shape[1]]):
+                got = ops.per_token_cast(x, layout, to_device(call["x_sf"], "cuda"), x_layout)
+                for g, w in zip(got, want):
+                    assert_same(g, w)
+
+
+@requires_cuda
+@pytest.mark.device
+def test_device_variants_equal_the_peer(seed):
+    """tile_kernels' sf-only, precomputed-sf (its row, unpacked scales) and re-quantization (a tuple input) on
+    the same inputs, bitwise."""
+    peer = pytest.importorskip("tile_kernels.quant")
+
+    def options(s):
+        return dict(use_tma_aligned_col_major_sf=s.storage == "col_tma", round_sf=s.round_sf,
+                    use_packed_ue8m0=s.sf == "ue8m0", use_e4m3_sf=s.sf == "e4m3")
+
+    x = sample(4001, 7168, seed=seed).cuda()
+    for layout in ("1x128/e4m3/ue8m0/col_tma/round", "1x32/e2m1/ue8m0/row/round", "1x128/e4m3/fp32/row/exact"):
+        s = ScaleLayout.parse(layout)
+        assert_same(ops.per_token_cast_sf(x, layout), peer.per_token_cast_with_sf_only(x, s.fmt, s.block[1],
+                                                                                       **options(s)).cpu())
+    for layout in ("1x128/e4m3/fp32/row/exact", "1x64/e4m3/fp32/row/round", "1x32/e2m1/fp32/row/round",
+                   "1x16/e2m1/e4m3/row/exact"):
+        s = ScaleLayout.parse(layout)
+        sf = ops.per_token_cast_sf(sample(4001, 7168, seed=seed + 1).cuda(), layout)
+        theirs = peer.per_token_cast_with_precomputed_sf(x, s.fmt, s.block[1], sf, **options(s))
+        assert_same(ops.per_token_cast_with_sf(x, sf, layout), (theirs.view(torch.uint8) if s.fmt == "e2m1"
+                                                                else theirs).cpu())
+    for source, layout in (("1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round"),
+                           ("1x128/e4m3/ue8m0/row/round", "1x32/e2m1/ue8m0/row/round"),
+                           ("1x32/e2m1/ue8m0/row/round", "1x128/e4m3/fp32/row/exact")):
+        q, s, si = ops.quantize(x, source), ScaleLayout.parse(layout), ScaleLayout.parse(source)
+        data, sf = ops.per_token_cast(q.data, layout, q.sf, source)
+        raw = q.data.view(torch.int8) if si.fmt == "e2m1" else q.data
+        theirs = peer.per_token_cast((raw, q.sf), s.fmt, s.block[1], x_block_size=si.block, **options(s))
         assert_same(data, (theirs[0].view(torch.uint8) if s.fmt == "e2m1" else theirs[0]).cpu())
         assert_same(sf, theirs[1].cpu())
