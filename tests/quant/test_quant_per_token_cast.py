@@ -382,14 +382,14 @@ CASES = [(h, name) for h in HIDDEN for name in sorted(cuda_cast.PER_TOKEN_CAST.c
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
 @pytest.mark.parametrize("hidden,name", CASES, ids=[f"H{h}-{n}" for h, n in CASES])
 def test_cuda_compiles_to_sm90a_cubin(hidden, name):
-    built = cuda_build.compile_cubin(cuda_cast.lowering_cases(hidden)[name], arch="sm_90a")
+    key = cuda_cast.PER_TOKEN_CAST.case_keys(hidden, 4)[name]
+    built = cuda_build.compile_cubin(cuda_cast.PER_TOKEN_CAST.prim_func(key), arch="sm_90a")
     assert built.cubin[:4] == b"\x7fELF" and built.fits and built.smem_bytes == 0
     assert built.threads == cuda_cast.CAST_PLAN.threads
     assert not undeclared(f"per_token_cast/{name}", built.source, declared_vector_args())
     src = built.source
     # the reference's arithmetic: IEEE divisions and product, the hardware's RNE saturating e4m3 conversion
     assert "__fdiv_rn(" in src and "__fmul_rn(" in src and "__shfl_xor_sync(" in src
-    key = cuda_cast.PER_TOKEN_CAST.case_keys(hidden, 4)[name]
     if key.fmt == "e4m3":
         assert "__NV_SATFINITE, __NV_E4M3" in src
     # x is read in 16-byte vectors (the op declares it)
