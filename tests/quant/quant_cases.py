@@ -8,6 +8,7 @@ scales; the op's own tests pass the others with ``layout=``.
 import torch
 
 import cann_ops_tilelang as ops
+from quant_ref import per_token_quantize_ref
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -27,12 +28,45 @@ def sample(tokens, hidden, *, seed=0, dtype=BF16, spread=3.0):
     return x.to(dtype)
 
 
-def per_token_cast_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKEN_LAYOUT, dtype=BF16, pitch=None):
-    """``x (T, H)`` (``pitch``: rows strided by that many elements, the columns past ``H`` never read) and a
-    per-token layout spec."""
+def to_device(t, device):
+    """``t`` on ``device`` with its shape, strides and storage offset (a col_tma scale tensor keeps its padding)."""
+    count = t.untyped_storage().nbytes() // t.element_size()
+    flat = t.new_empty(0).set_(t.untyped_storage(), 0, (count,), (1,))
+    return flat.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def float_rows(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, pitch=None):
+    """:func:`sample` on ``device``, with ``pitch``: rows strided by that many elements (NaN past ``H``)."""
     x = sample(tokens, hidden, seed=seed, dtype=dtype)
     if pitch is not None:
         base = torch.full((tokens, pitch), float("nan"), dtype=dtype)
         base[:, :hidden] = x
-        x = base.to(device)[:, :hidden]
-    return {"x": x.to(device), "layout": layout}
+        return base.to(device)[:, :hidden]
+    return x.to(device)
+
+
+def per_token_cast_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKEN_LAYOUT, dtype=BF16, pitch=None,
+                        x_layout=None):
+    """``x (T, H)`` (``pitch``: rows strided by that many elements, the columns past ``H`` never read) and a
+    per-token layout spec; with ``x_layout`` (re-quantization) ``x`` is that x quantized to ``x_layout`` (the
+    reference's CUDA bytes) and ``x_sf`` its scales."""
+    x = float_rows(tokens, hidden, seed=seed, device=device, dtype=dtype, pitch=pitch)
+    if x_layout is None:
+        return {"x": x, "layout": layout, "x_sf": None, "x_layout": None}
+    q = per_token_quantize_ref(sample(tokens, hidden, seed=seed, dtype=dtype), x_layout)
+    return {"x": to_device(q.data, device), "layout": layout, "x_sf": to_device(q.sf, device), "x_layout": x_layout}
+
+
+def per_token_cast_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKEN_LAYOUT, dtype=BF16, pitch=None):
+    """As :func:`per_token_cast_call`: ``x`` and a per-token layout spec."""
+    return {"x": float_rows(tokens, hidden, seed=seed, device=device, dtype=dtype, pitch=pitch), "layout": layout}
+
+
+def per_token_cast_with_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKEN_LAYOUT, dtype=BF16,
+                                pitch=None, sf_seed=None):
+    """``x``, scales ``sf`` in ``layout`` (the reference's CUDA bytes: those of ``x`` itself, or with ``sf_seed``
+    those of another draw, so that values saturate or round off the grid) and the layout spec."""
+    x = float_rows(tokens, hidden, seed=seed, device=device, dtype=dtype, pitch=pitch)
+    sf = per_token_quantize_ref(sample(tokens, hidden, seed=seed if sf_seed is None else sf_seed, dtype=dtype), layout,
+                                sf_only=True)
+    return {"x": x, "sf": to_device(sf, device), "layout": layout}

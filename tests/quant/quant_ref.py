@@ -274,12 +274,24 @@ def _kind(layout, kinds, op):
     return layout
 
 
-def per_token_cast_ref(x, layout):
-    """The op ``per_token_cast(x, layout) -> (data, sf)``: ``x`` bf16 / fp32 cast to the per-token ``layout`` (a
-    spec string), the scales in the bytes of the backend of ``x``'s device (``policy.kernel_backend``: CUDA's on
-    CPU and meta tensors). The test plugin registers it as the op's CPU kernel."""
-    q = per_token_quantize_ref(x, layout, backend=policy.kernel_backend(x.device.type))
+def per_token_cast_ref(x, layout, x_sf=None, x_layout=None):
+    """The op ``per_token_cast(x, layout, x_sf, x_layout) -> (data, sf)``: ``x`` bf16 / fp32 (or, with ``x_sf`` and
+    ``x_layout``, per-token quantized data re-quantized) cast to the per-token ``layout`` (a spec string), the
+    scales in the bytes of the backend of ``x``'s device (``policy.kernel_backend``: CUDA's on CPU and meta
+    tensors, hence CUDA's re-quantization order). The test plugin registers it as the op's CPU kernel."""
+    q = per_token_quantize_ref(x, layout, x_sf=x_sf, x_layout=x_layout, backend=policy.kernel_backend(x.device.type))
     return q.data, q.sf
+
+
+def per_token_cast_sf_ref(x, layout):
+    """The op ``per_token_cast_sf(x, layout) -> sf``: the scales of :func:`per_token_cast_ref` alone."""
+    return per_token_quantize_ref(x, layout, sf_only=True, backend=policy.kernel_backend(x.device.type))
+
+
+def per_token_cast_with_sf_ref(x, sf, layout):
+    """The op ``per_token_cast_with_sf(x, sf, layout) -> data``: the data of ``x`` with the given scales,
+    ``inv = fl(1 / s)``."""
+    return per_token_quantize_ref(x, layout, sf=sf, backend=policy.kernel_backend(x.device.type))
 
 
 def per_token_quantize_ref(x, layout, x_sf=None, x_layout=None, sf=None, sf_only=False, seed=None, offset=0,

@@ -14,6 +14,12 @@ Scales: fp32 or e4m3 values, or UE8M0 exponent bytes written one by one into the
 ``j`` is the scale of group ``4j + b``, the bytes past the last group 0); ``"row"`` storage row-major,
 ``"col_tma"`` into the transposed, TMA-padded buffer (its padding is not written). ``T`` is dynamic, ``x``'s row
 stride too (a multiple of 16 bytes); ``T * stride < 2**31`` (32-bit offsets, ``limits.QUANT_ELEMENTS``).
+
+Variants, one builder: ``per_token_cast_sf`` skips the data stores; ``per_token_cast_with_sf`` skips the amax and
+reads each group's scale (every lane of the group the same word, cached), ``inv = fl(1 / s)``. Re-quantization
+(``per_token_cast`` with ``x_sf``): 16 values a lane (a 16-byte e4m3 load or 8 bytes of e2m1 pairs, decoded on
+the bits), the lane's input scale read once (input groups are whole lanes), the amax over ``fl(f32(data) * sx)``
+and the data ``Q(fl(f32(data) * fl(sx * inv)))``, CUDA's order of the contract.
 """
 
 import dataclasses
@@ -32,6 +38,10 @@ _ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
 # the e2m1 grid's midpoints, each with whether a tie there rounds up (to the even code above it)
 _E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 _GROUPS = IntRange("a per-token group size", 16, 128)
+# the kernels of one builder: the cast, its scales alone, its data alone from given scales
+VARIANTS = ("cast", "sf_only", "with_sf")
+# values a lane of the re-quantization takes (16 e4m3 bytes, 8 bytes of e2m1): a group is whole lanes
+REQUANT_VALUES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +69,27 @@ class CastKey:
     sf: str  # "fp32" | "e4m3" | "ue8m0"
     storage: str  # "row" | "col_tma"
     round_sf: bool
+    variant: str = "cast"  # "cast" | "sf_only" | "with_sf" (VARIANTS)
 
 
-def cast_key(op: str, hidden: int, in_dtype: str, layout: ScaleLayout) -> CastKey:
+@compile_key
+class RequantKey:
+    """Compile-time key of the re-quantization: the output layout's fields and the input's data format and scales
+    (group, kind, storage; its rounding does not change how a scale is read)."""
+
+    hidden: int
+    group: int
+    fmt: str
+    sf: str
+    storage: str
+    round_sf: bool
+    x_fmt: str  # "e4m3" | "e2m1"
+    x_group: int
+    x_sf: str
+    x_storage: str
+
+
+def cast_key(op: str, hidden: int, in_dtype: str, layout: ScaleLayout, variant: str = "cast") -> CastKey:
     """The :class:`CastKey` of a launch: ``H`` in ``limits.QUANT_HIDDEN``, a per-token layout (``LimitError``)."""
     if layout.kind != "per_token":
         raise LimitError(f"{op}: the layout must be per-token, got {layout.spec}")
@@ -69,32 +97,88 @@ def cast_key(op: str, hidden: int, in_dtype: str, layout: ScaleLayout) -> CastKe
         raise LimitError(f"{op}: the input dtype must be bfloat16 or float32, got {in_dtype}")
     group = _GROUPS.require(op, layout.block[1])
     return CastKey(hidden=QUANT_HIDDEN.require(op, int(hidden)), group=group, in_dtype=in_dtype, fmt=layout.fmt,
-                   sf=layout.sf, storage=layout.storage, round_sf=layout.round_sf)
+                   sf=layout.sf, storage=layout.storage, round_sf=layout.round_sf, variant=variant)
+
+
+def requant_key(op: str, hidden: int, layout: ScaleLayout, x_layout: ScaleLayout) -> RequantKey:
+    """The :class:`RequantKey` of a launch (``LimitError`` outside the ranges or for a non-per-token layout)."""
+    base = cast_key(op, hidden, "float32", layout)
+    if x_layout.kind != "per_token":
+        raise LimitError(f"{op}: the input layout must be per-token, got {x_layout.spec}")
+    return RequantKey(hidden=base.hidden, group=base.group, fmt=base.fmt, sf=base.sf, storage=base.storage,
+                      round_sf=base.round_sf, x_fmt=x_layout.fmt, x_group=_GROUPS.require(op, x_layout.block[1]),
+                      x_sf=x_layout.sf, x_storage=x_layout.storage)
 
 
 def _f32_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: str, storage: str, round_sf: bool):
-    """Builds the per-token cast of one layout (the key's fields; see the module docstring).
+def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: str, storage: str, round_sf: bool,
+                         variant: str = "cast"):
+    """Builds the per-token cast of one layout (the key's fields; see the module docstring); ``variant``
+    ``"cast"`` (data and scales), ``"sf_only"`` (scales alone) or ``"with_sf"`` (data alone from given scales).
 
     Returns:
-        ``T.prim_func(x, data, sf)``: ``x (T, H)`` of ``in_dtype`` with a dynamic row stride; ``data`` ``(T, H)``
-        float8_e4m3fn or ``(T, H / 2)`` uint8; ``sf`` as the launcher passes it: ``(T, nk)`` fp32 / e4m3 (row) or
-        their transpose ``(nk, T)`` with a dynamic row stride (col_tma); UE8M0 as bytes, ``(T, 4 W)`` (row) or
-        ``(W, 4 T)`` strided (col_tma), ``W = ceil(nk / 4)`` words per token. ``T`` is dynamic.
+        ``T.prim_func``: ``(x, data, sf_out)``, ``(x, sf_out)`` (sf only) or ``(x, sf, data)`` (with sf). ``x (T, H)``
+        of ``in_dtype`` with a dynamic row stride; ``data`` ``(T, H)`` float8_e4m3fn or ``(T, H / 2)`` uint8; the
+        scales as the launcher passes them: ``(T, nk)`` fp32 / e4m3 (row) or their transpose ``(nk, T)`` with a
+        dynamic row stride (col_tma); UE8M0 as bytes, ``(T, 4 W)`` (row) or ``(W, 4 T)`` strided (col_tma),
+        ``W = ceil(nk / 4)`` words per token. ``T`` is dynamic.
     """
+    if variant not in VARIANTS:
+        raise LimitError(f"per_token_cast: variant must be one of {VARIANTS}, got {variant!r}")
+    return _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype)
+
+
+def build_per_token_cast_requant(hidden: int, group: int, fmt: str, sf: str, storage: str, round_sf: bool,
+                                 x_fmt: str, x_group: int, x_sf: str, x_storage: str):
+    """Builds the re-quantization of per-token quantized data (``x_fmt`` data, scales ``x_sf`` of groups
+    ``x_group`` in ``x_storage``) to a per-token layout: ``T.prim_func(x, x_sf, data, sf_out)``, ``x`` ``(T, H)``
+    float8_e4m3fn or ``(T, H / 2)`` uint8 (e2m1) with a dynamic row stride, ``x_sf`` in the forms of the scales
+    above; the product ``f32(x) * fl(sx * inv)`` (CUDA's order, docs/ops/quant.md#per_token_cast)."""
+    ScaleLayout((1, x_group), x_fmt, x_sf, x_storage, x_sf == "ue8m0")  # the input layout's own checks
+    return _build(hidden, group, fmt, sf, storage, round_sf, "requant", x_fmt, (x_group, x_sf, x_storage))
+
+
+def _sf_param(T, storage: str, sf: str, nk: int, num_tokens, stride_name: str):
+    """The prim_func parameter of a scale tensor (see :func:`build_per_token_cast`)."""
+    words = -(-nk // 4)
+    sf_dtype = {"fp32": T.float32, "e4m3": T.float8_e4m3fn, "ue8m0": T.uint8}[sf]
+    if storage == "row":
+        return T.Tensor((num_tokens, 4 * words if sf == "ue8m0" else nk), sf_dtype)
+    shape = (words, 4 * num_tokens) if sf == "ue8m0" else (nk, num_tokens)
+    return T.StridedTensor(shape, (T.dynamic(stride_name), 1), sf_dtype)
+
+
+def _sf_index(storage: str, sf: str, token, g):
+    """Where the scale of (token, group g) is in the parameter of :func:`_sf_param`."""
+    if storage == "row":
+        return token, g
+    if sf == "ue8m0":
+        return g // 4, token * 4 + g % 4
+    return g, token
+
+
+def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scales=None):
     from tilelang import language as T
 
     layout = ScaleLayout((1, group), fmt, sf, storage, round_sf)  # the layout's own checks
     H = QUANT_HIDDEN.require("per_token_cast", hidden)
     if H % group:
         raise LimitError(f"per_token_cast: H = {H} is not a multiple of the group {group}")
-    if in_dtype not in _ELEMENT_BYTES:
-        raise LimitError(f"per_token_cast: the input dtype must be bfloat16 or float32, got {in_dtype}")
-    V = VEC_BYTES // _ELEMENT_BYTES[in_dtype]  # elements per vector
-    lanes = group // V  # lanes of a group (2..32, a power of two)
+    requant = variant == "requant"
+    if requant:
+        x_group, x_sf, x_storage = x_scales
+        # 16 values a lane (16 e4m3 bytes, or 8 bytes of e2m1 pairs), so that every input group is whole lanes
+        V, x_dtype = REQUANT_VALUES, (T.uint8 if in_dtype == "e2m1" else T.float8_e4m3fn)
+        x_cols, VB = (H // 2, V // 2) if in_dtype == "e2m1" else (H, V)
+    else:
+        if in_dtype not in _ELEMENT_BYTES:
+            raise LimitError(f"per_token_cast: the input dtype must be bfloat16 or float32, got {in_dtype}")
+        V = VEC_BYTES // _ELEMENT_BYTES[in_dtype]  # elements per vector
+        x_dtype, x_cols, VB = in_dtype, H, V
+    lanes = group // V  # lanes of a group (1..32, a power of two)
     levels = lanes.bit_length() - 1
     nvec, nk = H // V, H // group
     words = -(-nk // 4)  # UE8M0 words per token
@@ -105,108 +189,161 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
     e2m1 = fmt == "e2m1"
     data_dtype = u8 if e2m1 else T.float8_e4m3fn
     data_cols = H // 2 if e2m1 else H
-    sf_dtype = {"fp32": f32, "e4m3": T.float8_e4m3fn, "ue8m0": u8}[sf]
+    writes_data, writes_sf = variant != "sf_only", variant != "with_sf"
+    x_align = VEC_BYTES // (1 if requant else _ELEMENT_BYTES[in_dtype])  # x's row stride: elements of 16 bytes
 
     num_tokens = T.dynamic("num_tokens")
     x_stride = T.dynamic("x_stride")
-    sf_stride = T.dynamic("sf_stride")
-    if storage == "row":
-        sf_param = T.Tensor((num_tokens, 4 * words if sf == "ue8m0" else nk), sf_dtype)
-    else:
-        sf_shape = (words, 4 * num_tokens) if sf == "ue8m0" else (nk, num_tokens)
-        sf_param = T.StridedTensor(sf_shape, (sf_stride, 1), sf_dtype)
+    sf_param = _sf_param(T, storage, sf, nk, num_tokens, "sf_stride")
+    x_sf_param = _sf_param(T, x_storage, x_sf, H // x_group, num_tokens, "x_sf_stride") if requant else None
     del layout
 
     pad = (4 - nk % 4) % 4  # zero bytes after the last UE8M0 scale of a token
 
     @T.macro
     def store_scale(sf_out, token, g, value):
-        if sf != "ue8m0":
-            if storage == "row":
-                sf_out[token, g] = value
-            else:
-                sf_out[g, token] = value
-        elif storage == "row":
-            sf_out[token, g] = value
-            if pad:
-                if g == nk - 1:
-                    for b in T.unroll(pad):
+        sf_out[_sf_index(storage, sf, token, g)] = value
+        if sf == "ue8m0" and pad:
+            if g == nk - 1:
+                for b in T.unroll(pad):
+                    if storage == "row":
                         sf_out[token, nk + b] = T.uint8(0)
-        else:
-            sf_out[g // 4, token * 4 + g % 4] = value
-            if pad:
-                if g == nk - 1:
-                    for b in T.unroll(pad):
+                    else:
                         sf_out[words - 1, token * 4 + 4 - pad + b] = T.uint8(0)
 
-    @T.prim_func
-    def per_token_cast_cuda(
-        x: T.StridedTensor((num_tokens, H), (x_stride, 1), in_dtype),
-        data: T.Tensor((num_tokens, data_cols), data_dtype),
-        sf_out: sf_param,
-    ):
-        T.assume(x_stride % V == 0)  # rows start on vectors (the op checks it): the loads are 16 bytes wide
+    def decode(value, kind):
+        """The fp32 scale of a stored one: fp32 as is, e4m3 widened, a UE8M0 byte ``e`` as the bits ``e << 23``."""
+        if kind == "ue8m0":
+            return T.reinterpret(T.cast(value, u32) << T.uint32(23), f32)
+        return T.cast(value, f32) if kind == "e4m3" else value
+
+    @T.macro
+    def body(x, sf_in, data, sf_out):
+        T.assume(x_stride % x_align == 0)  # rows start on 16 bytes (the op checks it): the loads are vectors
         with T.Kernel(T.ceildiv(num_tokens * nvec, threads * nvt), threads=threads) as bid:
             tid = T.get_thread_binding()
-            xr = T.alloc_local((nvt, V), in_dtype)
+            xr = T.alloc_local((nvt, VB), x_dtype)
+            v = T.alloc_local((nvt, V), f32)  # the values (re-quantizing: fl(f32(data) * sx))
+            sx = T.alloc_local((nvt,), f32)  # re-quantizing: the lane's input scale (a lane is in one input group)
             y = T.alloc_local((V,), f32)
             amax = T.alloc_local((nvt,), f32)
             scale = T.alloc_local((4,), f32)  # a, a / max, s, inv
+            factor = T.alloc_local((1,), f32)  # re-quantizing: fl(sx * inv)
             total = num_tokens * nvec
             for j in T.unroll(nvt):
                 if (bid * nvt + j) * threads + tid < total:
-                    for k in T.vectorized(V):
+                    for k in T.vectorized(VB):
                         xr[j, k] = x[((bid * nvt + j) * threads + tid) // nvec,
-                                     (((bid * nvt + j) * threads + tid) % nvec) * V + k]
+                                     (((bid * nvt + j) * threads + tid) % nvec) * VB + k]
+                    if requant:
+                        sx[j] = decode(sf_in[_sf_index(x_storage, x_sf, ((bid * nvt + j) * threads + tid) // nvec,
+                                                      ((((bid * nvt + j) * threads + tid) % nvec) * V) // x_group)],
+                                       x_sf)
                 else:
-                    for k in T.vectorized(V):
-                        xr[j, k] = T.cast(0, in_dtype)
+                    for k in T.vectorized(VB):
+                        xr[j, k] = T.cast(0, x_dtype)
+                    if requant:
+                        sx[j] = T.float32(0)
             for j in T.unroll(nvt):
-                amax[j] = T.abs(T.cast(xr[j, 0], f32))
-                for k in T.unroll(1, V):
-                    amax[j] = T.max(amax[j], T.abs(T.cast(xr[j, k], f32)))
-                for b in T.unroll(levels):
-                    amax[j] = T.max(amax[j], T.shfl_xor(amax[j], 1 << b))
+                for k in T.unroll(V):
+                    if not requant:
+                        v[j, k] = T.cast(xr[j, k], f32)
+                    elif in_dtype == "e2m1":
+                        v[j, k] = e2m1_value(T, (T.cast(xr[j, k // 2], u32) >> T.cast(4 * (k % 2), u32))
+                                             & T.uint32(15))
+                    else:
+                        v[j, k] = T.cast(xr[j, k], f32)
+            if writes_sf:
+                for j in T.unroll(nvt):
+                    amax[j] = T.float32(0)
+                    for k in T.unroll(V):
+                        if requant:
+                            amax[j] = T.max(amax[j], T.abs(T.ieee_mul(v[j, k], sx[j])))
+                        else:
+                            amax[j] = T.max(amax[j], T.abs(v[j, k]))
+                    for b in T.unroll(levels):
+                        amax[j] = T.max(amax[j], T.shfl_xor(amax[j], 1 << b))
             for j in T.unroll(nvt):
                 if (bid * nvt + j) * threads + tid < total:
-                    # every slot written once: TileLang's codegen may reuse a reinterpret of a slot across a store
-                    scale[0] = T.max(amax[j], T.reinterpret(T.uint32(clamp_bits), f32))  # a
-                    scale[1] = T.ieee_fdiv(scale[0], T.float32(fmax))  # a / max
-                    if round_sf:
-                        scale[2] = T.reinterpret((T.reinterpret(scale[1], u32) + T.uint32(0x7FFFFF))
-                                                 & T.uint32(0x7F800000), f32)  # 2^ceil(log2(a / max))
-                        scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
-                    elif sf == "e4m3":
-                        scale[2] = T.cast(T.cast(T.min(scale[1], T.float32(448.0)), T.float8_e4m3fn), f32)
+                    if variant == "with_sf":
+                        scale[2] = decode(sf_in[_sf_index(storage, sf, ((bid * nvt + j) * threads + tid) // nvec,
+                                                          (((bid * nvt + j) * threads + tid) % nvec) // lanes)], sf)
                         scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
                     else:
-                        scale[2] = scale[1]
-                        scale[3] = T.ieee_fdiv(T.float32(fmax), scale[0])
-                    for k in T.unroll(V):
-                        y[k] = T.ieee_mul(T.cast(xr[j, k], f32), scale[3])
-                    if e2m1:
-                        for k in T.vectorized(V // 2):
-                            data[((bid * nvt + j) * threads + tid) // nvec,
-                                 (((bid * nvt + j) * threads + tid) % nvec) * (V // 2) + k] = (
-                                e2m1_code(T, y[2 * k]) | (e2m1_code(T, y[2 * k + 1]) << T.uint8(4)))
-                    else:
-                        for k in T.vectorized(V):
-                            data[((bid * nvt + j) * threads + tid) // nvec,
-                                 (((bid * nvt + j) * threads + tid) % nvec) * V + k] = T.cast(y[k], T.float8_e4m3fn)
-                    if ((bid * nvt + j) * threads + tid) % lanes == 0:
-                        if sf == "ue8m0":
-                            store_scale(sf_out, ((bid * nvt + j) * threads + tid) // nvec,
-                                        (((bid * nvt + j) * threads + tid) % nvec) // lanes,
-                                        T.cast((T.reinterpret(scale[2], u32) >> T.uint32(23)) & T.uint32(0xFF), u8))
+                        # every slot written once: TileLang's codegen may reuse a reinterpret of a slot across a store
+                        scale[0] = T.max(amax[j], T.reinterpret(T.uint32(clamp_bits), f32))  # a
+                        scale[1] = T.ieee_fdiv(scale[0], T.float32(fmax))  # a / max
+                        if round_sf:
+                            scale[2] = T.reinterpret((T.reinterpret(scale[1], u32) + T.uint32(0x7FFFFF))
+                                                     & T.uint32(0x7F800000), f32)  # 2^ceil(log2(a / max))
+                            scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
                         elif sf == "e4m3":
-                            store_scale(sf_out, ((bid * nvt + j) * threads + tid) // nvec,
-                                        (((bid * nvt + j) * threads + tid) % nvec) // lanes,
-                                        T.cast(scale[2], T.float8_e4m3fn))
+                            scale[2] = T.cast(T.cast(T.min(scale[1], T.float32(448.0)), T.float8_e4m3fn), f32)
+                            scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
                         else:
+                            scale[2] = scale[1]
+                            scale[3] = T.ieee_fdiv(T.float32(fmax), scale[0])
+                    if writes_data:
+                        if requant:  # CUDA's order: one factor fl(sx * inv) per lane, then f32(data) * factor
+                            factor[0] = T.ieee_mul(sx[j], scale[3])
+                            for k in T.unroll(V):
+                                y[k] = T.ieee_mul(v[j, k], factor[0])
+                        else:
+                            for k in T.unroll(V):
+                                y[k] = T.ieee_mul(v[j, k], scale[3])
+                        if e2m1:
+                            for k in T.vectorized(V // 2):
+                                data[((bid * nvt + j) * threads + tid) // nvec,
+                                     (((bid * nvt + j) * threads + tid) % nvec) * (V // 2) + k] = (
+                                    e2m1_code(T, y[2 * k]) | (e2m1_code(T, y[2 * k + 1]) << T.uint8(4)))
+                        else:
+                            for k in T.vectorized(V):
+                                data[((bid * nvt + j) * threads + tid) // nvec,
+                                     (((bid * nvt + j) * threads + tid) % nvec) * V + k] = T.cast(y[k],
+                                                                                                  T.float8_e4m3fn)
+                    if writes_sf:
+                        if ((bid * nvt + j) * threads + tid) % lanes == 0:
+                            if sf == "ue8m0":
+                                stored = T.cast((T.reinterpret(scale[2], u32) >> T.uint32(23)) & T.uint32(0xFF), u8)
+                            elif sf == "e4m3":
+                                stored = T.cast(scale[2], T.float8_e4m3fn)
+                            else:
+                                stored = scale[2]
                             store_scale(sf_out, ((bid * nvt + j) * threads + tid) // nvec,
-                                        (((bid * nvt + j) * threads + tid) % nvec) // lanes, scale[2])
+                                        (((bid * nvt + j) * threads + tid) % nvec) // lanes, stored)
 
+    x_param = T.StridedTensor((num_tokens, x_cols), (x_stride, 1), x_dtype)
+    data_param = T.Tensor((num_tokens, data_cols), data_dtype)
+    if variant == "sf_only":
+        @T.prim_func
+        def per_token_cast_sf_cuda(x: x_param, sf_out: sf_param):
+            body(x, None, None, sf_out)
+        return per_token_cast_sf_cuda
+    if variant == "with_sf":
+        @T.prim_func
+        def per_token_cast_with_sf_cuda(x: x_param, sf: sf_param, data: data_param):
+            body(x, sf, data, None)
+        return per_token_cast_with_sf_cuda
+    if requant:
+        @T.prim_func
+        def per_token_cast_requant_cuda(x: x_param, x_sf: x_sf_param, data: data_param, sf_out: sf_param):
+            body(x, x_sf, data, sf_out)
+        return per_token_cast_requant_cuda
+
+    @T.prim_func
+    def per_token_cast_cuda(x: x_param, data: data_param, sf_out: sf_param):
+        body(x, None, data, sf_out)
     return per_token_cast_cuda
+
+
+def e2m1_value(T, code):
+    """The fp32 value of an e2m1 code (uint32 0..15): magnitude bits ``(e + 126) << 23 | m << 22`` for exponent
+    ``e > 0``, 0.5 for code 1, 0 for code 0; the sign is bit 3."""
+    c = code
+    e, m = (c >> T.uint32(1)) & T.uint32(3), c & T.uint32(1)
+    mag = T.if_then_else(e > T.uint32(0), ((e + T.uint32(126)) << T.uint32(23)) | (m << T.uint32(22)),
+                         m * T.uint32(126 << 23))
+    return T.reinterpret(mag | ((c >> T.uint32(3)) << T.uint32(31)), T.float32)
 
 
 def e2m1_code(T, v):
@@ -220,8 +357,8 @@ def e2m1_code(T, v):
     return code | T.cast((T.reinterpret(v, T.uint32) >> T.uint32(31)) << T.uint32(3), T.uint8)
 
 
-def _derive(x, layout, data, sf):
-    return cast_key("per_token_cast", x.shape[1], _IN_DTYPES.get(x.dtype, str(x.dtype)), ScaleLayout.parse(layout))
+def _in_dtype(x) -> str:
+    return _IN_DTYPES.get(x.dtype, str(x.dtype))
 
 
 def _cases(hidden_size: int, hc_mult: int) -> dict:
@@ -243,18 +380,79 @@ def _cases(hidden_size: int, hc_mult: int) -> dict:
     return cases
 
 
-PER_TOKEN_CAST = Kernel("per_token_cast", CastKey, build_per_token_cast, derive=_derive, cases=_cases)
+# one lowering case per variant (the CPU tier's time): the scales alone and the data from given scales of SM100's
+# UE8M0 col_tma layout (the words' bytes read back), and MXFP4 (e2m1, UE8M0 1x32 row) re-quantized to SM100's layout
+_SF_CASE = ("e4m3_ue8m0_col_bf16", "1x128/e4m3/ue8m0/col_tma/round", "bfloat16")
+_WITH_SF_CASE = ("e4m3_ue8m0_col_f32", "1x128/e4m3/ue8m0/col_tma/round", "float32")
+_REQUANT_CASE = ("e2m1_ue8m0_g32_to_e4m3_ue8m0_col", "1x32/e2m1/ue8m0/row/round", "1x128/e4m3/ue8m0/col_tma/round")
 
 
-def per_token_cast(x: torch.Tensor, layout: str, data: torch.Tensor, sf: torch.Tensor) -> None:
+def _sf_cases(hidden_size: int, hc_mult: int) -> dict:
+    name, spec, dtype = _SF_CASE
+    return {f"per_token_cast_sf_{name}": cast_key("per_token_cast_sf", hidden_size, dtype, ScaleLayout.parse(spec),
+                                                  "sf_only")}
+
+
+def _with_sf_cases(hidden_size: int, hc_mult: int) -> dict:
+    name, spec, dtype = _WITH_SF_CASE
+    return {f"per_token_cast_with_sf_{name}": cast_key("per_token_cast_with_sf", hidden_size, dtype,
+                                                       ScaleLayout.parse(spec), "with_sf")}
+
+
+def _requant_cases(hidden_size: int, hc_mult: int) -> dict:
+    name, source, out = _REQUANT_CASE
+    return {f"per_token_cast_requant_{name}": requant_key("per_token_cast", hidden_size, ScaleLayout.parse(out),
+                                                          ScaleLayout.parse(source))}
+
+
+PER_TOKEN_CAST = Kernel("per_token_cast", CastKey, build_per_token_cast, cases=_cases,
+                        derive=lambda x, layout: cast_key("per_token_cast", x.shape[1], _in_dtype(x),
+                                                          ScaleLayout.parse(layout)))
+PER_TOKEN_CAST_REQUANT = Kernel("per_token_cast_requant", RequantKey, build_per_token_cast_requant,
+                                cases=_requant_cases,
+                                derive=lambda x, layout, x_layout: requant_key(
+                                    "per_token_cast", ScaleLayout.parse(x_layout).hidden_of(x),
+                                    ScaleLayout.parse(layout), ScaleLayout.parse(x_layout)))
+PER_TOKEN_CAST_SF = Kernel("per_token_cast_sf", CastKey, build_per_token_cast, cases=_sf_cases,
+                           derive=lambda x, layout: cast_key("per_token_cast_sf", x.shape[1], _in_dtype(x),
+                                                             ScaleLayout.parse(layout), "sf_only"))
+PER_TOKEN_CAST_WITH_SF = Kernel("per_token_cast_with_sf", CastKey, build_per_token_cast, cases=_with_sf_cases,
+                                derive=lambda x, layout: cast_key("per_token_cast_with_sf", x.shape[1],
+                                                                  _in_dtype(x), ScaleLayout.parse(layout),
+                                                                  "with_sf"))
+
+
+def sf_view(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
+    """The buffer a kernel takes for a scale tensor: col_tma through the transposed (padded) buffer, UE8M0 words
+    as their bytes."""
+    view = sf.t() if storage == "col_tma" else sf
+    return view.view(torch.uint8) if kind == "ue8m0" else view
+
+
+def per_token_cast(x: torch.Tensor, layout: str, x_sf: torch.Tensor | None, x_layout: str | None,
+                   data: torch.Tensor, sf: torch.Tensor) -> None:
     """Launches the cast of ``x`` to ``layout`` on the current stream (arguments validated and outputs allocated
-    upstream, ``T > 0``): writes ``data`` and ``sf`` (UE8M0 words as their bytes, col_tma through the transposed
-    buffer)."""
-    key = PER_TOKEN_CAST.key(x, layout, data, sf)
-    sf_param = sf.t() if key.storage == "col_tma" else sf
-    if key.sf == "ue8m0":
-        sf_param = sf_param.view(torch.uint8)
-    PER_TOKEN_CAST.compiled(key)(x, data, sf_param)
+    upstream, ``T > 0``): writes ``data`` and ``sf``. With ``x_sf`` / ``x_layout``, ``x`` is re-quantized."""
+    if x_sf is None:
+        key = PER_TOKEN_CAST.key(x, layout)
+        PER_TOKEN_CAST.compiled(key)(x, data, sf_view(sf, key.storage, key.sf))
+        return
+    key = PER_TOKEN_CAST_REQUANT.key(x, layout, x_layout)
+    PER_TOKEN_CAST_REQUANT.compiled(key)(x, sf_view(x_sf, key.x_storage, key.x_sf), data,
+                                         sf_view(sf, key.storage, key.sf))
 
 
-KERNELS, lowering_cases, __all__ = kernel_module(__name__, PER_TOKEN_CAST)
+def per_token_cast_sf(x: torch.Tensor, layout: str, sf: torch.Tensor) -> None:
+    """Launches the scales alone: writes ``sf``."""
+    key = PER_TOKEN_CAST_SF.key(x, layout)
+    PER_TOKEN_CAST_SF.compiled(key)(x, sf_view(sf, key.storage, key.sf))
+
+
+def per_token_cast_with_sf(x: torch.Tensor, sf: torch.Tensor, layout: str, data: torch.Tensor) -> None:
+    """Launches the data alone from the given scales ``sf`` (read): writes ``data``."""
+    key = PER_TOKEN_CAST_WITH_SF.key(x, layout)
+    PER_TOKEN_CAST_WITH_SF.compiled(key)(x, sf_view(sf, key.storage, key.sf), data)
+
+
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, PER_TOKEN_CAST, PER_TOKEN_CAST_REQUANT, PER_TOKEN_CAST_SF,
+                                                 PER_TOKEN_CAST_WITH_SF)
