@@ -51,7 +51,12 @@ def per_block_cast_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_B
     return per_block_cast_call(tokens, hidden, seed=seed, device=device, layout=layout, dtype=dtype, pitch=pitch)
 
 
-def per_block_cast_with_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_BLOCK_LAYOUT, dtype=BF16,
+# row-major by default: the cross-op tests copy each input's bytes with clone().view(uint8), which a column-major
+# scale input cannot give (its own tests pass col_tma scales)
+PER_BLOCK_SF_INPUT_LAYOUT = "128x128/e4m3/ue8m0/row/round"
+
+
+def per_block_cast_with_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_BLOCK_SF_INPUT_LAYOUT, dtype=BF16,
                                 pitch=None, sf_seed=None):
     """``x``, its scales in ``layout`` for the backend of ``device`` (the reference's, of ``x`` itself, or of
     another draw with ``sf_seed``), allocated there with the layout's strides, and the layout."""
