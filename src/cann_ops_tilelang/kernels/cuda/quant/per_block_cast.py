@@ -53,6 +53,12 @@ class BlockTilePlan:
 PLANS = {128: BlockTilePlan(warps_per_block=8, blocks=1), 32: BlockTilePlan(warps_per_block=1, blocks=8)}
 
 
+# CTAs an SM keeps resident (the registers each thread may use), by (block, x's dtype): a bf16 128 x 128 CTA would
+# take 83 to 88 registers a thread, 2 CTAs an SM; 3 (80 registers, no spill) keep a third tile's loads in flight
+# while the others reduce and store. fp32 tiles are 64 KiB (2 CTAs hold 128 KiB in flight); 32 x 32 CTAs take 56.
+MIN_CTAS_PER_SM = {(128, "bfloat16"): 3}
+
+
 def plan_of(block: int, hidden: int) -> BlockTilePlan:
     plan = PLANS[block]
     blocks = plan.blocks
@@ -193,6 +199,8 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
     def body(x, data, sf_buf):
         T.assume(x_stride % V == 0)  # rows start on vectors (the op checks it): the loads are 16 bytes wide
         with T.Kernel(T.ceildiv(num_tokens, r) * n_tiles, threads=threads) as bid:
+            if (block, in_dtype) in MIN_CTAS_PER_SM:
+                T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM[block, in_dtype])
             tid = T.get_thread_binding()
             lane = tid % WARP
             warp = tid // WARP
