@@ -70,3 +70,39 @@ def per_token_cast_with_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=
     sf = per_token_quantize_ref(sample(tokens, hidden, seed=seed if sf_seed is None else sf_seed, dtype=dtype), layout,
                                 sf_only=True)
     return {"x": x, "sf": to_device(sf, device), "layout": layout}
+
+
+PER_BLOCK_LAYOUT = "128x128/e4m3/ue8m0/col_tma/round"
+
+
+def per_block_cast_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_BLOCK_LAYOUT, dtype=BF16, pitch=None):
+    """A weight ``x (T, H)`` (``pitch``: rows strided by that many elements, never read past ``H``) and a per-block
+    layout spec."""
+    return {"x": float_rows(tokens, hidden, seed=seed, device=device, dtype=dtype, pitch=pitch), "layout": layout}
+
+
+def per_block_cast_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_BLOCK_LAYOUT, dtype=BF16, pitch=None):
+    return per_block_cast_call(tokens, hidden, seed=seed, device=device, layout=layout, dtype=dtype, pitch=pitch)
+
+
+# row-major by default: the cross-op tests copy each input's bytes with clone().view(uint8), which a column-major
+# scale input cannot give (its own tests pass col_tma scales)
+PER_BLOCK_SF_INPUT_LAYOUT = "128x128/e4m3/ue8m0/row/round"
+
+
+def per_block_cast_with_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_BLOCK_SF_INPUT_LAYOUT, dtype=BF16,
+                                pitch=None, sf_seed=None):
+    """``x``, its scales in ``layout`` for the backend of ``device`` (the reference's, of ``x`` itself, or of
+    another draw with ``sf_seed``), allocated there with the layout's strides, and the layout."""
+    from quant_ref import per_block_quantize_ref
+
+    from cann_ops_tilelang import policy
+    from cann_ops_tilelang.quant import ScaleLayout
+
+    call = per_block_cast_call(tokens, hidden, seed=seed, device=device, layout=layout, dtype=dtype, pitch=pitch)
+    backend = policy.kernel_backend(torch.device(device).type)
+    source = sample(tokens, hidden, seed=seed if sf_seed is None else sf_seed, dtype=dtype)  # x's values on the CPU
+    values = per_block_quantize_ref(source, layout, sf_only=True, backend=backend)
+    sf = ScaleLayout.parse(layout).empty_sf(tokens, hidden, backend, device=device)
+    sf.copy_(values)
+    return {"x": call["x"], "sf": sf, "layout": layout}

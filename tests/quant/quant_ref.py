@@ -305,11 +305,31 @@ def per_token_quantize_ref(x, layout, x_sf=None, x_layout=None, sf=None, sf_only
     return q.sf if sf_only else q.data if sf is not None else q
 
 
-def per_block_cast_ref(x, layout, sf=None, sf_only=False, backend="cuda"):
-    """Per-block cast (blocks ``(128, 128)``, ``(32, 32)``) of a bf16 / fp32 ``x``."""
-    layout = _kind(layout, ("per_block",), "per_block_cast_ref")
+def per_block_quantize_ref(x, layout, sf=None, sf_only=False, backend="cuda"):
+    """Per-block cast (blocks ``(128, 128)``, ``(32, 32)``) of a bf16 / fp32 ``x``, every variant of the contract:
+    a :class:`QuantTensor`; ``sf`` given (in ``layout``): the data only, ``inv = 1 / s``; ``sf_only``: the scales
+    only. A ragged last block row takes its amax over its valid rows."""
+    layout = _kind(layout, ("per_block",), "per_block_quantize_ref")
     q = quantize(x, layout, sf=sf, backend=backend)
     return q.sf if sf_only else q.data if sf is not None else q
+
+
+def per_block_cast_ref(x, layout):
+    """The op ``per_block_cast(x, layout) -> (data, sf)``, the scales in the bytes of the backend of ``x``'s device
+    (``policy.kernel_backend``: CUDA's on CPU and meta tensors)."""
+    q = per_block_quantize_ref(x, layout, backend=policy.kernel_backend(x.device.type))
+    return q.data, q.sf
+
+
+def per_block_cast_sf_ref(x, layout):
+    """The op ``per_block_cast_sf(x, layout) -> sf``: the scales of :func:`per_block_cast_ref`, bitwise."""
+    return per_block_quantize_ref(x, layout, sf_only=True, backend=policy.kernel_backend(x.device.type))
+
+
+def per_block_cast_with_sf_ref(x, sf, layout):
+    """The op ``per_block_cast_with_sf(x, sf, layout) -> data``: ``x`` cast with the given scales ``sf`` (in
+    ``layout`` for the backend of ``x``'s device), ``inv = fl(1 / s)``."""
+    return per_block_quantize_ref(x, layout, sf=sf, backend=policy.kernel_backend(x.device.type))
 
 
 def per_channel_cast_ref(x, layout, x_sf=None, x_layout=None, backend="cuda"):

@@ -2,11 +2,13 @@
 and the casts to FP8 / FP4, one module per op (pair).
 
 Ops: ``per_token_cast``, ``per_token_cast_sf``, ``per_token_cast_with_sf`` (the Python function :func:`quantize`
-returns a :class:`QuantTensor`).
+returns a :class:`QuantTensor`), ``per_block_cast`` (weights; with ``per_block_cast_sf`` and ``per_block_cast_with_sf``).
 """
 
 from ._layout import AMAX_CLAMP, BLOCKS, FORMATS, SF_DTYPES, STORAGES, UE8M0_WORDS, Format, QuantTensor, ScaleLayout
+from .per_block_cast import per_block_cast, per_block_cast_sf, per_block_cast_with_sf
 from .per_token_cast import per_token_cast, per_token_cast_sf, per_token_cast_with_sf, quantize
 
 __all__ = ["AMAX_CLAMP", "BLOCKS", "FORMATS", "SF_DTYPES", "STORAGES", "UE8M0_WORDS", "Format", "QuantTensor",
-           "ScaleLayout", "per_token_cast", "per_token_cast_sf", "per_token_cast_with_sf", "quantize"]
+           "ScaleLayout", "per_block_cast", "per_block_cast_sf", "per_block_cast_with_sf", "per_token_cast",
+           "per_token_cast_sf", "per_token_cast_with_sf", "quantize"]
