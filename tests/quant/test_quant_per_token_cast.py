@@ -160,9 +160,14 @@ def test_quantize_returns_a_quant_tensor_of_the_layout(seed):
         assert isinstance(q, QuantTensor) and q.layout == spec and q.tokens == 4 and q.hidden == 256
         data, sf = ops.per_token_cast(x, spec.spec)
         assert torch.equal(q.data, data) and torch.equal(q.sf, sf)
-    with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a per-token layout .* "
-                                         r"per-block block \(128, 128\)"):
-        ops.quantize(x, ScaleLayout((128, 128)))
+    block = ScaleLayout((128, 128), sf="ue8m0", storage="col_tma", round_sf=True)
+    q = ops.quantize(x, block)  # a per-block layout: per_block_cast's
+    assert q.layout == block and all(torch.equal(a, b) for a, b in zip(q[:2], ops.per_block_cast(x, block.spec)))
+    with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a per-token or per-block "
+                                         r"layout \(per-channel scales come from per_channel_cast\)"):
+        ops.quantize(x, ScaleLayout((128, 1)))
+    with pytest.raises(TypeError, match=r"per_block_cast: argument 'x': expected a bf16 or fp32 tensor"):
+        ops.quantize(ops.quantize(x, SOME_LAYOUTS[0]), block)
     with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a ScaleLayout spec"):
         ops.quantize(x, "1x128")
 

@@ -17,6 +17,7 @@ from .._checks import OpError, check_same_device, describe
 from .._library import declare
 from ._common import ROW_ALIGN_BYTES, backend_of, check_layout, check_rows
 from ._layout import QuantTensor, ScaleLayout
+from .per_block_cast import per_block_cast
 
 __all__ = ["per_token_cast", "per_token_cast_sf", "per_token_cast_with_sf", "quantize"]
 
@@ -156,18 +157,25 @@ per_token_cast_with_sf.sharding({"x": "S0", "sf": "S0", "returns": "S0"})
 
 
 def quantize(x: Tensor | QuantTensor, layout: ScaleLayout | str) -> QuantTensor:
-    """``x (T, H)`` quantized to ``layout`` (a :class:`ScaleLayout` or its spec string): the ``QuantTensor(data, sf,
-    layout)`` of :func:`per_token_cast` for a per-token layout (per-block and per-channel casts come with their ops).
-    A :class:`QuantTensor` ``x`` (per-token) is re-quantized: ``per_token_cast(x.data, layout, x.sf, x.layout)``.
+    """``x (T, H)`` quantized to ``layout`` (a :class:`ScaleLayout` or its spec string) as ``QuantTensor(data, sf,
+    layout)``: by :func:`per_token_cast` for a per-token layout, :func:`per_block_cast` for a per-block one. A
+    :class:`QuantTensor` ``x`` (per-token) is re-quantized to a per-token layout: ``per_token_cast(x.data, layout,
+    x.sf, x.layout)``.
 
-    Raises ``TypeError`` / ``ValueError`` naming ``per_token_cast`` and the argument (``layout`` for a bad spec).
+    Raises ``TypeError`` / ``ValueError`` naming the cast and the argument (``layout`` for a bad spec).
     """
     err = OpError("per_token_cast")
-    spec = layout if isinstance(layout, ScaleLayout) else check_layout(err, "layout", layout, ("per_token",))
-    if spec.kind != "per_token":
-        raise err.value("layout", f"expected a per-token layout (the only cast with kernels yet), got {spec.spec!r} "
-                                  f"(a per-{spec.kind[4:]} block {spec.block})")
-    if isinstance(x, QuantTensor):
+    kinds = ("per_token", "per_block")
+    spec = layout if isinstance(layout, ScaleLayout) else check_layout(err, "layout", layout, kinds)
+    if spec.kind not in kinds:
+        raise err.value("layout", f"expected a per-token or per-block layout (per-channel scales come from "
+                                  f"per_channel_cast), got {spec.spec!r} (a per-{spec.kind[4:]} block {spec.block})")
+    if spec.kind == "per_block":
+        if isinstance(x, QuantTensor):
+            raise OpError("per_block_cast").type("x", "expected a bf16 or fp32 tensor (a per-block cast does not "
+                                                      "re-quantize), got a QuantTensor")
+        data, sf = per_block_cast(x, spec.spec)
+    elif isinstance(x, QuantTensor):
         x_layout = x.layout.spec if isinstance(x.layout, ScaleLayout) else x.layout
         data, sf = per_token_cast(x.data, spec.spec, x.sf, x_layout)
     else:

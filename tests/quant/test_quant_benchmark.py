@@ -1,0 +1,89 @@
+"""Benchmarks of the quant casts and of fp8_linear (run only when asked: ``-m benchmark``), side by side in one run:
+ours, the peer (DeepSeek tile_kernels 2.1.0, when importable), the reference under inductor
+(``torch.compile(fullgraph=True)``, the shape made dynamic after its first recompile as torch.compile does by
+default) and the device-to-device copy ceiling of the same run (``test_copy_ceiling``).
+
+Bytes: what the op must read and write once (``x``, the data, the scales). ``gbs = bytes / time_us / 1e3``.
+Results are compared with the committed baseline of the chip (tests/quant/benchmark/<chip>/test_quant_benchmark.jsonl).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _plugins.device import requires_cuda
+from quant_cases import sample
+from quant_ref import per_token_cast_ref
+
+import cann_ops_tilelang as ops
+from cann_ops_tilelang.modeling import fp8_linear, fp8_linear_gemm
+from cann_ops_tilelang.quant import ScaleLayout
+
+pytestmark = [pytest.mark.benchmark, requires_cuda]
+
+HAVE_PEER = importlib.util.find_spec("tile_kernels") is not None
+# the peer's shapes, then the issue's sizes of a training step
+SHAPES = [(t, h) for t in (512, 4001) for h in (2048, 4096, 7168)] + [(t, h) for t in (4096, 8192, 16384)
+                                                                       for h in (4096, 7168)]
+# SM90 DeepGEMM activations, SM100 DeepGEMM activations, MXFP4
+PER_TOKEN_LAYOUTS = ["1x128/e4m3/fp32/col_tma/exact", "1x128/e4m3/ue8m0/col_tma/round", "1x32/e2m1/ue8m0/row/round"]
+_INDUCTOR = {}
+
+
+def nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def inductor(fn):
+    """One compiled reference per function for the whole run (dynamic after the first new shape)."""
+    if fn not in _INDUCTOR:
+        _INDUCTOR[fn] = torch.compile(fn, fullgraph=True)
+    return _INDUCTOR[fn]
+
+
+def test_copy_ceiling(bench, device):
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = bench.time_us(lambda: dst.copy_(src))
+    bench.record("copy_1GiB", impl="copy", time_us=t, bytes=2 * src.numel())
+
+
+@pytest.mark.parametrize("layout", PER_TOKEN_LAYOUTS)
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_bench_per_token_cast(bench, device, tokens, hidden, layout):
+    x = sample(tokens, hidden).to(device)
+    s = ScaleLayout.parse(layout)
+    data, sf = ops.per_token_cast(x, layout)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels.quant as tq
+
+        peer = lambda: tq.per_token_cast(x, s.fmt, s.block[1], use_tma_aligned_col_major_sf=s.storage == "col_tma",  # noqa: E731
+                                         round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0",
+                                         use_e4m3_sf=s.sf == "e4m3")
+    ref = inductor(per_token_cast_ref)
+    bench.side_by_side(f"per_token_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
+        "ours": lambda: ops.per_token_cast(x, layout),
+        "peer": peer,
+        "inductor": lambda: ref(x, layout),
+    }, bytes=nbytes(x, data) + sf.numel() * sf.element_size())
+
+
+@pytest.mark.parametrize("tokens,k,n", [(8192, 7168, 7168), (8192, 7168, 18432)])
+def test_bench_fp8_linear_forward_backward(bench, device, tokens, k, n):
+    """fp8_linear forward + backward (grad_x, grad_weight) against bf16 F.linear's at a DeepSeek-V3 projection."""
+    x = (torch.randn(tokens, k, device=device) / 4).bfloat16().requires_grad_(True)
+    w = (torch.randn(n, k, device=device) / k**0.5).bfloat16().requires_grad_(True)
+    grad_out = torch.randn(tokens, n, device=device).bfloat16()
+
+    def step(linear):
+        def run():
+            x.grad = w.grad = None
+            linear(x, w).backward(grad_out)
+        return run
+
+    bench.side_by_side(f"fp8_linear_fwd_bwd-T{tokens}-K{k}-N{n}", {
+        "ours": step(fp8_linear),
+        "bf16": step(F.linear),
+    }, flops=3 * 2 * tokens * k * n, gemm=fp8_linear_gemm(device))
