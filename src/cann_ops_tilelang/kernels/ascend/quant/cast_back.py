@@ -112,11 +112,10 @@ def _tile(hk: int, rows: int, cols: int, fmt: str, sf: str, storage: str, out_dt
 
 
 def tiling(hidden: int, rows: int, cols: int, fmt: str, sf: str, storage: str, out_dtype: str) -> Tiling:
-    """The widest hidden tile that divides ``H``, is a multiple of 128 channels (of two groups for UE8M0 words,
-    unless it is the whole row: no word straddles two tiles) and fits the UB budget."""
-    unit = 2 * cols if sf == "ue8m0" and cols > 1 else 1
+    """The widest hidden tile that divides ``H``, is a multiple of 128 channels and fits the UB budget. A UE8M0 word
+    may straddle two tiles (128-channel groups, an odd count per tile): each tile reads every word it needs."""
     fits = [hk for hk in range(128, hidden + 1, 128)
-            if hidden % hk == 0 and (hk % unit == 0 or hk == hidden)
+            if hidden % hk == 0
             and _tile(hk, rows, cols, fmt, sf, storage, out_dtype).ub_bytes <= _build.UB_BUDGET_BYTES]
     if not fits:
         raise limits.LimitError(f"cast_back: no hidden tile fits the UB at H={hidden}")
@@ -179,7 +178,7 @@ def build_cast_back(hidden: int, rows: int, cols: int, fmt: str, sf: str, storag
         return T.reinterpret(S.vand(S.vshl(w, shift), S.vdup(0x7F800000, T.uint32)), "float32x64")
 
     @T.macro
-    def lane_scale(raw_ub, sf_ub, r, ch, bi_row, ge1, ge2, ge3, shift_32, shift_16):
+    def lane_scale(raw_ub, sf_ub, r, ch, bi_row, off, ge1, ge2, ge3, shift_32, shift_16):
         """The fp32 scale of each lane of the 64-channel vector ``ch`` of tile row ``r``."""
         bi = r // rb
         if per_channel:
@@ -189,8 +188,8 @@ def build_cast_back(hidden: int, rows: int, cols: int, fmt: str, sf: str, storag
                                      "float32x64")
             return S.vld(sf_ub[ch * LANES])
         if ue8m0:
-            if c >= LANES:
-                gi = ch // vec_per_group
+            if c >= LANES:  # the tile's first group may be the odd byte of its word (off): 128-channel groups
+                gi = ch // vec_per_group + off
                 return word_scale(raw_ub, bi, gi, S.vdup(T.if_then_else(gi % 2 == 0, 23, 15), T.uint32))
             if c == 32:  # groups 2 ch, 2 ch + 1: one word
                 return word_scale(raw_ub, bi, 2 * ch, shift_32)
@@ -213,7 +212,7 @@ def build_cast_back(hidden: int, rows: int, cols: int, fmt: str, sf: str, storag
             S.vsts(out_ub[r, ch * LANES], v)
 
     @T.macro
-    def cast_back_vf(data_ub, raw_ub, sf_ub, out_ub, valid, bi_row):
+    def cast_back_vf(data_ub, raw_ub, sf_ub, out_ub, valid, bi_row, off):
         with T.SimdVF():
             lane = S.vci(0, T.int32)
             ge1 = S.vcmps(lane, c, op="ge")
@@ -234,14 +233,14 @@ def build_cast_back(hidden: int, rows: int, cols: int, fmt: str, sf: str, storag
                         q = S.vcvt(S.vld(data_ub[r, 2 * p * LANES], dist="UNPK4_B8"), T.bfloat16)
                         lo, hi = S.vintlv(zero, q)  # bf16 bits in the high half: the exact fp32
                         store_out(out_ub, r, 2 * p, S.vmul(T.reinterpret(lo, "float32x64"), lane_scale(
-                            raw_ub, sf_ub, r, 2 * p, bi_row, ge1, ge2, ge3, shift_32, shift_16)))
+                            raw_ub, sf_ub, r, 2 * p, bi_row, off, ge1, ge2, ge3, shift_32, shift_16)))
                         store_out(out_ub, r, 2 * p + 1, S.vmul(T.reinterpret(hi, "float32x64"), lane_scale(
-                            raw_ub, sf_ub, r, 2 * p + 1, bi_row, ge1, ge2, ge3, shift_32, shift_16)))
+                            raw_ub, sf_ub, r, 2 * p + 1, bi_row, off, ge1, ge2, ge3, shift_32, shift_16)))
             else:
                 for r in T.serial(valid):
                     for ch in T.serial(hk // LANES):
                         v = S.vcvt(S.vld(data_ub[r, ch * LANES], dist="UNPK4_B8"), T.float32)
-                        store_out(out_ub, r, ch, S.vmul(v, lane_scale(raw_ub, sf_ub, r, ch, bi_row, ge1, ge2, ge3,
+                        store_out(out_ub, r, ch, S.vmul(v, lane_scale(raw_ub, sf_ub, r, ch, bi_row, off, ge1, ge2, ge3,
                                                                       shift_32, shift_16)))
 
     @T.prim_func
@@ -277,7 +276,7 @@ def build_cast_back(hidden: int, rows: int, cols: int, fmt: str, sf: str, storag
                 else:
                     T.copy(sf_in[i0 : i0 + nbv, h0 // c // (2 if ue8m0 else 1) : h0 // c // (2 if ue8m0 else 1) + nw],
                            raw_2d[:nbv, :nw])
-                cast_back_vf(data_ub, raw_ub, sf_ub, out_ub, valid, i0)
+                cast_back_vf(data_ub, raw_ub, sf_ub, out_ub, valid, i0, (h0 // c) % 2 if ue8m0 and c > 1 else 0)
                 T.copy(out_ub[:valid, :], out[row : row + valid, h0 : h0 + hk])
 
     return cast_back_asc
