@@ -42,7 +42,8 @@ def check_sf(err: OpError, arg: str, sf, data: Tensor, layout, tokens: int, hidd
         raise err.value(arg, f"expected a tensor on {data.device} (the device of 'data'), got {sf.device}")
 
 
-@declare("cast_back", vector_args={"data": 16}, tokens="data", outputs=("out",))
+# sf: the CUDA kernel reads per-channel scale rows in 16-byte vectors
+@declare("cast_back", vector_args={"data": 16, "sf": 16}, tokens="data", outputs=("out",))
 def cast_back(data: Tensor, sf: Tensor, layout: str, out_dtype: torch.dtype) -> Tensor:
     """Dequantizes ``data`` with its scales: ``out = out_dtype(fl(f32(data) * s))``, ``s`` the element's scale.
 

@@ -205,6 +205,8 @@ def _cases(hidden_size: int, hc_mult: int) -> dict:
 
 
 CAST_BACK = Kernel("cast_back", CastBackKey, build_cast_back, derive=_derive, cases=_cases)
+# the kernel's parameter of the op's argument sf (the builder's sf is the scale kind)
+ARGUMENTS = {"sf_in": "sf"}
 
 
 def sf_view(sf: torch.Tensor, key: CastBackKey) -> torch.Tensor:
