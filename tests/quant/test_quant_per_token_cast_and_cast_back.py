@@ -1,4 +1,4 @@
-"""``per_token_cast_and_cast_back`` (docs/ops/quant.md#per_token_cast, its last paragraph): validation, the fake on
+"""``per_token_cast_and_cast_back`` (docs/ops/quant.md#per_token_cast_and_cast_back): validation, the fake on
 meta tensors, the reference against the cast followed by the cast back, strided rows, opcheck, torch.compile (CPU
 tier, the reference as the CPU kernel); the CUDA kernel lowered to sm_90a cubins and the Ascend 950 kernel to
 AscendC within the UB budget at the sizes that matter, their launch arguments and keys (CPU tier); and on a GPU the

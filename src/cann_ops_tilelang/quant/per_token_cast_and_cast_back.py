@@ -1,4 +1,5 @@
-"""Fake quantization for QAT: the per-token cast and its cast back, in place (docs/ops/quant.md#per_token_cast).
+"""Fake quantization for QAT: the per-token cast and its cast back, in place
+(docs/ops/quant.md#per_token_cast_and_cast_back).
 
 Op: ``per_token_cast_and_cast_back(x, layout) -> None`` overwrites ``x`` with its own dequantized quantization;
 nothing else is stored (the layout's scale storage and packing do not matter).
@@ -20,7 +21,7 @@ def per_token_cast_and_cast_back(x: Tensor, layout: str) -> None:
     Per group of ``g`` channels of a row: ``a = max(max |x|, clamp)``, the scale ``s`` and its inverse ``inv`` from
     ``a`` as the layout says (docs/ops/quant.md#layout), the data ``Q(fl(x * inv))`` widened back and multiplied by
     ``s`` (one fp32 product), rounded once to ``x``'s dtype. ``"ue8m0"`` scales are ``"fp32"`` with ``round_sf``;
-    the storage does not matter (no scale is stored).
+    the storage does not matter (no scale is stored). docs/ops/quant.md#per_token_cast_and_cast_back has the contract.
 
     Args:
         x: ``(T, H)`` bf16 or fp32, written in place; rows may be strided (unit column stride, row stride a multiple

@@ -1,4 +1,4 @@
-"""Ascend 950 kernel of ``per_token_cast_and_cast_back`` (docs/ops/quant.md#per_token_cast, its last paragraph):
+"""Ascend 950 kernel of ``per_token_cast_and_cast_back`` (docs/ops/quant.md#per_token_cast_and_cast_back):
 ``x`` is overwritten in place with ``x.dtype(fl(f32(Q(fl(x * inv))) * s))``.
 
 Scheme: the per-token cast's (a persistent loop over (token tile, hidden tile) tasks of ``BM`` tokens by ``hk``

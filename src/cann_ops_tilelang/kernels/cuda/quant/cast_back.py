@@ -8,8 +8,9 @@ fp32; the results leave as 16-byte stores (2 or 4 per vector for e4m3, 4 or 8 fo
 
 Scales: a vector lies in one scale column block (two for e2m1 with 16-column groups), except per-channel layouts
 (one scale per column): then the vector's 16 scales are read as 16-byte vectors of the scale row (fp32, e4m3, or
-the int32 UE8M0 words, shifted by ``8 (i % 4)`` for token block ``i``). UE8M0 words are read as their bytes (byte ``b`` of
-word ``j`` is scale ``4j + b``); ``"col_tma"`` through the transposed, TMA-padded buffer (dynamic row stride).
+the int32 UE8M0 words, shifted by ``8 (i % 4)`` for token block ``i``). Other UE8M0 words are read as their bytes
+(byte ``b`` of word ``j`` is scale ``4j + b``); ``"col_tma"`` through the transposed, TMA-padded buffer (dynamic row
+stride).
 Scale reads hit L1 / L2: one scale row serves ``c`` columns of ``r`` tokens. ``T`` is dynamic; ``T * H < 2**31``.
 """
 

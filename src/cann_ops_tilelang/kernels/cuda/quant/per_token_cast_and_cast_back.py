@@ -1,4 +1,4 @@
-"""CUDA kernel of ``per_token_cast_and_cast_back`` (docs/ops/quant.md#per_token_cast, its last paragraph): ``x`` is
+"""CUDA kernel of ``per_token_cast_and_cast_back`` (docs/ops/quant.md#per_token_cast_and_cast_back): ``x`` is
 overwritten in place with ``x.dtype(fl(f32(Q(fl(x * inv))) * s))``.
 
 The per-token cast's scheme without its stores of data and scales: a flat grid over the ``T * H / V`` 16-byte
