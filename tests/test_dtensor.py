@@ -72,6 +72,10 @@ def _distribute(value, code: str, mesh, rank: int):
         keep = (torch.arange(value.numel()) % WORLD == rank).view(value.shape)
         local = torch.where(keep, value, torch.zeros((), dtype=value.dtype))
         return DTensor.from_local(local, mesh, [Partial("sum")], run_check=False)
+    if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # scattered as its bytes (gloo has no float8 type)
+        raw = _distribute(value.view(torch.uint8), code, mesh, rank)
+        return DTensor.from_local(raw.to_local().view(value.dtype), mesh, raw.placements, run_check=False,
+                                  shape=raw.shape, stride=raw.stride())
     placement = Replicate() if code == "R" else Shard(int(code[1:]))
     return distribute_tensor(value, mesh, [placement])
 

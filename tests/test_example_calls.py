@@ -76,4 +76,16 @@ def test_fakes_on_meta_tensors_match_the_reference_results(name, seed):
 @pytest.mark.parametrize("name,tokens,hidden", EXAMPLES, ids=[f"{n}-T{t}-H{h}" for n, t, h in EXAMPLES])
 def test_opcheck(name, tokens, hidden, seed):
     op = getattr(torch.ops.cann_ops_tilelang, name).default
-    torch.library.opcheck(op, tuple(cases.call(name, tokens, hidden, seed=seed).values()))
+    args = tuple(cases.call(name, tokens, hidden, seed=seed).values())
+    torch.library.opcheck(op, args, test_utils=opcheck_utils(args))
+
+
+def opcheck_utils(args) -> tuple[str, ...]:
+    """opcheck's tests for these arguments: all, but test_schema where an input is float8 (torch's SchemaCheckMode
+    compares the inputs before and after with allclose, which CPU float8 tensors lack: a torch limitation; mutations
+    are still checked by the fake against the reference)."""
+    utils = tuple(torch.library._OPCHECK_DEFAULT_UTILS)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if any(isinstance(a, torch.Tensor) and a.dtype in fp8 for a in args):
+        utils = tuple(u for u in utils if u != "test_schema")
+    return utils

@@ -178,6 +178,7 @@ _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     float: (_is_float, "a float"),
     bool: (lambda v: isinstance(v, bool), "a bool"),
     str: (lambda v: isinstance(v, str), "a str"),
+    torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
     list[torch.Tensor]: (lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v),
                          "a list of torch.Tensor"),
 }

@@ -106,3 +106,27 @@ def per_block_cast_with_sf_call(tokens, hidden, *, seed=0, device="cpu", layout=
     sf = ScaleLayout.parse(layout).empty_sf(tokens, hidden, backend, device=device)
     sf.copy_(values)
     return {"x": call["x"], "sf": sf, "layout": layout}
+
+
+def cast_back_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKEN_LAYOUT, out_dtype=BF16, dtype=BF16):
+    """``data`` and ``sf``: :func:`sample` quantized to ``layout`` by the reference (any layout kind), in the bytes of
+    ``device``'s backend (CUDA's on CPU and meta), the scales re-laid on ``device`` with the layout's exact strides;
+    ``out_dtype`` bf16 or fp32."""
+    from quant_ref import quantize
+
+    from cann_ops_tilelang import policy
+    from cann_ops_tilelang.quant import ScaleLayout
+
+    backend = policy.kernel_backend(torch.device(device).type)
+    spec = ScaleLayout.parse(layout)
+    q = quantize(sample(tokens, hidden, seed=seed, dtype=dtype), spec, backend=backend)
+    sf = spec.empty_sf(tokens, hidden, backend, device=device)
+    if sf.numel():
+        sf.copy_(q.sf.to(device))
+    return {"data": q.data.to(device), "sf": sf, "layout": spec.spec, "out_dtype": out_dtype}
+
+
+def per_token_cast_and_cast_back_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKEN_LAYOUT, dtype=BF16,
+                                      pitch=None):
+    """``x (T, H)`` (``pitch``: rows strided, the columns past ``H`` never read nor written) and a per-token layout."""
+    return {"x": float_rows(tokens, hidden, seed=seed, device=device, dtype=dtype, pitch=pitch), "layout": layout}

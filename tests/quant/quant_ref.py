@@ -338,9 +338,12 @@ def per_channel_cast_ref(x, layout, x_sf=None, x_layout=None, backend="cuda"):
     return quantize(x, layout, x_sf=x_sf, x_layout=x_layout, backend=backend)
 
 
-def cast_back_ref(data, sf, layout, out_dtype=torch.bfloat16, backend="cuda"):
-    """Dequantize: ``out = out_dtype(f32(data) * s)`` (one fp32 product, one rounding), ``(T, H)``."""
+def cast_back_ref(data, sf, layout, out_dtype=torch.bfloat16, backend=None):
+    """The op ``cast_back(data, sf, layout, out_dtype) -> out``: ``out = out_dtype(f32(data) * s)`` (one fp32
+    product, one rounding), ``(T, H)``; the scales in the bytes of ``backend`` (default: that of ``data``'s device,
+    ``policy.kernel_backend``: CUDA's on CPU and meta tensors)."""
     layout = layout_of(layout)
+    backend = backend or policy.kernel_backend(data.device.type)
     tokens, hidden = data.shape[0], layout.hidden_of(data)
     s = expand(decode_sf(sf, layout, tokens, hidden, backend), layout.block, tokens, hidden)
     return (data_values(data, layout.fmt) * s).to(out_dtype)
