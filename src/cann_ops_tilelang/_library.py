@@ -178,6 +178,7 @@ _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     float: (_is_float, "a float"),
     bool: (lambda v: isinstance(v, bool), "a bool"),
     str: (lambda v: isinstance(v, str), "a str"),
+    typing.Optional[str]: (lambda v: v is None or isinstance(v, str), "a str or None"),
     list[torch.Tensor]: (lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v),
                          "a list of torch.Tensor"),
 }

@@ -36,3 +36,27 @@ def per_token_cast_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_TOKE
         base[:, :hidden] = x
         x = base.to(device)[:, :hidden]
     return {"x": x.to(device), "layout": layout}
+
+
+PER_CHANNEL_LAYOUT = "128x1/e4m3/ue8m0/row/round"
+
+
+def per_channel_cast_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_CHANNEL_LAYOUT, dtype=BF16, pitch=None,
+                          x_layout=None):
+    """``x (T, H)`` bf16 / fp32 (``pitch``: rows strided by that many elements, NaN past ``H``) and a per-channel
+    layout spec; with ``x_layout`` (a per-token e4m3 spec of group 32 or 128) ``x`` is instead the data of that cast
+    of the sample, with its scales ``x_sf`` in the bytes of ``device``'s backend (re-quantization)."""
+    from cann_ops_tilelang import policy
+    from quant_ref import per_token_quantize_ref
+
+    x = sample(tokens, hidden, seed=seed, dtype=dtype)
+    x_sf = None
+    if x_layout is not None:
+        q = per_token_quantize_ref(x, x_layout, backend=policy.kernel_backend(torch.device(device).type))
+        x, x_sf = q.data, q.sf
+    if pitch is not None:
+        base = torch.full((tokens, pitch), float("nan"), dtype=torch.float32).to(x.dtype)
+        base[:, :hidden] = x
+        x = base[:, :hidden]
+    return {"x": x.to(device), "layout": layout, "x_sf": None if x_sf is None else x_sf.to(device),
+            "x_layout": x_layout}

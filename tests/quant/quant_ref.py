@@ -300,9 +300,17 @@ def per_block_cast_ref(x, layout, sf=None, sf_only=False, backend="cuda"):
     return q.sf if sf_only else q.data if sf is not None else q
 
 
-def per_channel_cast_ref(x, layout, x_sf=None, x_layout=None, backend="cuda"):
+def per_channel_cast_ref(x, layout, x_sf=None, x_layout=None):
+    """The op ``per_channel_cast(x, layout, x_sf=None, x_layout=None) -> (data, sf)``: :func:`per_channel_quantize_ref`
+    in the bytes of the backend of ``x``'s device (CUDA's on CPU and meta tensors). The test plugin registers it as
+    the op's CPU kernel."""
+    q = per_channel_quantize_ref(x, layout, x_sf, x_layout, backend=policy.kernel_backend(x.device.type))
+    return q.data, q.sf
+
+
+def per_channel_quantize_ref(x, layout, x_sf=None, x_layout=None, backend="cuda"):
     """Per-channel cast (blocks ``(32|128, 1)``, e4m3); re-quantizes ``(f32(x) * sx) * inv`` on both backends."""
-    layout = _kind(layout, ("per_channel",), "per_channel_cast_ref")
+    layout = _kind(layout, ("per_channel",), "per_channel_quantize_ref")
     return quantize(x, layout, x_sf=x_sf, x_layout=x_layout, backend=backend)
 
 

@@ -132,7 +132,7 @@ def test_requantization_equals_the_oracle_in_each_backends_order(into, backend):
     source = ScaleLayout((1, 128), "e4m3", "ue8m0", "col_tma", True)
     x = sample(256, 512, spread=1.0)
     q = ref.quantize(x, source, backend=backend)
-    cast = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_cast_ref
+    cast = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_quantize_ref
     got = cast(q.data, into, x_sf=q.sf, x_layout=source, backend=backend)
     xq = q.data.double()
     sx = ref.expand(ref.decode_sf(q.sf, source, 256, 512, backend), source.block, 256, 512).double()
@@ -492,7 +492,7 @@ def test_requantization_equals_the_peer_bitwise(peer):
     q = ref.quantize(x, source, backend=backend)
     for into in (ScaleLayout((1, 32), "e2m1", "e4m3"), ScaleLayout((1, 128), "e4m3", "fp32"),
                  ScaleLayout((32, 1), "e4m3", "ue8m0", round_sf=True)):
-        op = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_cast_ref
+        op = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_quantize_ref
         mine = op(q.data, into, x_sf=q.sf, x_layout=source, backend=backend)
         theirs = cast.cast((q.data, q.sf), into.fmt, into.block, x_block_size=source.block, round_sf=into.round_sf,
                            use_packed_ue8m0=into.sf == "ue8m0", use_e4m3_sf=into.sf == "e4m3")
