@@ -273,7 +273,7 @@ def test_transpose_weight_sf_packs_rows_and_columns(backend):
     weights = [torch.randint(100, 150, (5, 7)), torch.randint(1, 254, (3, 6, 9)), torch.randint(120, 130, (1, 1))]
     sfs = [(e.to(torch.int32) << 23).view(torch.float32) for e in weights]
     for block in (32, 128):
-        outs = ref.transpose_weight_sf_ref(sfs, block, [False, True, False], backend)
+        outs = ref.transpose_weight_sf_pairs_ref(sfs, block, [False, True, False], backend)
         for e, transpose, (sf0, sf1) in zip(weights, [False, True, False], outs):
             e3 = e if e.dim() == 3 else e.unsqueeze(0)
             groups, nn, nk = e3.shape
@@ -504,7 +504,7 @@ def test_transpose_weight_sf_and_fp4_codes_equal_the_peer(peer):
     backend, cast = peer
     for shape, block, transpose in itertools.product(((4, 7), (3, 5, 9), (1, 1)), (32, 128), (False, True)):
         sf = (torch.randint(1, 254, shape, dtype=torch.int32) << 23).view(torch.float32)
-        (sf0, sf1), = ref.transpose_weight_sf_ref([sf], block, [transpose], backend)
+        (sf0, sf1), = ref.transpose_weight_sf_pairs_ref([sf], block, [transpose], backend)
         peer0, peer1 = cast.transpose_weight_sf(sf, block, transpose)
         for a, b in ((sf0, peer0), (sf1, peer1)):
             assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
