@@ -97,6 +97,8 @@ class OpDeclaration:
 
 def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device | None:
     for value in list(args) + list(kwargs.values()):
+        if isinstance(value, (list, tuple)):  # a list of tensors (an op whose only tensors are in one)
+            value = next((t for t in value if isinstance(t, torch.Tensor)), None)
         if isinstance(value, torch.Tensor):
             return value.device
     return None
