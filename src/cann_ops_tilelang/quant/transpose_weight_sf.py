@@ -90,9 +90,12 @@ def transpose_weight_sf(sf: list[Tensor], block_size: int, transpose_sf1: bool) 
     return [out for weight_sf in sf for out in weight_sf_outputs(weight_sf, block_size, transpose_sf1, backend)]
 
 
-# DTensor sharding (docs/distributed.md): none but the all-Replicate fallback. The outputs' word dims pack 2 or 4
-# scale blocks, which a split of N or K between ranks would cut, and a list's elements may differ in rank.
-transpose_weight_sf.sharding()
+# DTensor sharding (docs/distributed.md): none. The outputs' words pack 2 or 4 scale blocks, which a split of N or K
+# between ranks would cut; and the all-Replicate fallback cannot be declared either: the op returns one Tensor[] whose
+# length follows the input list, for which DTensor's propagation (one placement per schema return) has no output spec.
+transpose_weight_sf.sharding(unsupported="it returns a Tensor[] (one placement per schema return cannot describe "
+                                         "it) and its words would straddle a split of N or K: pass the scales "
+                                         "gathered (DTensor.full_tensor())")
 
 
 def transpose_weight_sf_pairs(sf: list[Tensor], block_size: int, transpose_sf1: bool) -> list[tuple[Tensor, Tensor]]:
