@@ -79,7 +79,7 @@ def _distribute(value, code: str, mesh, rank: int):
 def _results(public, call: dict, outputs) -> dict:
     """Every output (``returns[i]``) and written buffer (list elements ``name[i]``) of a call."""
     found = {}
-    outs = outputs if isinstance(outputs, (tuple, list)) else (() if outputs is None else (outputs,))
+    outs = outputs if isinstance(outputs, tuple) else (() if outputs is None else (outputs,))
     for i, out in enumerate(outs):
         found[f"returns[{i}]"] = out
     for arg in public.declaration.mutates_args:
