@@ -97,6 +97,8 @@ class OpDeclaration:
 
 def _first_device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device | None:
     for value in list(args) + list(kwargs.values()):
+        if isinstance(value, (list, tuple)):  # a list of tensors (an op whose only tensors are in one)
+            value = next((t for t in value if isinstance(t, torch.Tensor)), None)
         if isinstance(value, torch.Tensor):
             return value.device
     return None
@@ -179,6 +181,7 @@ _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     bool: (lambda v: isinstance(v, bool), "a bool"),
     str: (lambda v: isinstance(v, str), "a str"),
     torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
+    typing.Optional[str]: (lambda v: v is None or isinstance(v, str), "a str or None"),
     list[torch.Tensor]: (lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v),
                          "a list of torch.Tensor"),
 }

@@ -35,7 +35,7 @@ def _family_refs(family: str):
 
 
 def _copy_all(outputs, results):
-    if isinstance(outputs, tuple):
+    if isinstance(outputs, (tuple, list)):  # several outputs, or one list of tensors (Tensor[] returns)
         for out, res in zip(outputs, results):
             out.copy_(res)
     else:

@@ -130,3 +130,48 @@ def per_token_cast_and_cast_back_call(tokens, hidden, *, seed=0, device="cpu", l
                                       pitch=None):
     """``x (T, H)`` (``pitch``: rows strided, the columns past ``H`` never read nor written) and a per-token layout."""
     return {"x": float_rows(tokens, hidden, seed=seed, device=device, dtype=dtype, pitch=pitch), "layout": layout}
+
+
+
+PER_CHANNEL_LAYOUT = "128x1/e4m3/ue8m0/row/round"
+
+
+def per_channel_cast_call(tokens, hidden, *, seed=0, device="cpu", layout=PER_CHANNEL_LAYOUT, dtype=BF16, pitch=None,
+                          x_layout=None):
+    """``x (T, H)`` bf16 / fp32 (``pitch``: rows strided by that many elements, NaN past ``H``) and a per-channel
+    layout spec; with ``x_layout`` (a per-token e4m3 spec of group 32 or 128) ``x`` is instead the data of that cast
+    of the sample, with its scales ``x_sf`` in the bytes of ``device``'s backend (re-quantization)."""
+    from cann_ops_tilelang import policy
+    from quant_ref import per_token_quantize_ref
+
+    x = sample(tokens, hidden, seed=seed, dtype=dtype)
+    x_sf = None
+    if x_layout is not None:
+        q = per_token_quantize_ref(x, x_layout, backend=policy.kernel_backend(torch.device(device).type))
+        x, x_sf = q.data, q.sf
+    if pitch is not None:
+        base = torch.full((tokens, pitch), float("nan"), dtype=torch.float32).to(x.dtype)
+        base[:, :hidden] = x
+        x = base[:, :hidden]
+    return {"x": x.to(device), "layout": layout, "x_sf": None if x_sf is None else x_sf.to(device),
+            "x_layout": x_layout}
+
+
+def weight_scales(shape, *, seed=0):
+    """fp32 power-of-two scales of a weight (exponent bytes 100..149), a few of them with a mantissa or a negative
+    sign (the op drops both)."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(100, 150, shape, generator=gen, dtype=torch.int32) << 23
+    if bits.numel() > 2:
+        flat = bits.view(-1)
+        flat[1] |= 0x12345
+        flat[2] |= -2**31
+    return bits.view(torch.float32)
+
+
+def transpose_weight_sf_call(tokens, hidden, *, seed=0, device="cpu", block_size=32, transpose_sf1=False):
+    """Two weights' scales: a 2-D ``(N / b, K / b)`` one (``N = H``, ``K = 3 H``, an odd word count at b = 128) and a
+    grouped ``(G, 2 H / b, H / b)`` one with ``G = tokens`` groups (none at T = 0)."""
+    nb = hidden // block_size
+    sf = [weight_scales((nb, 3 * nb), seed=seed), weight_scales((tokens, 2 * nb, nb), seed=seed + 1)]
+    return {"sf": [s.to(device) for s in sf], "block_size": block_size, "transpose_sf1": transpose_sf1}

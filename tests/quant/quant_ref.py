@@ -332,9 +332,17 @@ def per_block_cast_with_sf_ref(x, sf, layout):
     return per_block_quantize_ref(x, layout, sf=sf, backend=policy.kernel_backend(x.device.type))
 
 
-def per_channel_cast_ref(x, layout, x_sf=None, x_layout=None, backend="cuda"):
+def per_channel_cast_ref(x, layout, x_sf=None, x_layout=None):
+    """The op ``per_channel_cast(x, layout, x_sf=None, x_layout=None) -> (data, sf)``: :func:`per_channel_quantize_ref`
+    in the bytes of the backend of ``x``'s device (CUDA's on CPU and meta tensors). The test plugin registers it as
+    the op's CPU kernel."""
+    q = per_channel_quantize_ref(x, layout, x_sf, x_layout, backend=policy.kernel_backend(x.device.type))
+    return q.data, q.sf
+
+
+def per_channel_quantize_ref(x, layout, x_sf=None, x_layout=None, backend="cuda"):
     """Per-channel cast (blocks ``(32|128, 1)``, e4m3); re-quantizes ``(f32(x) * sx) * inv`` on both backends."""
-    layout = _kind(layout, ("per_channel",), "per_channel_cast_ref")
+    layout = _kind(layout, ("per_channel",), "per_channel_quantize_ref")
     return quantize(x, layout, x_sf=x_sf, x_layout=x_layout, backend=backend)
 
 
@@ -376,15 +384,26 @@ def cast_ref(x, dtype, seed=None, offset=0):
     return v.to(dtype) if fmt == "bf16" else narrow(v, fmt)
 
 
-def transpose_weight_sf_ref(sf, block_size, transpose_sf1, backend="cuda"):
+def transpose_weight_sf_ref(sf, block_size, transpose_sf1):
+    """The op ``transpose_weight_sf(sf, block_size, transpose_sf1) -> [sf0_0, sf1_0, sf0_1, ...]``: the pairs of
+    :func:`transpose_weight_sf_pairs_ref` flattened, in the words of the backend of the scales' device (CUDA's on
+    CPU and meta tensors). The test plugin registers it as the op's CPU kernel."""
+    backend = policy.kernel_backend(sf[0].device.type)
+    return [out for pair in transpose_weight_sf_pairs_ref(sf, block_size, transpose_sf1, backend) for out in pair]
+
+
+def transpose_weight_sf_pairs_ref(sf, block_size, transpose_sf1, backend="cuda"):
     """Weight scales -> DeepGEMM's packed UE8M0 pairs, per weight. Each ``sf`` is fp32 powers of two,
     ``(N/b, K/b)`` or grouped ``(G, N/b, K/b)`` (``b = block_size``); the exponent byte of each is ``(bits >>
     23) & 0xFF`` (a mantissa is dropped). Returns ``(sf0, sf1)``: ``sf0 (G, N, ceil(K/b/p))``, strides ``(.,
     1, N)``, row ``n``'s scales along K packed ``p`` per word (``p = 4`` int32 CUDA, ``2`` int16 Ascend);
     ``sf1 (G, K, ceil(N/b/p))``, strides ``(., 1, K)``, column ``k``'s scales along N packed, or with
-    ``transpose_sf1`` its transpose ``(G, ceil(N/b/p), K)`` contiguous. 2-D ``sf`` gives 2-D outputs."""
+    ``transpose_sf1`` (a bool for every weight, or one per weight) its transpose ``(G, ceil(N/b/p), K)``
+    contiguous. 2-D ``sf`` gives 2-D outputs."""
     pack, word = UE8M0_WORDS[backend]
     outs = []
+    if isinstance(transpose_sf1, bool):  # one flag for every weight (the op's), or one per weight (the peer's)
+        transpose_sf1 = [transpose_sf1] * len(sf)
     for weight_sf, transpose in zip(sf, transpose_sf1, strict=True):
         grouped = weight_sf.dim() == 3
         w = weight_sf if grouped else weight_sf.unsqueeze(0)

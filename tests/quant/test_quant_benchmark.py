@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from _plugins.device import requires_cuda
 from quant_cases import sample
-from quant_ref import per_token_cast_ref
+from quant_ref import cast_back_ref, per_block_cast_ref, per_token_cast_and_cast_back_ref, per_token_cast_ref
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang.modeling import fp8_linear, fp8_linear_gemm
@@ -68,6 +68,69 @@ def test_bench_per_token_cast(bench, device, tokens, hidden, layout):
         "peer": peer,
         "inductor": lambda: ref(x, layout),
     }, bytes=nbytes(x, data) + sf.numel() * sf.element_size())
+
+
+# weights: the peer needs T and H multiples of 128
+BLOCK_SHAPES = [(t, h) for t in (512, 4096, 8192, 16384) for h in (2048, 4096, 7168)]
+PER_BLOCK_LAYOUTS = ["128x128/e4m3/fp32/row/exact", "128x128/e4m3/ue8m0/col_tma/round"]
+
+
+@pytest.mark.parametrize("layout", PER_BLOCK_LAYOUTS)
+@pytest.mark.parametrize("tokens,hidden", BLOCK_SHAPES)
+def test_bench_per_block_cast(bench, device, tokens, hidden, layout):
+    x = sample(tokens, hidden).to(device)
+    s = ScaleLayout.parse(layout)
+    data, sf = ops.per_block_cast(x, layout)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels.quant as tq
+
+        peer = lambda: tq.per_block_cast(x, s.fmt, s.block, use_tma_aligned_col_major_sf=s.storage == "col_tma",  # noqa: E731
+                                         round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0")
+    ref = inductor(per_block_cast_ref)
+    bench.side_by_side(f"per_block_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
+        "ours": lambda: ops.per_block_cast(x, layout),
+        "peer": peer,
+        "inductor": lambda: ref(x, layout),
+    }, bytes=nbytes(x, data) + sf.numel() * sf.element_size())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_bench_cast_back(bench, device, tokens, hidden, out_dtype):
+    layout = "1x128/e4m3/fp32/row/exact"
+    data, sf = ops.per_token_cast(sample(tokens, hidden).to(device), layout)
+    out = ops.cast_back(data, sf, layout, out_dtype)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels.quant as tq
+
+        fmt = "bf16" if out_dtype == torch.bfloat16 else "fp32"
+        peer = lambda: tq.per_token_cast_back((data, sf), fmt, 128)  # noqa: E731
+    ref = inductor(cast_back_ref)
+    bench.side_by_side(f"cast_back-T{tokens}-H{hidden}-{str(out_dtype)[6:]}", {
+        "ours": lambda: ops.cast_back(data, sf, layout, out_dtype),
+        "peer": peer,
+        "inductor": lambda: ref(data, sf, layout, out_dtype),
+    }, bytes=nbytes(data, sf, out))
+
+
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_bench_per_token_cast_and_cast_back(bench, device, tokens, hidden):
+    """In place: x is read and written once (the values stay on the e4m3 grid after the first call)."""
+    layout = "1x128/e4m3/fp32/row/exact"
+    x = sample(tokens, hidden).to(device)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels.quant as tq
+
+        peer = lambda: tq.per_token_cast_and_cast_back(x, "e4m3", 128)  # noqa: E731
+    ref = inductor(per_token_cast_and_cast_back_ref)
+    bench.side_by_side(f"per_token_cast_and_cast_back-T{tokens}-H{hidden}", {
+        "ours": lambda: ops.per_token_cast_and_cast_back(x, layout),
+        "peer": peer,
+        "inductor": lambda: ref(x, layout),
+    }, bytes=2 * nbytes(x))
 
 
 @pytest.mark.parametrize("tokens,k,n", [(8192, 7168, 7168), (8192, 7168, 18432)])

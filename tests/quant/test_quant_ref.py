@@ -132,7 +132,7 @@ def test_requantization_equals_the_oracle_in_each_backends_order(into, backend):
     source = ScaleLayout((1, 128), "e4m3", "ue8m0", "col_tma", True)
     x = sample(256, 512, spread=1.0)
     q = ref.quantize(x, source, backend=backend)
-    cast = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_cast_ref
+    cast = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_quantize_ref
     got = cast(q.data, into, x_sf=q.sf, x_layout=source, backend=backend)
     xq = q.data.double()
     sx = ref.expand(ref.decode_sf(q.sf, source, 256, 512, backend), source.block, 256, 512).double()
@@ -273,7 +273,7 @@ def test_transpose_weight_sf_packs_rows_and_columns(backend):
     weights = [torch.randint(100, 150, (5, 7)), torch.randint(1, 254, (3, 6, 9)), torch.randint(120, 130, (1, 1))]
     sfs = [(e.to(torch.int32) << 23).view(torch.float32) for e in weights]
     for block in (32, 128):
-        outs = ref.transpose_weight_sf_ref(sfs, block, [False, True, False], backend)
+        outs = ref.transpose_weight_sf_pairs_ref(sfs, block, [False, True, False], backend)
         for e, transpose, (sf0, sf1) in zip(weights, [False, True, False], outs):
             e3 = e if e.dim() == 3 else e.unsqueeze(0)
             groups, nn, nk = e3.shape
@@ -492,7 +492,7 @@ def test_requantization_equals_the_peer_bitwise(peer):
     q = ref.quantize(x, source, backend=backend)
     for into in (ScaleLayout((1, 32), "e2m1", "e4m3"), ScaleLayout((1, 128), "e4m3", "fp32"),
                  ScaleLayout((32, 1), "e4m3", "ue8m0", round_sf=True)):
-        op = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_cast_ref
+        op = ref.per_token_quantize_ref if into.kind == "per_token" else ref.per_channel_quantize_ref
         mine = op(q.data, into, x_sf=q.sf, x_layout=source, backend=backend)
         theirs = cast.cast((q.data, q.sf), into.fmt, into.block, x_block_size=source.block, round_sf=into.round_sf,
                            use_packed_ue8m0=into.sf == "ue8m0", use_e4m3_sf=into.sf == "e4m3")
@@ -504,7 +504,7 @@ def test_transpose_weight_sf_and_fp4_codes_equal_the_peer(peer):
     backend, cast = peer
     for shape, block, transpose in itertools.product(((4, 7), (3, 5, 9), (1, 1)), (32, 128), (False, True)):
         sf = (torch.randint(1, 254, shape, dtype=torch.int32) << 23).view(torch.float32)
-        (sf0, sf1), = ref.transpose_weight_sf_ref([sf], block, [transpose], backend)
+        (sf0, sf1), = ref.transpose_weight_sf_pairs_ref([sf], block, [transpose], backend)
         peer0, peer1 = cast.transpose_weight_sf(sf, block, transpose)
         for a, b in ((sf0, peer0), (sf1, peer1)):
             assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
