@@ -15,7 +15,7 @@ from .._checks import OpError, check_int, describe
 from .._library import declare
 from ._common import BF16, F32
 
-__all__ = ["CAST_TARGETS", "cast"]
+__all__ = ["CAST_TARGETS", "COUNTER_MUL", "FMIX", "cast", "counter_key", "fmix32", "sr_scalars"]
 
 E4M3 = torch.float8_e4m3fn
 # the narrowing casts of the contract: input dtype -> the dtypes it may be cast to
@@ -25,6 +25,42 @@ ELEMENTS = dataclasses.replace(limits.QUANT_ELEMENTS, what="elements of x")
 # the counter offset (docs/ops/quant.md#stochastic_rounding) and the seed, an int64 taken mod 2**64
 OFFSETS = limits.IntRange("a counter offset", 0, 2**63 - 1)
 SEEDS = limits.IntRange("a seed that fits int64", -2**63, 2**63 - 1)
+
+# stochastic rounding's hash constants (docs/ops/quant.md#stochastic_rounding)
+_M32 = 0xFFFFFFFF
+COUNTER_MUL = 0x9E3779B1
+HIGH_SALT = 0x243F6A88
+FMIX = (0x85EBCA6B, 0xC2B2AE35)
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finalizer on a Python int (the host half of the hash)."""
+    h ^= h >> 16
+    h = (h * FMIX[0]) & _M32
+    h ^= h >> 13
+    h = (h * FMIX[1]) & _M32
+    return h ^ (h >> 16)
+
+
+def counter_key(seed: int, high: int) -> int:
+    """``key = fmix32(fmix32(fmix32(n_hi ^ 0x243F6A88) ^ seed_hi) ^ seed_lo)`` of the counters whose high word is
+    ``high`` (mod 2**32), ``seed`` taken mod 2**64."""
+    seed %= 2**64
+    return fmix32(fmix32(fmix32((high & _M32) ^ HIGH_SALT) ^ (seed >> 32)) ^ (seed & _M32))
+
+
+def sr_scalars(seed: int, start: int) -> tuple[int, int, int]:
+    """The kernels' scalars of a launch whose element 0 has the counter ``start`` (mod 2**64), fewer than 2**32
+    elements: ``(n_lo of element 0, key of its high word, key of the next high word)`` as int32 bit patterns.
+    Element ``i`` has ``n_lo = start_lo + i mod 2**32`` and the second key where that wraps (``n_lo < start_lo``):
+    the key depends on the high word alone, so it is hashed here once per launch instead of per element."""
+    start %= 2**64
+    hi = start >> 32
+
+    def i32(v: int) -> int:
+        return v - 2**32 if v >= 2**31 else v
+
+    return i32(start & _M32), i32(counter_key(seed, hi)), i32(counter_key(seed, hi + 1))
 
 
 def _check_scalar(err: OpError, arg: str, value, valid: limits.IntRange):

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from ....limits import QUANT_ELEMENTS, LimitError
+from ....quant.cast import COUNTER_MUL, FMIX, sr_scalars
 from ..._kernel import Kernel, compile_key, kernel_module
 
 VEC_BYTES = 16  # bytes of one vector access of x
@@ -28,13 +29,6 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4
 _BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
 # the contract's narrowing casts (input -> outputs)
 CONVERSIONS = {"float32": ("bfloat16", "float8_e4m3fn"), "bfloat16": ("float8_e4m3fn",)}
-# stochastic rounding's constants (docs/ops/quant.md#stochastic_rounding)
-_M32 = 0xFFFFFFFF
-COUNTER_MUL = 0x9E3779B1
-HIGH_SALT = 0x243F6A88
-FMIX = (0x85EBCA6B, 0xC2B2AE35)
-
-
 @dataclasses.dataclass(frozen=True)
 class FlatPlan:
     """A flat grid over the vectors of ``x``: CTAs of ``threads`` threads, ``vectors`` 16-byte vectors per thread."""
@@ -64,35 +58,6 @@ def cast_key(in_dtype: str, out_dtype: str, stochastic: bool) -> CastKey:
         raise LimitError(f"cast: {in_dtype} -> {out_dtype} is not a narrowing cast of the contract "
                          f"({', '.join(f'{i} -> {o}' for i, outs in CONVERSIONS.items() for o in outs)})")
     return CastKey(in_dtype=in_dtype, out_dtype=out_dtype, stochastic=bool(stochastic))
-
-
-def fmix32(h: int) -> int:
-    """MurmurHash3's 32-bit finalizer on a Python int (the host half of the hash)."""
-    h ^= h >> 16
-    h = (h * FMIX[0]) & _M32
-    h ^= h >> 13
-    h = (h * FMIX[1]) & _M32
-    return h ^ (h >> 16)
-
-
-def counter_key(seed: int, high: int) -> int:
-    """``key = fmix32(fmix32(fmix32(n_hi ^ 0x243F6A88) ^ seed_hi) ^ seed_lo)`` of the counters whose high word is
-    ``high`` (mod 2**32), ``seed`` taken mod 2**64."""
-    seed %= 2**64
-    return fmix32(fmix32(fmix32((high & _M32) ^ HIGH_SALT) ^ (seed >> 32)) ^ (seed & _M32))
-
-
-def sr_scalars(seed: int, offset: int) -> tuple[int, int, int]:
-    """``(offset_lo, key0, key1)`` as int32 bit patterns (the kernel's scalar parameters): the counter's low word
-    at element 0 and the keys of its high word before and after a carry out of the low word."""
-    if not 0 <= offset < 2**63:
-        raise LimitError(f"cast: the offset must be in [0, 2**63), got {offset}")
-    hi = offset >> 32
-
-    def i32(v: int) -> int:
-        return v - 2**32 if v >= 2**31 else v
-
-    return i32(offset & _M32), i32(counter_key(seed, hi)), i32(counter_key(seed, hi + 1))
 
 
 def build_cast(in_dtype: str, out_dtype: str, stochastic: bool):
