@@ -465,14 +465,16 @@ def test_ascend_launcher_rows_and_tail_equal_one_cast(numel, monkeypatch):
             ascend_cast.cast(x=xs, dtype=target, seed=sr_seed, offset=offset, out=out)
             assert_same_bits(out, cast_ref(xs, target, sr_seed, offset))
             main = numel - numel % 256
-            assert [c[0] for c in calls] == ([(main // 256, 256)] if main else []) + ([(1, 256)] if main < numel else [])
+            rows = ([(main // 256, 256)] if main else []) + ([(1, 256)] if main < numel else [])
+            assert [c[0] for c in calls] == rows
             if sr_seed is not None:
                 assert calls[-1][1] == sr_scalars(sr_seed, offset + (main if main < numel else 0))
 
 
 # --- device: the CUDA kernel against the reference, unbiased, reproducible, and against the peer --------------------
 
-DEVICE_NUMELS = level_choice([1, 7, 4096 + 3, 1 << 20], [1, 2, 3, 5, 7, 9, 255, 4096 + 3, 65537, 1 << 20, (1 << 22) + 5])
+DEVICE_NUMELS = level_choice([1, 7, 4096 + 3, 1 << 20],
+                             [1, 2, 3, 5, 7, 9, 255, 4096 + 3, 65537, 1 << 20, (1 << 22) + 5])
 
 
 @requires_cuda
