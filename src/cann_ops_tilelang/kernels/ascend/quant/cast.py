@@ -91,6 +91,9 @@ def build_cast(in_dtype: str, out_dtype: str, stochastic: bool, num_cores: int):
     def dup(value):
         return S.vdup(T.uint32(value), u32)
 
+    def counts(v):
+        return T.reinterpret(v, "int32x64")
+
     @T.macro
     def random_words(base, off, k0, k1):
         """``r`` of the 64 counters whose low words start at ``base``."""
@@ -120,9 +123,10 @@ def build_cast(in_dtype: str, out_dtype: str, stochastic: bool, num_cores: int):
         m = S.vor(S.vand(bits, dup(0x7FFFFF)), S.vsel(dup(0x800000), dup(0), S.vcmps(eb, T.uint32(0), op="ne")))
         ebh = S.vmaxs(eb, T.uint32(121))
         t = S.vsub(ebh, S.vmaxs(eb, T.uint32(1)))
-        q = S.vshr(m, S.vmins(S.vadds(t, T.uint32(20)), T.uint32(31)))
-        frac = S.vsel(S.vshl(m, S.vsub(dup(12), S.vmins(t, T.uint32(12)))),
-                      S.vshr(m, S.vmins(S.vsub(S.vmaxs(t, T.uint32(12)), dup(12)), T.uint32(31))),
+        # vector shifts take int32 counts (asc_shiftleft / asc_shiftright), here 0..31; logical on uint32
+        q = S.vshr(m, counts(S.vmins(S.vadds(t, T.uint32(20)), T.uint32(31))))
+        frac = S.vsel(S.vshl(m, counts(S.vsub(dup(12), S.vmins(t, T.uint32(12))))),
+                      S.vshr(m, counts(S.vmins(S.vsub(S.vmaxs(t, T.uint32(12)), dup(12)), T.uint32(31)))),
                       S.vcmps(t, T.uint32(12), op="le"))
         q = S.vadd(q, S.vsel(dup(1), dup(0), S.vcmp(h, frac, op="lt")))
         # (q + up) * 2^G, G = max(eb, 121) - 130: exact; clamped to the e4m3 max, then v's sign
