@@ -39,7 +39,7 @@ class FlatPlan:
 
 # 256 threads x 4 vectors: 16 KiB of x in flight per CTA, 8 CTAs (128 KiB) per SM at full occupancy, above what
 # the H100's HBM needs in flight; the tail of a launch is under one wave's worth. Not measured yet on a GPU
-# (docs/perf/h200/quant.md will hold the measurement).
+# (docs/perf/h100/quant.md will hold the measurement).
 CAST_PLAN = FlatPlan(threads=256, vectors=4)
 
 
