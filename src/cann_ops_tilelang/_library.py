@@ -159,6 +159,14 @@ def _fits_int64(value: Any) -> bool:
     return isinstance(value, torch.SymInt) or _INT64_MIN <= int(value) <= _INT64_MAX
 
 
+def _is_int_or_none(value: Any) -> bool:
+    return value is None or _is_int(value)
+
+
+def _fits_int64_or_none(value: Any) -> bool:
+    return value is None or _fits_int64(value)
+
+
 def _fits_double(value: Any) -> bool:
     if type(value) is float or isinstance(value, (torch.SymFloat, torch.SymInt)):
         return True
@@ -171,12 +179,15 @@ def _fits_double(value: Any) -> bool:
 
 # kind check -> (whether a scalar of that kind fits the schema's type, the type's name): what the dispatcher
 # cannot convert is refused by name before it tries
-_SCALARS = {_is_int: (_fits_int64, "int64"), _is_float: (_fits_double, "double")}
+_SCALARS = {_is_int: (_fits_int64, "int64"), _is_int_or_none: (_fits_int64_or_none, "int64"),
+            _is_float: (_fits_double, "double")}
 
 _KINDS: dict[Any, tuple[Callable[[Any], bool], str]] = {
     torch.Tensor: (lambda v: isinstance(v, torch.Tensor), "a torch.Tensor"),
     typing.Optional[torch.Tensor]: (lambda v: v is None or isinstance(v, torch.Tensor), "a torch.Tensor or None"),
     int: (_is_int, "an int"),
+    typing.Optional[int]: (_is_int_or_none, "an int or None"),
+    torch.dtype: (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
     float: (_is_float, "a float"),
     bool: (lambda v: isinstance(v, bool), "a bool"),
     str: (lambda v: isinstance(v, str), "a str"),

@@ -67,6 +67,12 @@ def builder(name: str):
     return found
 
 
+def any_shape(name: str) -> tuple[str, ...]:
+    """The tensor arguments the op ``name`` takes in any shape (its ``<op>_call.any_shape``, default none): reshaping
+    or resizing them gives a valid call."""
+    return tuple(getattr(builder(name), "any_shape", ()))
+
+
 def smallest_hidden(family: str) -> int:
     return limits.hidden_sizes(family)[2][0]
 

@@ -175,3 +175,17 @@ def transpose_weight_sf_call(tokens, hidden, *, seed=0, device="cpu", block_size
     nb = hidden // block_size
     sf = [weight_scales((nb, 3 * nb), seed=seed), weight_scales((tokens, 2 * nb, nb), seed=seed + 1)]
     return {"sf": [s.to(device) for s in sf], "block_size": block_size, "transpose_sf1": transpose_sf1}
+
+
+def cast_call(tokens, hidden, *, seed=0, device="cpu", dtype=F32, to=BF16, sr_seed=None, offset=0, shape=None):
+    """``x (T, H)`` (``shape``: any other; the op takes any shape) of ``dtype`` cast to ``to``, round to nearest even
+    unless ``sr_seed`` is given (then stochastic rounding from the counter ``offset``). The data seed is ``seed``,
+    the op's own seed ``sr_seed``."""
+    shape = (tokens, hidden) if shape is None else shape
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 4.0)).to(dtype)
+    return {"x": x.to(device), "dtype": to, "seed": sr_seed, "offset": offset}
+
+
+# x takes any shape: a reshaped or resized x is a valid call, not a bad one (tests/test_bad_input.py)
+cast_call.any_shape = ("x",)
