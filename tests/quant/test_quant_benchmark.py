@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from _plugins.device import requires_cuda
 from quant_cases import sample
-from quant_ref import cast_back_ref, per_block_cast_ref, per_token_cast_and_cast_back_ref, per_token_cast_ref
+from quant_ref import (cast_back_ref, cast_ref, per_block_cast_ref, per_channel_cast_ref, per_token_cast_and_cast_back_ref,
+                       per_token_cast_ref, transpose_weight_sf_ref)
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang.modeling import fp8_linear, fp8_linear_gemm
@@ -131,6 +132,70 @@ def test_bench_per_token_cast_and_cast_back(bench, device, tokens, hidden):
         "peer": peer,
         "inductor": lambda: ref(x, layout),
     }, bytes=2 * nbytes(x))
+
+
+@pytest.mark.parametrize("layout", ["128x1/e4m3/fp32/row/exact", "128x1/e4m3/ue8m0/row/round"])
+@pytest.mark.parametrize("tokens,hidden", BLOCK_SHAPES)
+def test_bench_per_channel_cast(bench, device, tokens, hidden, layout):
+    x = sample(tokens, hidden).to(device)
+    s = ScaleLayout.parse(layout)
+    data, sf = ops.per_channel_cast(x, layout)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels.quant as tq
+
+        peer = lambda: tq.per_channel_cast(x, "e4m3", s.block[0], round_sf=s.round_sf,  # noqa: E731
+                                           use_packed_ue8m0=s.sf == "ue8m0")
+    ref = inductor(per_channel_cast_ref)
+    bench.side_by_side(f"per_channel_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
+        "ours": lambda: ops.per_channel_cast(x, layout),
+        "peer": peer,
+        "inductor": lambda: ref(x, layout),
+    }, bytes=nbytes(x, data, sf))
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
+                                     (torch.float32, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("tokens,hidden", [(4096, 7168), (16384, 7168)])
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_bench_cast(bench, device, tokens, hidden, src, dst, rounding):
+    x = sample(tokens, hidden, dtype=src).to(device)
+    seed = 1234 if rounding == "sr" else None
+    out = ops.cast(x, dst, seed)
+    peer = None
+    if HAVE_PEER and rounding == "rne":  # the peer's stochastic rounding is not ours (SM100 cvt.rs)
+        import tile_kernels.quant as tq
+
+        peer = lambda: tq.cast(x, dst)  # noqa: E731
+    ref = inductor(cast_ref)
+    bench.side_by_side(f"cast-{rounding}-T{tokens}-H{hidden}-{str(src)[6:]}-{str(dst)[6:]}", {
+        "ours": lambda: ops.cast(x, dst, seed),
+        "peer": peer,
+        "inductor": lambda: ref(x, dst, seed),
+    }, bytes=nbytes(x, out))
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_bench_transpose_weight_sf(bench, device, block_size):
+    """The scales of a DeepSeek-V3 layer's weights (7168 x 18432 and its transposes, 256 grouped 2048 x 7168
+    experts): a launch-bound op."""
+    def scales(*shape):
+        return (torch.randint(100, 150, shape, dtype=torch.int32, device=device) << 23).view(torch.float32)
+
+    b = block_size
+    sf = [scales(18432 // b, 7168 // b), scales(7168 // b, 18432 // b), scales(256, 2048 // b, 7168 // b)]
+    outs = ops.transpose_weight_sf(sf, b, False)
+    peer = None
+    if HAVE_PEER:
+        import tile_kernels.quant as tq
+
+        peer = lambda: tq.batched_transpose_weight_sf(sf, b, [False] * len(sf), [None] * len(sf))  # noqa: E731
+    ref = inductor(transpose_weight_sf_ref)
+    bench.side_by_side(f"transpose_weight_sf-b{b}", {
+        "ours": lambda: ops.transpose_weight_sf(sf, b, False),
+        "peer": peer,
+        "inductor": lambda: ref(sf, b, False),
+    }, bytes=nbytes(*sf, *outs))
 
 
 @pytest.mark.parametrize("tokens,k,n", [(8192, 7168, 7168), (8192, 7168, 18432)])

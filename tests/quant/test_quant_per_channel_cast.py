@@ -1,5 +1,5 @@
 """``per_channel_cast`` (docs/ops/quant.md#per_channel_cast): validation, the fake against the reference on meta
-tensors, opcheck, torch.compile and the ``quantize_per_channel`` wrapper (CPU tier, the reference as the CPU
+tensors, opcheck, torch.compile and the ``quantize`` wrapper (CPU tier, the reference as the CPU
 kernel); the CUDA kernel lowered to sm_90a cubins and the Ascend 950 kernel to AscendC within the UB budget at the
 sizes that matter, their launch views and keys (CPU tier); and on a GPU the CUDA kernel bitwise against the
 reference and against the peer (DeepSeek's tile_kernels) when it imports."""
@@ -173,7 +173,7 @@ def test_opcheck(layout, tokens, seed):
 
 
 def quant_model(x, layout):
-    q = ops.quantize_per_channel(x, layout)
+    q = ops.quantize(x, layout)
     return q.data.view(torch.uint8).float().sum(dim=0), q.sf
 
 
@@ -189,21 +189,6 @@ def test_compile_fullgraph_dynamic_no_recompile(seed):
             first = False
             want = quant_model(x, layout)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, tokens)
-
-
-def test_quantize_per_channel_returns_a_quant_tensor_and_requantizes(seed):
-    x = sample(40, 256, seed=seed)
-    for layout in (SOME_LAYOUTS[1], ScaleLayout.parse(SOME_LAYOUTS[0])):
-        q = ops.quantize_per_channel(x, layout)
-        spec = ScaleLayout.parse(layout)
-        assert isinstance(q, QuantTensor) and q.layout == spec and q.tokens == 40 and q.hidden == 256
-        assert all(same(a, b) for a, b in zip(q[:2], ops.per_channel_cast(x, spec.spec)))
-    src = ops.quantize(x, SM100)
-    q = ops.quantize_per_channel(src, SOME_LAYOUTS[0])
-    assert all(same(a, b) for a, b in zip(q[:2], ops.per_channel_cast(src.data, SOME_LAYOUTS[0], src.sf, SM100)))
-    with pytest.raises(ValueError, match=r"per_channel_cast: argument 'layout': expected a per-channel layout, got .* "
-                                         r"per-block block \(128, 128\)"):
-        ops.quantize_per_channel(x, ScaleLayout((128, 128)))
 
 
 def test_zero_tokens_launch_nothing(monkeypatch):

@@ -152,26 +152,6 @@ def test_compile_fullgraph_dynamic_no_recompile(seed):
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, tokens)
 
 
-def test_quantize_returns_a_quant_tensor_of_the_layout(seed):
-    x = sample(4, 256, seed=seed)
-    for layout in (SOME_LAYOUTS[2], ScaleLayout.parse(SOME_LAYOUTS[1])):
-        q = ops.quantize(x, layout)
-        spec = ScaleLayout.parse(layout)
-        assert isinstance(q, QuantTensor) and q.layout == spec and q.tokens == 4 and q.hidden == 256
-        data, sf = ops.per_token_cast(x, spec.spec)
-        assert torch.equal(q.data, data) and torch.equal(q.sf, sf)
-    block = ScaleLayout((128, 128), sf="ue8m0", storage="col_tma", round_sf=True)
-    q = ops.quantize(x, block)  # a per-block layout: per_block_cast's
-    assert q.layout == block and all(torch.equal(a, b) for a, b in zip(q[:2], ops.per_block_cast(x, block.spec)))
-    with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a per-token or per-block "
-                                         r"layout \(per-channel scales come from per_channel_cast\)"):
-        ops.quantize(x, ScaleLayout((128, 1)))
-    with pytest.raises(TypeError, match=r"per_block_cast: argument 'x': expected a bf16 or fp32 tensor"):
-        ops.quantize(ops.quantize(x, SOME_LAYOUTS[0]), block)
-    with pytest.raises(ValueError, match=r"per_token_cast: argument 'layout': expected a ScaleLayout spec"):
-        ops.quantize(x, "1x128")
-
-
 def test_zero_tokens_launch_nothing(monkeypatch):
     """On the device path (the CUDA kernel of declare, its launcher stubbed): T = 0 gives empty outputs of the
     layout's shapes and calls no launcher."""

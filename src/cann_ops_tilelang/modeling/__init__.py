@@ -2,9 +2,24 @@
 
 from .engram import Engram, ngram_token_ids
 from .engram_gate import EngramGate, engram_gate
-from .fp8_linear import FP8Linear, fp8_linear, fp8_linear_gemm
 from .mhc import (MHCHead, MHCSublayer, expand_from_embedding, mhc_head, mhc_multilayer_recompute, mhc_post, mhc_pre,
                   mhc_recompute_chunk)
+
+# fp8_linear's names load on first use: its module imports Dynamo (torch.compile's constant), which imports
+# torch.distributed.tensor, and importing the package must not (tests/test_dtensor.py)
+_FP8_LINEAR = ("FP8Linear", "fp8_linear", "fp8_linear_gemm")
+
+
+def __getattr__(name: str):
+    if name in _FP8_LINEAR:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.fp8_linear")  # binds the submodule's name: the function replaces it
+
+        globals().update({n: getattr(module, n) for n in _FP8_LINEAR})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Engram", "EngramGate", "FP8Linear", "fp8_linear", "fp8_linear_gemm", "ngram_token_ids",
            "MHCHead", "MHCSublayer", "engram_gate", "expand_from_embedding", "mhc_head",

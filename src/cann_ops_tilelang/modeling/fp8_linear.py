@@ -31,19 +31,20 @@ GEMMS = ("auto", "scaled_mm", "dequant")
 _BLOCK = 128
 
 
-@torch.compiler.assume_constant_result
-def _scaled_mm_capable(device_type: str, index: int) -> bool:
-    """Whether ``F.scaled_mm`` has block-wise FP8 scales here: a PyTorch with the API on an SM90 or SM100 GPU."""
+@torch.compiler.assume_constant_result  # a constant under torch.compile (this imports Dynamo: modeling loads us lazily)
+def _gemm_of(device_type: str, index: Optional[int]) -> str:
+    """``"scaled_mm"`` where ``F.scaled_mm`` has block-wise FP8 scales (a PyTorch with the API on an SM90 or SM100
+    GPU), else ``"dequant"``."""
     if device_type != "cuda" or not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
-        return False
-    return torch.cuda.get_device_capability(index)[0] in (9, 10)
+        return "dequant"
+    index = torch.cuda.current_device() if index is None else index
+    return "scaled_mm" if torch.cuda.get_device_capability(index)[0] in (9, 10) else "dequant"
 
 
 def fp8_linear_gemm(device: torch.device | str) -> str:
     """The GEMM ``gemm="auto"`` takes on ``device``: ``"scaled_mm"`` or ``"dequant"``."""
     device = torch.device(device)
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    return "scaled_mm" if _scaled_mm_capable(device.type, index) else "dequant"
+    return _gemm_of(device.type, device.index)
 
 
 def _decode(data: Tensor, sf: Tensor, block: tuple[int, int]) -> Tensor:

@@ -1,8 +1,8 @@
 """The per-channel cast to FP8 with scales along tokens (docs/ops/quant.md#per_channel_cast).
 
 Op: ``per_channel_cast(x, layout, x_sf=None, x_layout=None) -> (data, sf)``, the layouts as spec strings; the
-Python function :func:`quantize_per_channel` takes :class:`ScaleLayout` objects or specs (and a :class:`QuantTensor`
-to re-quantize) and returns a :class:`QuantTensor`.
+Python function ``quantize`` (quant/_quantize.py) takes a :class:`ScaleLayout` or its spec (and a per-token
+:class:`QuantTensor` to re-quantize) and returns a :class:`QuantTensor`.
 """
 
 from typing import Optional
@@ -16,7 +16,7 @@ from .._library import declare
 from ._common import backend_of, check_layout, check_rows
 from ._layout import QuantTensor, ScaleLayout
 
-__all__ = ["per_channel_cast", "quantize_per_channel"]
+__all__ = ["per_channel_cast"]
 
 E4M3 = torch.float8_e4m3fn
 # the per-token groups a re-quantized input may come in (the peer's: one 16-byte vector of e4m3 stays in a group)
@@ -114,19 +114,3 @@ def per_channel_cast(x: Tensor, layout: str, x_sf: Optional[Tensor] = None,
 # be, but a rank's share of H must stay a multiple of 128 (and of x_sf's groups), which DTensor's even split does
 # not promise.
 per_channel_cast.sharding()
-
-
-def quantize_per_channel(x: Tensor | QuantTensor, layout: ScaleLayout | str) -> QuantTensor:
-    """``x (T, H)`` (bf16 / fp32, or a per-token :class:`QuantTensor` of e4m3 data with groups 32 or 128) cast to
-    the per-channel ``layout`` (a :class:`ScaleLayout` or its spec): the ``QuantTensor(data, sf, layout)`` of
-    :func:`per_channel_cast`. Raises ``TypeError`` / ``ValueError`` naming ``per_channel_cast`` and the argument."""
-    err = OpError("per_channel_cast")
-    spec = layout if isinstance(layout, ScaleLayout) else check_layout(err, "layout", layout, ("per_channel",))
-    if spec.kind != "per_channel":
-        raise err.value("layout", f"expected a per-channel layout, got {spec.spec!r} (a per-{spec.kind[4:]} block "
-                                  f"{spec.block})")
-    if isinstance(x, QuantTensor):
-        data, sf = per_channel_cast(x.data, spec.spec, x.sf, x.layout.spec)
-    else:
-        data, sf = per_channel_cast(x, spec.spec)
-    return QuantTensor(data, sf, spec)

@@ -3,8 +3,8 @@
 Ops: ``per_token_cast(x, layout, x_sf=None, x_layout=None) -> (data, sf)`` (with ``x_sf`` / ``x_layout``: ``x``
 is per-token quantized data, re-quantized), ``per_token_cast_sf(x, layout) -> sf`` (the scales alone) and
 ``per_token_cast_with_sf(x, sf, layout) -> data`` (the data alone, from given scales), the layouts as spec
-strings; the Python function :func:`quantize` takes a :class:`ScaleLayout` or its spec and returns a
-:class:`QuantTensor` (of a plain tensor, or re-quantizing a QuantTensor).
+strings; the Python function ``quantize`` (quant/_quantize.py) takes a :class:`ScaleLayout` or its spec and returns
+a :class:`QuantTensor`.
 """
 
 from typing import Optional
@@ -17,7 +17,6 @@ from .._checks import OpError, check_same_device, describe
 from .._library import declare
 from ._common import ROW_ALIGN_BYTES, backend_of, check_layout, check_rows
 from ._layout import QuantTensor, ScaleLayout
-from .per_block_cast import per_block_cast
 
 __all__ = ["per_token_cast", "per_token_cast_sf", "per_token_cast_with_sf", "quantize"]
 
@@ -154,30 +153,3 @@ def per_token_cast_with_sf(x: Tensor, sf: Tensor, layout: str) -> Tensor:
 
 
 per_token_cast_with_sf.sharding({"x": "S0", "sf": "S0", "returns": "S0"})
-
-
-def quantize(x: Tensor | QuantTensor, layout: ScaleLayout | str) -> QuantTensor:
-    """``x (T, H)`` quantized to ``layout`` (a :class:`ScaleLayout` or its spec string) as ``QuantTensor(data, sf,
-    layout)``: by :func:`per_token_cast` for a per-token layout, :func:`per_block_cast` for a per-block one. A
-    :class:`QuantTensor` ``x`` (per-token) is re-quantized to a per-token layout: ``per_token_cast(x.data, layout,
-    x.sf, x.layout)``.
-
-    Raises ``TypeError`` / ``ValueError`` naming the cast and the argument (``layout`` for a bad spec).
-    """
-    err = OpError("per_token_cast")
-    kinds = ("per_token", "per_block")
-    spec = layout if isinstance(layout, ScaleLayout) else check_layout(err, "layout", layout, kinds)
-    if spec.kind not in kinds:
-        raise err.value("layout", f"expected a per-token or per-block layout (per-channel scales come from "
-                                  f"per_channel_cast), got {spec.spec!r} (a per-{spec.kind[4:]} block {spec.block})")
-    if spec.kind == "per_block":
-        if isinstance(x, QuantTensor):
-            raise OpError("per_block_cast").type("x", "expected a bf16 or fp32 tensor (a per-block cast does not "
-                                                      "re-quantize), got a QuantTensor")
-        data, sf = per_block_cast(x, spec.spec)
-    elif isinstance(x, QuantTensor):
-        x_layout = x.layout.spec if isinstance(x.layout, ScaleLayout) else x.layout
-        data, sf = per_token_cast(x.data, spec.spec, x.sf, x_layout)
-    else:
-        data, sf = per_token_cast(x, spec.spec)
-    return QuantTensor(data, sf, spec)

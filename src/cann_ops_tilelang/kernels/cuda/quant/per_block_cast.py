@@ -22,18 +22,17 @@ buffer of ``col_tma`` (its padding is not written). ``T`` and ``x``'s row stride
 """
 
 import dataclasses
-import struct
 
 import torch
 
 from ....limits import QUANT_HIDDEN, LimitError
 from ....quant import AMAX_CLAMP, BLOCKS, FORMATS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
+from ._common import e2m1_encode, f32_bits
 
 VEC_BYTES = 16  # bytes of one vector access of x
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 MODES = ("cast", "sf", "with_sf")  # per_block_cast, per_block_cast_sf, per_block_cast_with_sf
 _OPS = {"cast": "per_block_cast", "sf": "per_block_cast_sf", "with_sf": "per_block_cast_with_sf"}
 WARP = 32
@@ -95,21 +94,6 @@ def block_key(mode: str, hidden: int, in_dtype: str, layout: ScaleLayout) -> Blo
                         fmt=layout.fmt, sf=layout.sf, storage=layout.storage, round_sf=layout.round_sf, mode=mode)
 
 
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-def e2m1_code(T, v):
-    """The e2m1 code (uint8 0..15) of an fp32 value: the count of grid midpoints below ``|v|`` (a tie counts where
-    the code above it is even), saturating at 6 (inf too); NaN gives 7; the sign bit is ``v``'s."""
-    mag = T.abs(v)
-    code = T.uint8(0)
-    for mid, tie_up in _E2M1_MIDPOINTS:
-        code = code + T.cast(mag >= T.float32(mid) if tie_up else mag > T.float32(mid), T.uint8)
-    code = T.if_then_else(T.isnan(v), T.uint8(7), code)
-    return code | T.cast((T.reinterpret(v, T.uint32) >> T.uint32(31)) << T.uint32(3), T.uint8)
-
-
 def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: str, storage: str, round_sf: bool,
                          mode: str):
     """Builds one per-block kernel (the key's fields; see the module docstring).
@@ -146,7 +130,7 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
     pad = words * 4 - nk  # zero bytes after the last UE8M0 scale of a block row
     f32, u32, u8 = T.float32, T.uint32, T.uint8
     fmax = FORMATS[fmt].max
-    clamp_bits = _f32_bits(AMAX_CLAMP[fmt, sf == "e4m3"])
+    clamp_bits = f32_bits(AMAX_CLAMP[fmt, sf == "e4m3"])
     e2m1 = fmt == "e2m1"
     data_dtype = u8 if e2m1 else T.float8_e4m3fn
     data_cols = H // 2 if e2m1 else H
@@ -270,7 +254,7 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
                             y[e] = T.ieee_mul(T.cast(xr[p, e], f32), scale[3])
                         if e2m1:
                             for e in T.unroll(V // 2):
-                                packed[e] = e2m1_code(T, y[2 * e]) | (e2m1_code(T, y[2 * e + 1]) << T.uint8(4))
+                                packed[e] = e2m1_encode(T, y[2 * e]) | (e2m1_encode(T, y[2 * e + 1]) << T.uint8(4))
                             for e in T.vectorized(V // 2):
                                 data[row + p * step, col // 2 + e] = packed[e]
                         else:

@@ -18,13 +18,13 @@ Scales out: fp32 / e4m3 ``(ceil(T / r), H)``; UE8M0 bytes written one by one int
 """
 
 import dataclasses
-import struct
 
 import torch
 
 from ....limits import QUANT_HIDDEN, LimitError
 from ....quant import AMAX_CLAMP, BLOCKS, FORMATS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
+from ._common import f32_bits
 
 VEC_BYTES = 16
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -88,10 +88,6 @@ def channel_key(op: str, hidden: int, in_dtype: str, layout: ScaleLayout, x_layo
                       x_sf=x_layout.sf if x_layout else "", x_storage=x_layout.storage if x_layout else "")
 
 
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
 def build_per_channel_cast(hidden: int, block: int, in_dtype: str, sf: str, round_sf: bool, x_group: int, x_sf: str,
                            x_storage: str):
     """Builds the per-channel cast of one key (see the module docstring).
@@ -130,7 +126,7 @@ def build_per_channel_cast(hidden: int, block: int, in_dtype: str, sf: str, roun
     n_strips = H // W
     f32, u32, u8 = T.float32, T.uint32, T.uint8
     fmax = FORMATS["e4m3"].max
-    clamp_bits = _f32_bits(AMAX_CLAMP["e4m3", sf == "e4m3"])
+    clamp_bits = f32_bits(AMAX_CLAMP["e4m3", sf == "e4m3"])
     sf_dtype = {"fp32": f32, "e4m3": T.float8_e4m3fn, "ue8m0": u8}[sf]
     del layout
 

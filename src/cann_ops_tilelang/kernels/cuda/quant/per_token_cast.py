@@ -23,20 +23,18 @@ and the data ``Q(fl(f32(data) * fl(sx * inv)))``, CUDA's order of the contract.
 """
 
 import dataclasses
-import struct
 
 import torch
 
 from ....limits import QUANT_HIDDEN, IntRange, LimitError
 from ....quant import AMAX_CLAMP, FORMATS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
+from ._common import e2m1_encode, f32_bits
 
 # bytes of one vector access of x
 VEC_BYTES = 16
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
-# the e2m1 grid's midpoints, each with whether a tie there rounds up (to the even code above it)
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 _GROUPS = IntRange("a per-token group size", 16, 128)
 # the kernels of one builder: the cast, its scales alone, its data alone from given scales
 VARIANTS = ("cast", "sf_only", "with_sf")
@@ -110,10 +108,6 @@ def requant_key(op: str, hidden: int, layout: ScaleLayout, x_layout: ScaleLayout
                       x_sf=x_layout.sf, x_storage=x_layout.storage)
 
 
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
 def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: str, storage: str, round_sf: bool,
                          variant: str = "cast"):
     """Builds the per-token cast of one layout (the key's fields; see the module docstring); ``variant``
@@ -185,7 +179,7 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
     threads, nvt = CAST_PLAN.threads, CAST_PLAN.vectors
     f32, u32, u8 = T.float32, T.uint32, T.uint8
     fmax = FORMATS[fmt].max
-    clamp_bits = _f32_bits(AMAX_CLAMP[fmt, sf == "e4m3"])
+    clamp_bits = f32_bits(AMAX_CLAMP[fmt, sf == "e4m3"])
     e2m1 = fmt == "e2m1"
     data_dtype = u8 if e2m1 else T.float8_e4m3fn
     data_cols = H // 2 if e2m1 else H
@@ -295,7 +289,7 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
                             for k in T.vectorized(V // 2):
                                 data[((bid * nvt + j) * threads + tid) // nvec,
                                      (((bid * nvt + j) * threads + tid) % nvec) * (V // 2) + k] = (
-                                    e2m1_code(T, y[2 * k]) | (e2m1_code(T, y[2 * k + 1]) << T.uint8(4)))
+                                    e2m1_encode(T, y[2 * k]) | (e2m1_encode(T, y[2 * k + 1]) << T.uint8(4)))
                         else:
                             for k in T.vectorized(V):
                                 data[((bid * nvt + j) * threads + tid) // nvec,
@@ -344,17 +338,6 @@ def e2m1_value(T, code):
     mag = T.if_then_else(e > T.uint32(0), ((e + T.uint32(126)) << T.uint32(23)) | (m << T.uint32(22)),
                          m * T.uint32(126 << 23))
     return T.reinterpret(mag | ((c >> T.uint32(3)) << T.uint32(31)), T.float32)
-
-
-def e2m1_code(T, v):
-    """The e2m1 code (uint8 0..15) of an fp32 value: round to nearest even on the grid by comparisons with its
-    midpoints (a tie goes to the even code), saturating at 6 (inf too); NaN gives 7; the sign bit is ``v``'s."""
-    mag = T.abs(v)
-    code = T.uint8(0)
-    for mid, tie_up in _E2M1_MIDPOINTS:
-        code = code + T.cast(mag >= T.float32(mid) if tie_up else mag > T.float32(mid), T.uint8)
-    code = T.if_then_else(T.isnan(v), T.uint8(7), code)
-    return code | T.cast((T.reinterpret(v, T.uint32) >> T.uint32(31)) << T.uint32(3), T.uint8)
 
 
 def _in_dtype(x) -> str:
