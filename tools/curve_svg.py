@@ -37,7 +37,8 @@ def svg(curves: dict, title: str) -> str:
            f'font-size="12">', f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
            f'<text x="{WIDTH / 2}" y="24" text-anchor="middle" font-size="14">{title}</text>']
     out.append(f'<line x1="{MARGIN}" y1="{HEIGHT - MARGIN}" x2="{WIDTH - MARGIN}" y2="{HEIGHT - MARGIN}" '
-               f'stroke="black"/><line x1="{MARGIN}" y1="{MARGIN}" x2="{MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>')
+               f'stroke="black"/>')
+    out.append(f'<line x1="{MARGIN}" y1="{MARGIN}" x2="{MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>')
     for e in range(lo, hi + 1):
         y = y_of(10.0**e)
         out.append(f'<line x1="{MARGIN}" y1="{y:.1f}" x2="{WIDTH - MARGIN}" y2="{y:.1f}" stroke="#ddd"/>'
@@ -66,7 +67,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with open(args.curves) as f:
         data = json.load(f)
-    curves = {k: v for k, v in data.items() if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)}
+    curves = {k: v for k, v in data.items()
+              if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)}
     with open(args.out, "w") as f:
         f.write(svg(curves, args.title))
 

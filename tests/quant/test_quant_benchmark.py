@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from _plugins.device import requires_cuda
 from quant_cases import sample
-from quant_ref import (cast_back_ref, cast_ref, per_block_cast_ref, per_channel_cast_ref, per_token_cast_and_cast_back_ref,
-                       per_token_cast_ref, transpose_weight_sf_ref)
+from quant_ref import (cast_back_ref, cast_ref, per_block_cast_ref, per_channel_cast_ref,
+                       per_token_cast_and_cast_back_ref, per_token_cast_ref, transpose_weight_sf_ref)
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang.modeling import fp8_linear, fp8_linear_gemm
@@ -60,9 +60,9 @@ def test_bench_per_token_cast(bench, device, tokens, hidden, layout):
     if HAVE_PEER:
         import tile_kernels.quant as tq
 
-        peer = lambda: tq.per_token_cast(x, s.fmt, s.block[1], use_tma_aligned_col_major_sf=s.storage == "col_tma",  # noqa: E731
-                                         round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0",
-                                         use_e4m3_sf=s.sf == "e4m3")
+        def peer():
+            return tq.per_token_cast(x, s.fmt, s.block[1], use_tma_aligned_col_major_sf=s.storage == "col_tma",
+                                     round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0", use_e4m3_sf=s.sf == "e4m3")
     ref = inductor(per_token_cast_ref)
     bench.side_by_side(f"per_token_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
         "ours": lambda: ops.per_token_cast(x, layout),
@@ -86,8 +86,9 @@ def test_bench_per_block_cast(bench, device, tokens, hidden, layout):
     if HAVE_PEER:
         import tile_kernels.quant as tq
 
-        peer = lambda: tq.per_block_cast(x, s.fmt, s.block, use_tma_aligned_col_major_sf=s.storage == "col_tma",  # noqa: E731
-                                         round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0")
+        def peer():
+            return tq.per_block_cast(x, s.fmt, s.block, use_tma_aligned_col_major_sf=s.storage == "col_tma",
+                                     round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0")
     ref = inductor(per_block_cast_ref)
     bench.side_by_side(f"per_block_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
         "ours": lambda: ops.per_block_cast(x, layout),

@@ -14,7 +14,8 @@ def __getattr__(name: str):
     if name in _FP8_LINEAR:
         import importlib
 
-        module = importlib.import_module(f"{__name__}.fp8_linear")  # binds the submodule's name: the function replaces it
+        # the import binds the submodule to the name fp8_linear: the function replaces it
+        module = importlib.import_module(f"{__name__}.fp8_linear")
 
         globals().update({n: getattr(module, n) for n in _FP8_LINEAR})
         return globals()[name]

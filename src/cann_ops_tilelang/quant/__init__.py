@@ -2,7 +2,8 @@
 and the casts to FP8 / FP4, one module per op (pair).
 
 Ops: ``per_token_cast``, ``per_token_cast_sf``, ``per_token_cast_with_sf`` (the Python function :func:`quantize`
-returns a :class:`QuantTensor` of any layout kind), ``per_block_cast`` (weights; with ``per_block_cast_sf`` and ``per_block_cast_with_sf``),
+returns a :class:`QuantTensor` of any layout kind), ``per_block_cast`` (weights; with ``per_block_cast_sf`` and
+``per_block_cast_with_sf``),
 ``per_channel_cast``, ``cast_back``, ``per_token_cast_and_cast_back``, ``cast``
 (element-wise narrowing without scales, round to nearest even or stochastic rounding), ``transpose_weight_sf``
 (:func:`transpose_weight_sf_pairs`).
