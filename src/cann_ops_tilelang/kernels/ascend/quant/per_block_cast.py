@@ -23,7 +23,6 @@ word ``j`` is block ``2j + b``, the byte past an odd last block 0.
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import struct
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 import torch
@@ -35,6 +34,7 @@ from ....policy import ASCEND_CASE_CORES
 from ....quant import BLOCKS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
+from ._common import f32, scale_macro
 
 LANES = 64  # fp32 lanes of one 256-byte vector register
 SLACK = 8 * 1024  # UB kept free of the formula's count (alignment of the buffer versions), as per_token_cast
@@ -144,9 +144,6 @@ def check_key(where, hidden, block, in_dtype, fmt, sf, storage, round_sf, mode, 
         raise limits.LimitError(f"{where}: {exc}") from None
 
 
-def _f32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
-
 
 def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: str, storage: str, round_sf: bool,
                          mode: str, num_cores: int):
@@ -165,9 +162,7 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
     nk = H // c
     words = -(-nk // 2)
     pad = ue8m0 and nk % 2 == 1  # the last block row's odd byte is zeroed
-    fmax = float(layout.fmax)
-    clamp = _f32(layout.amax_clamp)
-    inv_fmax = _f32(1.0 / fmax)
+    scale_of = scale_macro(layout)
     n_chunks = hk // LANES
     in_t = T.bfloat16 if in_dtype == "bfloat16" else T.float32
     data_t = T.uint8 if e2m1 else T.float8_e4m3fn
@@ -186,30 +181,13 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
         """A 2-D UB tile at its row-major entry ``flat``."""
         return buf[flat // st_cols, flat % st_cols]
 
-    def load_f32(x_ub, rr, cc):
+    def loadf32(x_ub, rr, cc):
         if in_dtype == "bfloat16":
             return S.vcvt(S.vld(x_ub[rr, cc], dist="UNPK_B16"), T.float32, part=0)
         return S.vld(x_ub[rr, cc])
 
     def brc(inv_ub, j):
         return S.vld(inv_ub[entry(sf, storage, j)], dist="BRC_B32")
-
-    @T.macro
-    def scale_of(amax):
-        """(stored form as 32-bit lanes, inv) of 64 amax values (per_token_cast's recipe)."""
-        a = S.vmaxs(amax, clamp)
-        if round_sf:
-            bits = T.reinterpret(S.vmuls(a, inv_fmax), "uint32x64")
-            e = S.vadds(S.vshrs(S.vsub(bits, S.vdup(1, T.uint32)), 23), 1)
-            inv = T.reinterpret(S.vshls(S.vsub(S.vdup(254, T.uint32), e), 23), "float32x64")
-            if ue8m0:
-                return e, inv
-            return T.reinterpret(S.vshls(e, 23), "float32x64"), inv
-        fm = S.vdup(fmax, T.float32)
-        if sf == "e4m3":
-            s8 = S.vcvt(S.vmins(S.vdiv(a, fm), 448.0), T.float8_e4m3fn, part=0)
-            return s8, S.vdiv(S.vdup(1.0, T.float32), S.vcvt(s8, T.float32, part=0))
-        return S.vdiv(a, fm), S.vdiv(fm, a)
 
     @T.macro
     def given_inv(st_ub, v):
@@ -242,16 +220,16 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
                 acc = S.alloc_local((1,), T.float32)
                 if c >= LANES:
                     for j in T.serial(g):
-                        acc[0] = S.vmax(S.vabs(load_f32(x_ub, 0, j * c)), S.vabs(load_f32(x_ub, 0, j * c + LANES)))
+                        acc[0] = S.vmax(S.vabs(loadf32(x_ub, 0, j * c)), S.vabs(loadf32(x_ub, 0, j * c + LANES)))
                         for rr in T.serial(1, valid):
-                            acc[0] = S.vmax(acc[0], S.vmax(S.vabs(load_f32(x_ub, rr, j * c)),
-                                                           S.vabs(load_f32(x_ub, rr, j * c + LANES))))
+                            acc[0] = S.vmax(acc[0], S.vmax(S.vabs(loadf32(x_ub, rr, j * c)),
+                                                           S.vabs(loadf32(x_ub, rr, j * c + LANES))))
                         S.vsts(amax_ub[entry(sf, storage, j)], S.vcmax(acc[0]), dist="ONEPT_B32")
                 else:
                     for q in T.serial(n_chunks):
-                        acc[0] = S.vabs(load_f32(x_ub, 0, q * LANES))
+                        acc[0] = S.vabs(loadf32(x_ub, 0, q * LANES))
                         for rr in T.serial(1, valid):
-                            acc[0] = S.vmax(acc[0], S.vabs(load_f32(x_ub, rr, q * LANES)))
+                            acc[0] = S.vmax(acc[0], S.vabs(loadf32(x_ub, rr, q * LANES)))
                         S.vsts(amax_ub[entry(sf, storage, 2 * q)], S.vcmax(acc[0], lo), dist="ONEPT_B32")
                         S.vsts(amax_ub[entry(sf, storage, 2 * q + 1)], S.vcmax(acc[0], hi), dist="ONEPT_B32")
                 S.mem_bar("VST_VLD")
@@ -277,15 +255,15 @@ def build_per_block_cast(hidden: int, block: int, in_dtype: str, fmt: str, sf: s
                 for rr in T.serial(valid):
                     if e2m1:
                         for p in T.serial(n_chunks // 2):
-                            q0 = S.vmul(load_f32(x_ub, rr, 2 * p * LANES), inv_vec(inv_ub, 2 * p, hi))
-                            q1 = S.vmul(load_f32(x_ub, rr, (2 * p + 1) * LANES), inv_vec(inv_ub, 2 * p + 1, hi))
+                            q0 = S.vmul(loadf32(x_ub, rr, 2 * p * LANES), inv_vec(inv_ub, 2 * p, hi))
+                            q1 = S.vmul(loadf32(x_ub, rr, (2 * p + 1) * LANES), inv_vec(inv_ub, 2 * p + 1, hi))
                             low, high = S.vdintlv(T.reinterpret(q0, "uint16x128"), T.reinterpret(q1, "uint16x128"))
                             sticky = T.reinterpret(S.vor(high, S.vmins(low, 1)), "bfloat16x128")
                             fp4 = S.vcvt(sticky, T.float4_e2m1fn, part=0)
                             S.vsts(out_ub[rr, p * LANES], T.reinterpret(fp4, "uint8x256"), dist="PK4_B32")
                     else:
                         for q in T.serial(n_chunks):
-                            y = S.vmul(load_f32(x_ub, rr, q * LANES), inv_vec(inv_ub, q, hi))
+                            y = S.vmul(loadf32(x_ub, rr, q * LANES), inv_vec(inv_ub, q, hi))
                             S.vsts(out_ub[rr, q * LANES], S.vcvt(y, T.float8_e4m3fn, part=0), dist="PK4_B32")
 
     @T.macro

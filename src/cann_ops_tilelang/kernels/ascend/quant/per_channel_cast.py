@@ -21,7 +21,6 @@ fp32 (bf16 and e4m3 widened exactly), 64 channels per vector:
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import struct
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
@@ -32,6 +31,7 @@ from ....policy import ASCEND_CASE_CORES
 from ....quant import BLOCKS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
+from ._common import f32, scale_macro
 
 LANES = 64  # fp32 lanes of one 256-byte vector register
 SLACK = 8 * 1024  # UB kept free of the formula's count (alignment of the buffer versions), as per_token_cast does
@@ -149,9 +149,6 @@ def check_key(where: str, hidden, block, in_dtype, sf, round_sf, x_group, x_sf, 
         raise limits.LimitError(f"{where}: {exc}") from None
 
 
-def _f32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
-
 
 def build_per_channel_cast(hidden: int, block: int, in_dtype: str, sf: str, round_sf: bool, x_group: int, x_sf: str,
                            x_storage: str, num_cores: int):
@@ -167,9 +164,7 @@ def build_per_channel_cast(hidden: int, block: int, in_dtype: str, sf: str, roun
     n_chunks = hk // LANES
     requant = bool(x_group)
     ue8m0 = sf == "ue8m0"
-    fmax = float(layout.fmax)
-    clamp = _f32(layout.amax_clamp)
-    inv_fmax = _f32(1.0 / fmax)  # fl(1 / max): the round_sf recipe (docs/ops/quant.md#layout)
+    scale_of = scale_macro(layout)
     in_t = {"bfloat16": T.bfloat16, "float32": T.float32, "float8_e4m3fn": T.float8_e4m3fn}[in_dtype]
     sf_t = {"fp32": T.float32, "e4m3": T.float8_e4m3fn, "ue8m0": T.int16}[sf]
     num_tokens = T.dynamic("num_tokens")
@@ -213,23 +208,6 @@ def build_per_channel_cast(hidden: int, block: int, in_dtype: str, sf: str, roun
         else:
             sx = S.vld(sx_ub[sx_pos(r, c // (g // LANES), odd)], dist="BRC_B32")
         return S.vmul(raw, sx)
-
-    @T.macro
-    def scale_of(amax):
-        """(s, inv) of 64 amax values; UE8M0: (exponent bytes as uint32, inv); e4m3 scales: (s8, inv)."""
-        a = S.vmaxs(amax, clamp)
-        if round_sf:
-            bits = T.reinterpret(S.vmuls(a, inv_fmax), "uint32x64")
-            e = S.vadds(S.vshrs(S.vsub(bits, S.vdup(1, T.uint32)), 23), 1)
-            inv = T.reinterpret(S.vshls(S.vsub(S.vdup(254, T.uint32), e), 23), "float32x64")
-            if ue8m0:
-                return e, inv
-            return T.reinterpret(S.vshls(e, 23), "float32x64"), inv
-        fm = S.vdup(fmax, T.float32)
-        if sf == "e4m3":
-            s8 = S.vcvt(S.vmins(S.vdiv(a, fm), 448.0), T.float8_e4m3fn, part=0)
-            return s8, S.vdiv(S.vdup(1.0, T.float32), S.vcvt(s8, T.float32, part=0))
-        return S.vdiv(a, fm), S.vdiv(fm, a)
 
     @T.macro
     def cast_vf(x_ub, xs_ub, sx_ub, amax_ub, inv_ub, st_ub, out_ub, valid, odd):

@@ -29,7 +29,6 @@ buffer (``sf.t()``).
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import struct
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
@@ -40,6 +39,7 @@ from ....policy import ASCEND_CASE_CORES
 from ....quant import BLOCKS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
+from ._common import f32, scale_macro
 
 LANES = 64  # fp32 lanes of one 256-byte vector register
 # UB kept free of the tile formula's count (alignment of the buffer versions in the merged UB pool), as the
@@ -200,10 +200,6 @@ def check_key(where: str, hidden, group, in_dtype, fmt, sf, storage, round_sf, n
         raise limits.LimitError(f"{where}: {exc}") from None
 
 
-def _f32(value: float) -> float:
-    """``value`` rounded to fp32 (a constant the kernel uses as fp32)."""
-    return struct.unpack("<f", struct.pack("<f", value))[0]
-
 
 def _stored_tile(storage: str, sf: str, bm: int, hk: int, group: int) -> tuple:
     """``(rows, cols)`` of the fp32 entry tile of a scale tensor's tile (:func:`_scale_tile`) and the shape of its
@@ -234,9 +230,7 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
     col = storage == "col_tma"
     ue8m0 = sf == "ue8m0"
     e2m1 = fmt == "e2m1"
-    fmax = float(layout.fmax)
-    clamp = _f32(layout.amax_clamp)
-    inv_fmax = _f32(1.0 / fmax)  # fl(1 / max): the round_sf recipe (docs/ops/quant.md#layout)
+    scale_of = scale_macro(layout)
     n_chunks = hk // LANES  # 64-channel vectors of a tile row
     per_vec = max(1, LANES // g)  # groups per vector (g < 64)
     vec_dtype = "float32" if requant else in_dtype  # what the cast reads: re-quantizing, the fp32 values
@@ -275,7 +269,7 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
         """The same in the input's fp32 scale tile (re-quantizing)."""
         return gi * x_cols_ + r if xcol else r * x_cols_ + gi
 
-    def load_f32(x_ub, r, c):
+    def loadf32(x_ub, r, c):
         """64 channels ``c..c+63`` of row ``r`` as fp32 (bf16 widened exactly)."""
         if vec_dtype == "bfloat16":
             return S.vcvt(S.vld(x_ub[r, c], dist="UNPK_B16"), T.float32, part=0)
@@ -331,23 +325,6 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
                     S.vsts(out_ub[v * LANES], s)
 
     @T.macro
-    def scale_of(amax):
-        """(s, inv) of 64 amax values; UE8M0: (exponent bytes as uint32, inv); e4m3 scales: (s8, inv)."""
-        a = S.vmaxs(amax, clamp)
-        if round_sf:
-            bits = T.reinterpret(S.vmuls(a, inv_fmax), "uint32x64")
-            e = S.vadds(S.vshrs(S.vsub(bits, S.vdup(1, T.uint32)), 23), 1)
-            inv = T.reinterpret(S.vshls(S.vsub(S.vdup(254, T.uint32), e), 23), "float32x64")
-            if ue8m0:
-                return e, inv
-            return T.reinterpret(S.vshls(e, 23), "float32x64"), inv
-        fm = S.vdup(fmax, T.float32)
-        if sf == "e4m3":
-            s8 = S.vcvt(S.vmins(S.vdiv(a, fm), 448.0), T.float8_e4m3fn, part=0)
-            return s8, S.vdiv(S.vdup(1.0, T.float32), S.vcvt(s8, T.float32, part=0))
-        return S.vdiv(a, fm), S.vdiv(fm, a)
-
-    @T.macro
     def cast_vf(x_ub, amax_ub, inv_ub, st_ub, out_ub, valid, is_last):
         with T.SimdVF():
             # lanes [q*g, (q+1)*g) of a 64-lane vector: group q of the vector (g < 64)
@@ -368,13 +345,13 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
                 for r in T.serial(valid):
                     if g >= LANES:
                         for gi in T.serial(hk // g):
-                            m = S.vabs(load_f32(x_ub, r, gi * g))
+                            m = S.vabs(loadf32(x_ub, r, gi * g))
                             if g == 2 * LANES:
-                                m = S.vmax(m, S.vabs(load_f32(x_ub, r, gi * g + LANES)))
+                                m = S.vmax(m, S.vabs(loadf32(x_ub, r, gi * g + LANES)))
                             S.vsts(amax_ub[pos(r, gi)], S.vcmax(m), dist="ONEPT_B32")
                     else:
                         for c in T.serial(n_chunks):
-                            a = S.vabs(load_f32(x_ub, r, c * LANES))
+                            a = S.vabs(loadf32(x_ub, r, c * LANES))
                             S.vsts(amax_ub[pos(r, c * per_vec)], S.vcmax(a, mk0), dist="ONEPT_B32")
                             S.vsts(amax_ub[pos(r, c * per_vec + 1)], S.vcmax(a, mk1), dist="ONEPT_B32")
                             if g == 16:
@@ -422,9 +399,9 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
                 for r in T.serial(valid):
                     if e2m1:
                         for p in T.serial(n_chunks // 2):
-                            q0 = S.vmul(load_f32(x_ub, r, 2 * p * LANES),
+                            q0 = S.vmul(loadf32(x_ub, r, 2 * p * LANES),
                                         group_vec(inv_ub, pos, g, r, 2 * p, ge1, ge2, ge3))
-                            q1 = S.vmul(load_f32(x_ub, r, (2 * p + 1) * LANES),
+                            q1 = S.vmul(loadf32(x_ub, r, (2 * p + 1) * LANES),
                                         group_vec(inv_ub, pos, g, r, 2 * p + 1, ge1, ge2, ge3))
                             low, high = S.vdintlv(T.reinterpret(q0, "uint16x128"), T.reinterpret(q1, "uint16x128"))
                             sticky = T.reinterpret(S.vor(high, S.vmins(low, 1)), "bfloat16x128")
@@ -432,7 +409,7 @@ def build_per_token_cast(hidden: int, group: int, in_dtype: str, fmt: str, sf: s
                             S.vsts(out_ub[r, p * LANES], T.reinterpret(fp4, "uint8x256"), dist="PK4_B32")
                     else:
                         for c in T.serial(n_chunks):
-                            q = S.vmul(load_f32(x_ub, r, c * LANES), group_vec(inv_ub, pos, g, r, c, ge1, ge2, ge3))
+                            q = S.vmul(loadf32(x_ub, r, c * LANES), group_vec(inv_ub, pos, g, r, c, ge1, ge2, ge3))
                             S.vsts(out_ub[r, c * LANES], S.vcvt(q, T.float8_e4m3fn, part=0), dist="PK4_B32")
 
     @T.macro

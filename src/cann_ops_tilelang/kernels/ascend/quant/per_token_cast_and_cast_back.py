@@ -20,7 +20,6 @@ widened exactly):
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
 import dataclasses
-import struct
 
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 from tilelang.ascend import language as T
@@ -31,6 +30,7 @@ from ....policy import ASCEND_CASE_CORES
 from ....quant import BLOCKS, ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
+from ._common import f32, scale_macro
 
 LANES = 64  # fp32 lanes of one 256-byte vector register
 SLACK = 8 * 1024  # UB kept free of the tile formula's count (alignment of the buffer versions)
@@ -105,10 +105,6 @@ def check_key(where: str, hidden, group, in_dtype, fmt, scale, num_cores) -> Non
         raise limits.LimitError(f"{where}: scale must be one of {SCALES}; got {scale!r}")
 
 
-def _f32(value: float) -> float:
-    """``value`` rounded to fp32 (a constant the kernel uses as fp32)."""
-    return struct.unpack("<f", struct.pack("<f", value))[0]
-
 
 def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, fmt: str, scale: str,
                                        num_cores: int):
@@ -121,9 +117,7 @@ def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, f
     sf_cols = _pow2_at_least(hk // g)  # entries per token row of the scale tiles
     n_vec = BM * sf_cols // LANES
     e2m1 = fmt == "e2m1"
-    fmax = float(layout.fmax)
-    clamp = _f32(layout.amax_clamp)
-    inv_fmax = _f32(1.0 / fmax)  # fl(1 / max): the round_sf recipe (docs/ops/quant.md#layout)
+    scale_of = scale_macro(layout, fp32_scales=True)
     n_chunks = hk // LANES
     per_vec = max(1, LANES // g)
     vec_per_group = max(1, g // LANES)
@@ -131,7 +125,7 @@ def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, f
     num_tokens = T.dynamic("num_tokens")
     x_stride = T.dynamic("x_stride")
 
-    def load_f32(x_ub, r, c):
+    def loadf32(x_ub, r, c):
         """64 channels ``c..c+63`` of row ``r`` as fp32 (bf16 widened exactly)."""
         if in_dtype == "bfloat16":
             return S.vcvt(S.vld(x_ub[r, c], dist="UNPK_B16"), T.float32, part=0)
@@ -159,21 +153,6 @@ def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, f
         return S.vsel(S.vld(tile[r * sf_cols + 4 * c + 3], dist="BRC_B32"), v012, ge3)
 
     @T.macro
-    def scale_of(amax):
-        """(s, inv) of 64 amax values, fp32."""
-        a = S.vmaxs(amax, clamp)
-        if scale == "round":
-            bits = T.reinterpret(S.vmuls(a, inv_fmax), "uint32x64")
-            e = S.vadds(S.vshrs(S.vsub(bits, S.vdup(1, T.uint32)), 23), 1)
-            inv = T.reinterpret(S.vshls(S.vsub(S.vdup(254, T.uint32), e), 23), "float32x64")
-            return T.reinterpret(S.vshls(e, 23), "float32x64"), inv
-        fm = S.vdup(fmax, T.float32)
-        if scale == "e4m3":
-            s = S.vcvt(S.vcvt(S.vmins(S.vdiv(a, fm), 448.0), T.float8_e4m3fn, part=0), T.float32, part=0)
-            return s, S.vdiv(S.vdup(1.0, T.float32), s)
-        return S.vdiv(a, fm), S.vdiv(fm, a)
-
-    @T.macro
     def fake_quant_vf(x_ub, amax_ub, inv_ub, s_ub, q_ub, valid):
         with T.SimdVF():
             every = S.pset(32, "PAT_ALL")
@@ -189,13 +168,13 @@ def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, f
             for r in T.serial(valid):
                 if g >= LANES:
                     for gi in T.serial(hk // g):
-                        m = S.vabs(load_f32(x_ub, r, gi * g))
+                        m = S.vabs(loadf32(x_ub, r, gi * g))
                         if vec_per_group == 2:
-                            m = S.vmax(m, S.vabs(load_f32(x_ub, r, gi * g + LANES)))
+                            m = S.vmax(m, S.vabs(loadf32(x_ub, r, gi * g + LANES)))
                         S.vsts(amax_ub[r * sf_cols + gi], S.vcmax(m), dist="ONEPT_B32")
                 else:
                     for c in T.serial(n_chunks):
-                        a = S.vabs(load_f32(x_ub, r, c * LANES))
+                        a = S.vabs(loadf32(x_ub, r, c * LANES))
                         S.vsts(amax_ub[r * sf_cols + c * per_vec], S.vcmax(a, mk0), dist="ONEPT_B32")
                         S.vsts(amax_ub[r * sf_cols + c * per_vec + 1], S.vcmax(a, mk1), dist="ONEPT_B32")
                         if g == 16:
@@ -212,8 +191,8 @@ def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, f
             if e2m1:
                 for r in T.serial(valid):
                     for p in T.serial(n_chunks // 2):
-                        q0 = S.vmul(load_f32(x_ub, r, 2 * p * LANES), per_lane(inv_ub, r, 2 * p, ge1, ge2, ge3))
-                        q1 = S.vmul(load_f32(x_ub, r, (2 * p + 1) * LANES),
+                        q0 = S.vmul(loadf32(x_ub, r, 2 * p * LANES), per_lane(inv_ub, r, 2 * p, ge1, ge2, ge3))
+                        q1 = S.vmul(loadf32(x_ub, r, (2 * p + 1) * LANES),
                                     per_lane(inv_ub, r, 2 * p + 1, ge1, ge2, ge3))
                         low, high = S.vdintlv(T.reinterpret(q0, "uint16x128"), T.reinterpret(q1, "uint16x128"))
                         sticky = T.reinterpret(S.vor(high, S.vmins(low, 1)), "bfloat16x128")
@@ -232,7 +211,7 @@ def build_per_token_cast_and_cast_back(hidden: int, group: int, in_dtype: str, f
             else:
                 for r in T.serial(valid):
                     for c in T.serial(n_chunks):
-                        q = S.vcvt(S.vmul(load_f32(x_ub, r, c * LANES), per_lane(inv_ub, r, c, ge1, ge2, ge3)),
+                        q = S.vcvt(S.vmul(loadf32(x_ub, r, c * LANES), per_lane(inv_ub, r, c, ge1, ge2, ge3)),
                                    T.float8_e4m3fn, part=0)
                         store_x(x_ub, r, c * LANES, S.vmul(S.vcvt(q, T.float32, part=0),
                                                            per_lane(s_ub, r, c, ge1, ge2, ge3)))
