@@ -409,7 +409,7 @@ def test_ascend_cast_lowers_within_ub(name):
     assert 0 < lowered.ub_bytes <= ascend_cast.tile_ub_bytes(key.in_dtype, key.out_dtype) <= lowered.budget_bytes
     if key.stochastic:
         # the hash on uint32 vectors: 32-bit multiplies by the contract's constants, xors, logical shifts
-        assert all(f"vmuls(" in source and f"(uint32_t){c}" in source for c in (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35))
+        assert all("vmuls(" in source and f"(uint32_t){c}" in source for c in (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35))
         assert "simd_inst::vxor(" in source and "simd_inst::vshrs(" in source and "vci<int32_t>" in source
         if key.out_dtype == "float8_e4m3fn":  # per-lane shifts take int32 counts (asc_shiftleft / _shiftright)
             assert "simd_inst::vshr(m, (*(vector_s32 *)" in source and "simd_inst::vshl(m, (*(vector_s32 *)" in source

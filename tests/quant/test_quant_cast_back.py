@@ -14,37 +14,21 @@ from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
 from quant_cases import cast_back_call, sample
 from quant_ref import cast_back_ref, e2m1_decode, quantize
+from quant_testing import layouts, metadata
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
-from cann_ops_tilelang.quant import BLOCKS, ScaleLayout
+from cann_ops_tilelang.quant import ScaleLayout
 
 BF16, F32 = torch.bfloat16, torch.float32
 HAVE_NVCC = shutil.which("nvcc") is not None
 SF_KINDS = (("fp32", False), ("fp32", True), ("e4m3", False), ("ue8m0", True))
 
 
-def all_layouts():
-    """Every layout the type allows: per-token and per-block blocks x 2 formats x 4 scale kinds x 2 storages, and
-    per-channel blocks (e4m3, row) x 4 scale kinds."""
-    out = []
-    for kind, blocks in BLOCKS.items():
-        for block in blocks:
-            for fmt in ("e4m3",) if kind == "per_channel" else ("e4m3", "e2m1"):
-                for sf, round_sf in SF_KINDS:
-                    for storage in ("row",) if kind == "per_channel" else ("row", "col_tma"):
-                        out.append(ScaleLayout(block, fmt, sf, storage, round_sf).spec)
-    return out
-
-
-LAYOUTS = all_layouts()
+LAYOUTS = layouts()
 SOME_LAYOUTS = ["1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round", "1x16/e2m1/e4m3/col_tma/exact",
                 "128x128/e4m3/fp32/row/round", "32x32/e2m1/ue8m0/col_tma/round", "128x1/e4m3/ue8m0/row/round",
                 "32x1/e4m3/e4m3/row/exact"]
-
-
-def metadata(t):
-    return tuple(t.shape), t.dtype, t.stride() if t.numel() else None
 
 
 # --- validation -------------------------------------------------------------------------------------------

@@ -5,16 +5,10 @@ file: the function spans the per_token_cast, per_block_cast and per_channel_cast
 import pytest
 import torch
 from quant_cases import sample
+from quant_testing import same
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang.quant import QuantTensor, ScaleLayout
-
-
-def same(a, b):
-    def raw(t):
-        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(raw(a), raw(b))
 
 
 @pytest.mark.parametrize("layout,op", [

@@ -16,30 +16,20 @@ from _plugins.references import without_cpu_references
 from quant_cases import per_block_cast_call, per_block_cast_with_sf_call, sample
 from quant_ref import (block_amax, per_block_cast_ref, per_block_cast_sf_ref, per_block_cast_with_sf_ref,
                        per_block_quantize_ref)
+from quant_testing import assert_same, layouts, metadata
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
-from cann_ops_tilelang.quant import BLOCKS, ScaleLayout
+from cann_ops_tilelang.quant import ScaleLayout
 
 BF16, F32 = torch.bfloat16, torch.float32
 HAVE_NVCC = shutil.which("nvcc") is not None
 OPS = ("per_block_cast", "per_block_cast_sf", "per_block_cast_with_sf")
 
 
-def per_block_layouts():
-    """Every per-block layout: 2 blocks x 2 formats x the valid (sf, rounding) pairs x 2 storages."""
-    return [ScaleLayout(block, fmt, sf, storage, round_sf).spec for block in BLOCKS["per_block"]
-            for fmt in ("e4m3", "e2m1") for sf, round_sf in (("fp32", False), ("fp32", True), ("e4m3", False),
-                                                            ("ue8m0", True)) for storage in ("row", "col_tma")]
-
-
-LAYOUTS = per_block_layouts()
+LAYOUTS = layouts("per_block")
 SOME_LAYOUTS = ["128x128/e4m3/fp32/row/exact", "128x128/e4m3/ue8m0/col_tma/round", "32x32/e2m1/ue8m0/row/round",
                 "32x32/e4m3/e4m3/col_tma/exact", "128x128/e2m1/fp32/col_tma/round"]
-
-
-def metadata(t):
-    return tuple(t.shape), t.dtype, t.stride() if t.numel() else None
 
 
 def as_list(out):
@@ -469,13 +459,6 @@ def test_ascend_launcher_arguments(monkeypatch):
 # --- device: the kernels bitwise against the references and the peer ----------------------------------------
 
 DEVICE_TOKENS = level_choice([1, 130, 4001], [1, 31, 130, 513, 4001, 8192])
-
-
-def assert_same(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert got.numel() == 0 or got.stride() == want.stride() or min(got.shape) == 1
-    bits = (lambda t: t.view(torch.uint8)) if got.dtype == torch.float8_e4m3fn else (lambda t: t)
-    assert torch.equal(bits(got.cpu()), bits(want.cpu()))
 
 
 @requires_cuda

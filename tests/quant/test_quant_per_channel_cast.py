@@ -15,19 +15,14 @@ from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
 from quant_cases import per_channel_cast_call, sample
 from quant_ref import decode_sf, expand, per_channel_cast_ref, per_channel_quantize_ref
+from quant_testing import assert_same, layouts, metadata, same
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
-from cann_ops_tilelang.quant import BLOCKS, QuantTensor, ScaleLayout
+from cann_ops_tilelang.quant import ScaleLayout
 
 BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 HAVE_NVCC = shutil.which("nvcc") is not None
-
-
-def per_channel_layouts():
-    """Every per-channel layout: 2 token blocks x the valid (sf, rounding) pairs (e4m3 data, row storage)."""
-    return [ScaleLayout(block, "e4m3", sf, "row", round_sf).spec for block in BLOCKS["per_channel"]
-            for sf, round_sf in (("fp32", False), ("fp32", True), ("e4m3", False), ("ue8m0", True))]
 
 
 def input_layouts():
@@ -37,20 +32,11 @@ def input_layouts():
             for sf, round_sf in (("fp32", False), ("e4m3", False), ("ue8m0", True)) for storage in ("row", "col_tma")]
 
 
-LAYOUTS = per_channel_layouts()
+LAYOUTS = layouts("per_channel")
 INPUTS = input_layouts()
 SOME_LAYOUTS = ["128x1/e4m3/ue8m0/row/round", "32x1/e4m3/fp32/row/exact", "32x1/e4m3/e4m3/row/exact",
                 "128x1/e4m3/fp32/row/round"]
 SM100 = "1x128/e4m3/ue8m0/col_tma/round"
-
-
-def metadata(t):
-    return tuple(t.shape), t.dtype, t.stride() if t.numel() else None
-
-
-def same(got, want):
-    return got.dtype == want.dtype and got.shape == want.shape and torch.equal(
-        got.view(torch.uint8) if got.dtype == E4M3 else got, want.view(torch.uint8) if want.dtype == E4M3 else want)
 
 
 # --- validation -------------------------------------------------------------------------------------------
@@ -424,13 +410,6 @@ def test_ascend_per_channel_cast_launcher_arguments(monkeypatch):
 # --- device: the kernel bitwise against the reference and the peer ------------------------------------------
 
 DEVICE_TOKENS = level_choice([1, 37, 4001], [1, 2, 37, 128, 513, 4001, 8192])
-
-
-def assert_same(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert got.numel() == 0 or got.stride() == want.stride() or min(got.shape) == 1
-    assert torch.equal(got.cpu().view(torch.uint8) if got.dtype == E4M3 else got.cpu(),
-                       want.view(torch.uint8) if want.dtype == E4M3 else want)
 
 
 @requires_cuda

@@ -16,33 +16,19 @@ from _plugins.references import without_cpu_references
 from quant_cases import per_token_cast_call, per_token_cast_sf_call, per_token_cast_with_sf_call, sample, to_device
 from quant_ref import (per_token_cast_ref, per_token_cast_sf_ref, per_token_cast_with_sf_ref,
                        per_token_quantize_ref)
+from quant_testing import assert_same, layouts, metadata
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
-from cann_ops_tilelang.quant import BLOCKS, QuantTensor, ScaleLayout
+from cann_ops_tilelang.quant import QuantTensor, ScaleLayout
 
 BF16, F32 = torch.bfloat16, torch.float32
 HAVE_NVCC = shutil.which("nvcc") is not None
 
 
-def per_token_layouts():
-    """Every per-token layout: 4 groups x 2 formats x the valid (sf, rounding) pairs x 2 storages."""
-    out = []
-    for block in BLOCKS["per_token"]:
-        for fmt in ("e4m3", "e2m1"):
-            for sf, round_sf in (("fp32", False), ("fp32", True), ("e4m3", False), ("ue8m0", True)):
-                for storage in ("row", "col_tma"):
-                    out.append(ScaleLayout(block, fmt, sf, storage, round_sf).spec)
-    return out
-
-
-LAYOUTS = per_token_layouts()
+LAYOUTS = layouts("per_token")
 SOME_LAYOUTS = ["1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round", "1x32/e2m1/ue8m0/row/round",
                 "1x16/e2m1/e4m3/col_tma/exact", "1x64/e4m3/fp32/col_tma/round"]
-
-
-def metadata(t):
-    return tuple(t.shape), t.dtype, t.stride() if t.numel() else None
 
 
 # --- validation -------------------------------------------------------------------------------------------
@@ -670,13 +656,6 @@ def test_ascend_variant_keys_and_launchers(monkeypatch):
 # --- device: the kernel bitwise against the reference and the peer ------------------------------------------
 
 DEVICE_TOKENS = level_choice([1, 37, 4001], [1, 2, 37, 513, 4001, 8192])
-
-
-def assert_same(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert got.numel() == 0 or got.stride() == want.stride() or min(got.shape) == 1
-    assert torch.equal(got.cpu().view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.cpu(),
-                       want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
 
 
 @requires_cuda

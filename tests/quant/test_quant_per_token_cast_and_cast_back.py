@@ -14,26 +14,17 @@ from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
 from quant_cases import per_token_cast_and_cast_back_call, sample
 from quant_ref import cast_back_ref, per_token_cast_and_cast_back_ref, quantize
+from quant_testing import layouts
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
-from cann_ops_tilelang.quant import BLOCKS, ScaleLayout
+from cann_ops_tilelang.quant import ScaleLayout
 
 BF16, F32 = torch.bfloat16, torch.float32
 HAVE_NVCC = shutil.which("nvcc") is not None
 
 
-def per_token_layouts():
-    out = []
-    for block in BLOCKS["per_token"]:
-        for fmt in ("e4m3", "e2m1"):
-            for sf, round_sf in (("fp32", False), ("fp32", True), ("e4m3", False), ("ue8m0", True)):
-                for storage in ("row", "col_tma"):
-                    out.append(ScaleLayout(block, fmt, sf, storage, round_sf).spec)
-    return out
-
-
-LAYOUTS = per_token_layouts()
+LAYOUTS = layouts("per_token")
 SOME_LAYOUTS = ["1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round", "1x32/e2m1/ue8m0/row/round",
                 "1x16/e2m1/e4m3/col_tma/exact", "1x64/e4m3/fp32/col_tma/round"]
 

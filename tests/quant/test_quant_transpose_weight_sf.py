@@ -13,16 +13,13 @@ from _plugins.device import requires_cuda
 from _plugins.references import without_cpu_references
 from quant_cases import transpose_weight_sf_call, weight_scales
 from quant_ref import transpose_weight_sf_pairs_ref, transpose_weight_sf_ref
+from quant_testing import metadata
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
 
 F32 = torch.float32
 HAVE_NVCC = shutil.which("nvcc") is not None
-
-
-def metadata(t):
-    return tuple(t.shape), t.dtype, t.stride() if t.numel() else None
 
 
 # --- validation -------------------------------------------------------------------------------------------
