@@ -1,7 +1,7 @@
 """Benchmarks of the quant casts and of fp8_linear (run only when asked: ``-m benchmark``), side by side in one run:
 ours, the peer (DeepSeek tile_kernels 2.1.0, when importable), the reference under inductor
-(``torch.compile(fullgraph=True)``, the shape made dynamic after its first recompile as torch.compile does by
-default) and the device-to-device copy ceiling of the same run (``test_copy_ceiling``).
+(``torch.compile(fullgraph=True, dynamic=True)``, one compile per reference and non-tensor arguments) and the
+device-to-device copy ceiling of the same run (``test_copy_ceiling``).
 
 Bytes: what the op must read and write once (``x``, the data, the scales). ``gbs = bytes / time_us / 1e3``.
 Results are compared with the committed baseline of the chip (tests/quant/benchmark/<chip>/test_quant_benchmark.jsonl).
@@ -36,11 +36,13 @@ def nbytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def inductor(fn):
-    """One compiled reference per function for the whole run (dynamic after the first new shape)."""
-    if fn not in _INDUCTOR:
-        _INDUCTOR[fn] = torch.compile(fn, fullgraph=True)
-    return _INDUCTOR[fn]
+def inductor(fn, **static):
+    """The reference ``fn`` compiled with its non-tensor arguments ``static`` bound, once per (fn, static) for the whole
+    run, shapes dynamic (one compile covers every shape: no recompile limit is reached)."""
+    key = (fn, tuple(sorted((k, str(v)) for k, v in static.items())))
+    if key not in _INDUCTOR:
+        _INDUCTOR[key] = torch.compile(lambda *tensors: fn(*tensors, **static), fullgraph=True, dynamic=True)
+    return _INDUCTOR[key]
 
 
 def test_copy_ceiling(bench, device):
@@ -63,11 +65,11 @@ def test_bench_per_token_cast(bench, device, tokens, hidden, layout):
         def peer():
             return tq.per_token_cast(x, s.fmt, s.block[1], use_tma_aligned_col_major_sf=s.storage == "col_tma",
                                      round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0", use_e4m3_sf=s.sf == "e4m3")
-    ref = inductor(per_token_cast_ref)
+    ref = inductor(per_token_cast_ref, layout=layout)
     bench.side_by_side(f"per_token_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
         "ours": lambda: ops.per_token_cast(x, layout),
         "peer": peer,
-        "inductor": lambda: ref(x, layout),
+        "inductor": lambda: ref(x),
     }, bytes=nbytes(x, data) + sf.numel() * sf.element_size())
 
 
@@ -89,11 +91,11 @@ def test_bench_per_block_cast(bench, device, tokens, hidden, layout):
         def peer():
             return tq.per_block_cast(x, s.fmt, s.block, use_tma_aligned_col_major_sf=s.storage == "col_tma",
                                      round_sf=s.round_sf, use_packed_ue8m0=s.sf == "ue8m0")
-    ref = inductor(per_block_cast_ref)
+    ref = inductor(per_block_cast_ref, layout=layout)
     bench.side_by_side(f"per_block_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
         "ours": lambda: ops.per_block_cast(x, layout),
         "peer": peer,
-        "inductor": lambda: ref(x, layout),
+        "inductor": lambda: ref(x),
     }, bytes=nbytes(x, data) + sf.numel() * sf.element_size())
 
 
@@ -109,11 +111,11 @@ def test_bench_cast_back(bench, device, tokens, hidden, out_dtype):
 
         fmt = "bf16" if out_dtype == torch.bfloat16 else "fp32"
         peer = lambda: tq.per_token_cast_back((data, sf), fmt, 128)  # noqa: E731
-    ref = inductor(cast_back_ref)
+    ref = inductor(cast_back_ref, layout=layout, out_dtype=out_dtype)
     bench.side_by_side(f"cast_back-T{tokens}-H{hidden}-{str(out_dtype)[6:]}", {
         "ours": lambda: ops.cast_back(data, sf, layout, out_dtype),
         "peer": peer,
-        "inductor": lambda: ref(data, sf, layout, out_dtype),
+        "inductor": lambda: ref(data, sf),
     }, bytes=nbytes(data, sf, out))
 
 
@@ -127,11 +129,11 @@ def test_bench_per_token_cast_and_cast_back(bench, device, tokens, hidden):
         import tile_kernels.quant as tq
 
         peer = lambda: tq.per_token_cast_and_cast_back(x, "e4m3", 128)  # noqa: E731
-    ref = inductor(per_token_cast_and_cast_back_ref)
+    ref = inductor(per_token_cast_and_cast_back_ref, layout=layout)
     bench.side_by_side(f"per_token_cast_and_cast_back-T{tokens}-H{hidden}", {
         "ours": lambda: ops.per_token_cast_and_cast_back(x, layout),
         "peer": peer,
-        "inductor": lambda: ref(x, layout),
+        "inductor": lambda: ref(x),
     }, bytes=2 * nbytes(x))
 
 
@@ -147,11 +149,11 @@ def test_bench_per_channel_cast(bench, device, tokens, hidden, layout):
 
         peer = lambda: tq.per_channel_cast(x, "e4m3", s.block[0], round_sf=s.round_sf,  # noqa: E731
                                            use_packed_ue8m0=s.sf == "ue8m0")
-    ref = inductor(per_channel_cast_ref)
+    ref = inductor(per_channel_cast_ref, layout=layout)
     bench.side_by_side(f"per_channel_cast-T{tokens}-H{hidden}-{layout.replace('/', '_')}", {
         "ours": lambda: ops.per_channel_cast(x, layout),
         "peer": peer,
-        "inductor": lambda: ref(x, layout),
+        "inductor": lambda: ref(x),
     }, bytes=nbytes(x, data, sf))
 
 
@@ -168,11 +170,12 @@ def test_bench_cast(bench, device, tokens, hidden, src, dst, rounding):
         import tile_kernels.quant as tq
 
         peer = lambda: tq.cast(x, dst)  # noqa: E731
-    ref = inductor(cast_ref)
+    # the stochastic-rounding reference (its hash on int64 tensors) did not compile within 10 minutes on the CPU
+    ref = inductor(cast_ref, dtype=dst, seed=seed) if rounding == "rne" else None
     bench.side_by_side(f"cast-{rounding}-T{tokens}-H{hidden}-{str(src)[6:]}-{str(dst)[6:]}", {
         "ours": lambda: ops.cast(x, dst, seed),
         "peer": peer,
-        "inductor": lambda: ref(x, dst, seed),
+        "inductor": None if ref is None else lambda: ref(x),
     }, bytes=nbytes(x, out))
 
 
@@ -191,11 +194,11 @@ def test_bench_transpose_weight_sf(bench, device, block_size):
         import tile_kernels.quant as tq
 
         peer = lambda: tq.batched_transpose_weight_sf(sf, b, [False] * len(sf), [None] * len(sf))  # noqa: E731
-    ref = inductor(transpose_weight_sf_ref)
+    ref = inductor(transpose_weight_sf_ref, block_size=b, transpose_sf1=False)
     bench.side_by_side(f"transpose_weight_sf-b{b}", {
         "ours": lambda: ops.transpose_weight_sf(sf, b, False),
         "peer": peer,
-        "inductor": lambda: ref(sf, b, False),
+        "inductor": lambda: ref(sf),
     }, bytes=nbytes(*sf, *outs))
 
 
