@@ -1,10 +1,11 @@
 """What the quant family's test files share: the layouts of a kind, output metadata and bitwise comparison."""
 
 import torch
+from quant_cases import sample
 
 from cann_ops_tilelang.quant import BLOCKS, ScaleLayout
 
-__all__ = ["assert_same", "layouts", "metadata", "same"]
+__all__ = ["assert_compiles_once", "assert_same", "layouts", "metadata", "same"]
 
 # the (sf, round_sf) pairs the layout rules allow (UE8M0 needs rounding, e4m3 scales refuse it)
 SCALE_KINDS = (("fp32", False), ("fp32", True), ("e4m3", False), ("ue8m0", True))
@@ -45,3 +46,16 @@ def assert_same(got, want):
     assert got.dtype == want.dtype and got.shape == want.shape
     assert got.numel() == 0 or got.stride() == want.stride() or min(got.shape) == 1
     assert torch.equal(_bits(got.cpu()), _bits(want.cpu()))
+
+
+def assert_compiles_once(model, layouts_, token_counts, seed):
+    """``model(x, layout)`` under ``torch.compile(fullgraph=True, dynamic=True)`` equals eager for each layout (a spec
+    or a ScaleLayout) at every token count, compiled once per layout (a recompile over T fails)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for layout in layouts_:
+        for i, tokens in enumerate(token_counts):
+            x = sample(tokens, 256, seed=seed + tokens)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(x, layout)
+            assert all(torch.equal(g, w) for g, w in zip(got, model(x, layout))), (layout, tokens)

@@ -16,7 +16,7 @@ from _plugins.references import without_cpu_references
 from quant_cases import per_block_cast_call, per_block_cast_with_sf_call, sample
 from quant_ref import (block_amax, per_block_cast_ref, per_block_cast_sf_ref, per_block_cast_with_sf_ref,
                        per_block_quantize_ref)
-from quant_testing import assert_same, layouts, metadata
+from quant_testing import assert_compiles_once, assert_same, layouts, metadata
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
@@ -202,17 +202,8 @@ def block_model(x, layout):
 
 
 def test_compile_fullgraph_dynamic_no_recompile(seed):
-    torch._dynamo.reset()
-    compiled = torch.compile(block_model, backend="aot_eager", fullgraph=True, dynamic=True)
-    for layout in (SOME_LAYOUTS[1], SOME_LAYOUTS[2]):
-        first = True
-        for tokens in (130, 259, 1000):  # ceil(T / r) >= 2: dynamo specializes a size of 1
-            x = sample(tokens, 256, seed=seed + tokens)
-            with torch._dynamo.config.patch(error_on_recompile=not first):
-                got = compiled(x, layout)
-            first = False
-            want = block_model(x, layout)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, tokens)
+    # ceil(T / r) >= 2: Dynamo specializes a size of 1
+    assert_compiles_once(block_model, (SOME_LAYOUTS[1], SOME_LAYOUTS[2]), (130, 259, 1000), seed)
 
 
 def test_zero_tokens_launch_nothing(monkeypatch):

@@ -15,7 +15,7 @@ from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
 from quant_cases import per_channel_cast_call, sample
 from quant_ref import decode_sf, expand, per_channel_cast_ref, per_channel_quantize_ref
-from quant_testing import assert_same, layouts, metadata, same
+from quant_testing import assert_compiles_once, assert_same, layouts, metadata, same
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
@@ -164,17 +164,7 @@ def quant_model(x, layout):
 
 
 def test_compile_fullgraph_dynamic_no_recompile(seed):
-    torch._dynamo.reset()
-    compiled = torch.compile(quant_model, backend="aot_eager", fullgraph=True, dynamic=True)
-    for layout in (ScaleLayout.parse(SOME_LAYOUTS[0]), SOME_LAYOUTS[1]):
-        first = True
-        for tokens in (37, 129, 300):
-            x = sample(tokens, 256, seed=seed + tokens)
-            with torch._dynamo.config.patch(error_on_recompile=not first):
-                got = compiled(x, layout)
-            first = False
-            want = quant_model(x, layout)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, tokens)
+    assert_compiles_once(quant_model, (ScaleLayout.parse(SOME_LAYOUTS[0]), SOME_LAYOUTS[1]), (37, 129, 300), seed)
 
 
 def test_zero_tokens_launch_nothing(monkeypatch):

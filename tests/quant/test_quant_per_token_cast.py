@@ -16,7 +16,7 @@ from _plugins.references import without_cpu_references
 from quant_cases import per_token_cast_call, per_token_cast_sf_call, per_token_cast_with_sf_call, sample, to_device
 from quant_ref import (per_token_cast_ref, per_token_cast_sf_ref, per_token_cast_with_sf_ref,
                        per_token_quantize_ref)
-from quant_testing import assert_same, layouts, metadata
+from quant_testing import assert_compiles_once, assert_same, layouts, metadata
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
@@ -125,17 +125,7 @@ def quant_model(x, layout):
 
 
 def test_compile_fullgraph_dynamic_no_recompile(seed):
-    torch._dynamo.reset()
-    compiled = torch.compile(quant_model, backend="aot_eager", fullgraph=True, dynamic=True)
-    for layout in (ScaleLayout.parse(SOME_LAYOUTS[1]), SOME_LAYOUTS[2]):
-        first = True
-        for tokens in (7, 9, 17):
-            x = sample(tokens, 256, seed=seed + tokens)
-            with torch._dynamo.config.patch(error_on_recompile=not first):
-                got = compiled(x, layout)
-            first = False
-            want = quant_model(x, layout)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, tokens)
+    assert_compiles_once(quant_model, (ScaleLayout.parse(SOME_LAYOUTS[1]), SOME_LAYOUTS[2]), (7, 9, 17), seed)
 
 
 def test_zero_tokens_launch_nothing(monkeypatch):
