@@ -29,6 +29,9 @@ __all__ = [
     "MHC_RECOMPUTE_LAYERS",
     "MHC_RMS_GROUPS",
     "MHC_SINKHORN_REPEAT",
+    "NORM_ELEMENTS",
+    "NORM_HIDDEN",
+    "NORM_HIDDEN_SIZES",
     "QUANT_ELEMENTS",
     "QUANT_HIDDEN",
     "QUANT_HIDDEN_SIZES",
@@ -194,3 +197,13 @@ QUANT_HIDDEN_SIZES = (128, 2048, 4096, 7168, 32768)
 # both backends index x, data and scales with int32 element offsets: T times the row pitch of x (its row
 # stride, at least H) stays below 2**31
 QUANT_ELEMENTS = IntRange("elements T * row pitch of x", 0, 2**31 - 1)
+
+# Norms and SwiGLU (both backends): H (the normalized row; SwiGLU's output width, its input rows 2 H) a multiple of
+# 64, so that a fused per-token cast's groups (32 or 128 channels: 64 needs 128 | H, checked with the layout) and
+# every row's 16-byte CUDA vectors and 256-byte Ascend vectors tile it, up to 32768 (beyond the peer's 8192 / 7168:
+# the kernels stream a row through on-chip memory in chunks when it does not fit whole).
+NORM_HIDDEN = IntRange("a hidden size", 64, 32768, multiple_of=64)
+# the hidden sizes that matter (see hidden_sizes): the range's edges and the model sizes
+NORM_HIDDEN_SIZES = (64, 2048, 4096, 7168, 32768)
+# both backends index rows with int32 element offsets: T times the row pitch stays below 2**31
+NORM_ELEMENTS = IntRange("elements T * row pitch", 0, 2**31 - 1)

@@ -27,9 +27,9 @@ import dataclasses
 import torch
 
 from ....limits import QUANT_HIDDEN, IntRange, LimitError
-from ....quant import AMAX_CLAMP, FORMATS, ScaleLayout
+from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
-from ._common import e2m1_encode, f32_bits
+from ._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
 
 # bytes of one vector access of x
 VEC_BYTES = 16
@@ -135,25 +135,6 @@ def build_per_token_cast_requant(hidden: int, group: int, fmt: str, sf: str, sto
     return _build(hidden, group, fmt, sf, storage, round_sf, "requant", x_fmt, (x_group, x_sf, x_storage))
 
 
-def _sf_param(T, storage: str, sf: str, nk: int, num_tokens, stride_name: str):
-    """The prim_func parameter of a scale tensor (see :func:`build_per_token_cast`)."""
-    words = -(-nk // 4)
-    sf_dtype = {"fp32": T.float32, "e4m3": T.float8_e4m3fn, "ue8m0": T.uint8}[sf]
-    if storage == "row":
-        return T.Tensor((num_tokens, 4 * words if sf == "ue8m0" else nk), sf_dtype)
-    shape = (words, 4 * num_tokens) if sf == "ue8m0" else (nk, num_tokens)
-    return T.StridedTensor(shape, (T.dynamic(stride_name), 1), sf_dtype)
-
-
-def _sf_index(storage: str, sf: str, token, g):
-    """Where the scale of (token, group g) is in the parameter of :func:`_sf_param`."""
-    if storage == "row":
-        return token, g
-    if sf == "ue8m0":
-        return g // 4, token * 4 + g % 4
-    return g, token
-
-
 def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scales=None):
     from tilelang import language as T
 
@@ -178,8 +159,7 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
     words = -(-nk // 4)  # UE8M0 words per token
     threads, nvt = CAST_PLAN.threads, CAST_PLAN.vectors
     f32, u32, u8 = T.float32, T.uint32, T.uint8
-    fmax = FORMATS[fmt].max
-    clamp_bits = f32_bits(AMAX_CLAMP[fmt, sf == "e4m3"])
+    scale_of = group_scale(T, fmt, sf, round_sf)
     e2m1 = fmt == "e2m1"
     data_dtype = u8 if e2m1 else T.float8_e4m3fn
     data_cols = H // 2 if e2m1 else H
@@ -188,15 +168,15 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
 
     num_tokens = T.dynamic("num_tokens")
     x_stride = T.dynamic("x_stride")
-    sf_param = _sf_param(T, storage, sf, nk, num_tokens, "sf_stride")
-    x_sf_param = _sf_param(T, x_storage, x_sf, H // x_group, num_tokens, "x_sf_stride") if requant else None
+    sf_arg = sf_param(T, storage, sf, nk, num_tokens, "sf_stride")
+    x_sf_arg = sf_param(T, x_storage, x_sf, H // x_group, num_tokens, "x_sf_stride") if requant else None
     del layout
 
     pad = (4 - nk % 4) % 4  # zero bytes after the last UE8M0 scale of a token
 
     @T.macro
     def store_scale(sf_out, token, g, value):
-        sf_out[_sf_index(storage, sf, token, g)] = value
+        sf_out[sf_index(storage, sf, token, g)] = value
         if sf == "ue8m0" and pad:
             if g == nk - 1:
                 for b in T.unroll(pad):
@@ -230,7 +210,7 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
                         xr[j, k] = x[((bid * nvt + j) * threads + tid) // nvec,
                                      (((bid * nvt + j) * threads + tid) % nvec) * VB + k]
                     if requant:
-                        sx[j] = decode(sf_in[_sf_index(x_storage, x_sf, ((bid * nvt + j) * threads + tid) // nvec,
+                        sx[j] = decode(sf_in[sf_index(x_storage, x_sf, ((bid * nvt + j) * threads + tid) // nvec,
                                                       ((((bid * nvt + j) * threads + tid) % nvec) * V) // x_group)],
                                        x_sf)
                 else:
@@ -260,23 +240,11 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
             for j in T.unroll(nvt):
                 if (bid * nvt + j) * threads + tid < total:
                     if variant == "with_sf":
-                        scale[2] = decode(sf_in[_sf_index(storage, sf, ((bid * nvt + j) * threads + tid) // nvec,
+                        scale[2] = decode(sf_in[sf_index(storage, sf, ((bid * nvt + j) * threads + tid) // nvec,
                                                           (((bid * nvt + j) * threads + tid) % nvec) // lanes)], sf)
                         scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
                     else:
-                        # every slot written once: TileLang's codegen may reuse a reinterpret of a slot across a store
-                        scale[0] = T.max(amax[j], T.reinterpret(T.uint32(clamp_bits), f32))  # a
-                        scale[1] = T.ieee_fdiv(scale[0], T.float32(fmax))  # a / max
-                        if round_sf:
-                            scale[2] = T.reinterpret((T.reinterpret(scale[1], u32) + T.uint32(0x7FFFFF))
-                                                     & T.uint32(0x7F800000), f32)  # 2^ceil(log2(a / max))
-                            scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
-                        elif sf == "e4m3":
-                            scale[2] = T.cast(T.cast(T.min(scale[1], T.float32(448.0)), T.float8_e4m3fn), f32)
-                            scale[3] = T.ieee_fdiv(T.float32(1.0), scale[2])
-                        else:
-                            scale[2] = scale[1]
-                            scale[3] = T.ieee_fdiv(T.float32(fmax), scale[0])
+                        scale_of(scale, amax[j])
                     if writes_data:
                         if requant:  # CUDA's order: one factor fl(sx * inv) per lane, then f32(data) * factor
                             factor[0] = T.ieee_mul(sx[j], scale[3])
@@ -297,35 +265,30 @@ def _build(hidden, group, fmt, sf, storage, round_sf, variant, in_dtype, x_scale
                                                                                                   T.float8_e4m3fn)
                     if writes_sf:
                         if ((bid * nvt + j) * threads + tid) % lanes == 0:
-                            if sf == "ue8m0":
-                                stored = T.cast((T.reinterpret(scale[2], u32) >> T.uint32(23)) & T.uint32(0xFF), u8)
-                            elif sf == "e4m3":
-                                stored = T.cast(scale[2], T.float8_e4m3fn)
-                            else:
-                                stored = scale[2]
                             store_scale(sf_out, ((bid * nvt + j) * threads + tid) // nvec,
-                                        (((bid * nvt + j) * threads + tid) % nvec) // lanes, stored)
+                                        (((bid * nvt + j) * threads + tid) % nvec) // lanes,
+                                        stored_scale(T, scale[2], sf))
 
     x_param = T.StridedTensor((num_tokens, x_cols), (x_stride, 1), x_dtype)
     data_param = T.Tensor((num_tokens, data_cols), data_dtype)
     if variant == "sf_only":
         @T.prim_func
-        def per_token_cast_sf_cuda(x: x_param, sf_out: sf_param):
+        def per_token_cast_sf_cuda(x: x_param, sf_out: sf_arg):
             body(x, None, None, sf_out)
         return per_token_cast_sf_cuda
     if variant == "with_sf":
         @T.prim_func
-        def per_token_cast_with_sf_cuda(x: x_param, sf: sf_param, data: data_param):
+        def per_token_cast_with_sf_cuda(x: x_param, sf: sf_arg, data: data_param):
             body(x, sf, data, None)
         return per_token_cast_with_sf_cuda
     if requant:
         @T.prim_func
-        def per_token_cast_requant_cuda(x: x_param, x_sf: x_sf_param, data: data_param, sf_out: sf_param):
+        def per_token_cast_requant_cuda(x: x_param, x_sf: x_sf_arg, data: data_param, sf_out: sf_arg):
             body(x, x_sf, data, sf_out)
         return per_token_cast_requant_cuda
 
     @T.prim_func
-    def per_token_cast_cuda(x: x_param, data: data_param, sf_out: sf_param):
+    def per_token_cast_cuda(x: x_param, data: data_param, sf_out: sf_arg):
         body(x, None, data, sf_out)
     return per_token_cast_cuda
 

@@ -1,0 +1,16 @@
+"""CUDA (TileLang) kernels of the norm family (docs/ops/norm.md): RMSNorm, LayerNorm, SwiGLU, one module per op module.
+
+Each module (``rms_norm``, ``layer_norm``, ``swiglu``) holds its ops' launchers (named as the
+op, keyword arguments named as the op's), their ``Kernel`` declarations (key, builder, compile cache) and its
+``lowering_cases``; the op layer imports the module of an op on its first launch. This package only aggregates
+the lowering cases. Importing it imports neither TileLang nor a kernel module.
+"""
+
+from ... import _family
+
+__all__ = ["lowering_cases"]
+
+
+def lowering_cases(hidden_size: int) -> dict:
+    """Every kernel variant of the family at ``hidden_size``, keyed ``"<op module>/<case>"``."""
+    return _family.lowering_cases(__name__, hidden_size)

@@ -1,0 +1,99 @@
+"""Checks shared by the norm family's validation (supported sizes: ``limits.NORM_*``; docs/ops/norm.md#conventions).
+
+Row tensors are ``(..., W)``: any leading dims (flattened into ``T`` rows), unit column stride, and rows that may be
+strided as long as the leading dims flatten into one row stride (the pitch), a multiple of 16 bytes.
+"""
+
+import math
+
+import torch
+
+from .. import limits
+from .._checks import OpError, describe
+from ..quant._common import backend_of, check_layout
+
+__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "check_cast_layout", "check_like",
+           "check_rows", "pitch_of", "rows"]
+
+BF16, F32 = torch.bfloat16, torch.float32
+INPUT_DTYPES = (BF16, F32)
+# the bytes of one vector access of a row (the CUDA kernels' 16-byte loads)
+ROW_ALIGN_BYTES = 16
+
+
+def pitch_of(x: torch.Tensor) -> int | None:
+    """The row stride of ``x (..., W)`` seen as ``(T, W)`` rows, or None where its leading dims do not flatten into
+    one stride (``W`` when there is at most one row)."""
+    width = x.shape[-1]
+    pitch = None
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if pitch is None:
+            pitch, expected = stride, stride * size
+        elif stride != expected:
+            return None
+        else:
+            expected = stride * size
+    return width if pitch is None else pitch
+
+
+def check_rows(err: OpError, arg: str, x, *, width_range: limits.IntRange = limits.NORM_HIDDEN, factor: int = 1,
+               dtypes: tuple = INPUT_DTYPES) -> tuple[int, int]:
+    """``x (..., factor * H)`` of one of ``dtypes``, at least 1-D, ``H`` in ``width_range``, unit column stride, the
+    leading dims flattening into one row pitch ``>= factor * H`` that is a multiple of 16 bytes, ``T * pitch`` in
+    ``limits.NORM_ELEMENTS``. Returns ``(T, H)``."""
+    if not isinstance(x, torch.Tensor):
+        raise err.type(arg, f"expected a torch.Tensor, got {describe(x)}")
+    if x.dtype not in dtypes:
+        raise err.type(arg, f"expected dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
+    if x.dim() < 1:
+        raise err.value(arg, f"expected a tensor of shape (..., {'%d H' % factor if factor > 1 else 'H'}), got a "
+                             f"0-D tensor")
+    width = x.shape[-1]
+    if width % factor:
+        raise err.value(arg, f"expected a last dim of {factor} H, got {width}")
+    hidden = width // factor
+    width_range.check(err, arg, hidden)
+    tokens = math.prod(x.shape[:-1])
+    pitch = pitch_of(x)
+    if x.stride(-1) != 1 and tokens:
+        raise err.value(arg, f"expected rows of unit column stride (strided rows are allowed), got strides "
+                             f"{tuple(x.stride())}")
+    vector = ROW_ALIGN_BYTES // x.element_size()
+    if pitch is None or pitch < width or pitch % vector:
+        raise err.value(arg, f"expected leading dims that flatten into one row stride of at least {width} and a "
+                             f"multiple of {vector} elements ({ROW_ALIGN_BYTES} bytes), got shape {tuple(x.shape)} "
+                             f"strides {tuple(x.stride())}")
+    limits.NORM_ELEMENTS.check(err, arg, tokens * pitch)
+    return tokens, hidden
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """``x (..., W)`` as its ``(T, W)`` rows, a view (its leading dims flatten: :func:`check_rows`)."""
+    tokens = math.prod(x.shape[:-1])
+    return x.as_strided((tokens, x.shape[-1]), (pitch_of(x), 1))
+
+
+def check_like(err: OpError, arg: str, t, x: torch.Tensor, arg_x: str = "x", *, dtype=None) -> torch.Tensor:
+    """``t`` a tensor of ``x``'s shape, on its device, of ``dtype`` (default ``x``'s), with rows as
+    :func:`check_rows` allows."""
+    if not isinstance(t, torch.Tensor):
+        raise err.type(arg, f"expected a torch.Tensor, got {describe(t)}")
+    want = x.dtype if dtype is None else dtype
+    if t.dtype != want:
+        raise err.type(arg, f"expected dtype {want} (as {arg_x}), got {t.dtype}")
+    if t.shape != x.shape:
+        raise err.value(arg, f"expected shape {tuple(x.shape)} (as {arg_x}), got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise err.value(arg, f"expected a tensor on {x.device} (as {arg_x}), got {t.device}")
+    check_rows(err, arg, t, width_range=limits.IntRange("a width", 1, None), dtypes=(want,))
+    return t
+
+
+def check_cast_layout(err: OpError, arg: str, spec, hidden: int):
+    """The per-token :class:`ScaleLayout` of a fused cast whose group divides ``hidden``."""
+    layout = check_layout(err, arg, spec, ("per_token",))
+    if hidden % layout.block[1]:
+        raise err.value(arg, f"expected a group dividing H = {hidden}, got {spec!r} (groups of {layout.block[1]})")
+    return layout
