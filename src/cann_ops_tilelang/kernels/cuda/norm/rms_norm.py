@@ -26,7 +26,7 @@ from ....limits import NORM_HIDDEN, IntRange, LimitError
 from ....norm._common import rows
 from ....policy import NORM_GRAD_WEIGHT_PARTITIONS
 from ....quant import ScaleLayout
-from ..._kernel import Kernel, compile_key, kernel_module
+from ..._kernel import Kernel, compile_key, kernel_module, variant_prim_func
 from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
 
 VEC_BYTES = 16  # one vector access of a row
@@ -282,7 +282,7 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
     if cast:
         params.append(("data", T.Tensor((num_tokens, H // 2 if e2m1 else H), T.uint8 if e2m1 else T.float8_e4m3fn)))
         params.append(("sf_out", sf_param(T, storage, sf, nk, num_tokens, "sf_stride")))
-    return _prim_func(T, "rms_norm_forward_cuda", params, ("eps", "out_scale"), body,
+    return variant_prim_func(T.prim_func, T.float32, "rms_norm_forward_cuda", params, ("eps", "out_scale"), body,
                       ("x", "weight", "residual", "y", "rstd", "residual_out", "data", "sf_out"))
 
 
@@ -413,7 +413,7 @@ def build_rms_norm_backward(hidden: int, in_dtype: str, weight: bool, grad_weigh
     params.append(("grad_x", T.Tensor((num_tokens, H), in_dtype)))
     if grad_weight:
         params.append(("grad_weight_partial", T.Tensor((P, H), f32)))
-    return _prim_func(T, "rms_norm_backward_cuda", params, ("out_scale",), body,
+    return variant_prim_func(T.prim_func, T.float32, "rms_norm_backward_cuda", params, ("out_scale",), body,
                       ("grad_y", "x", "weight", "rstd", "grad_residual_out", "grad_x", "grad_weight_partial"))
 
 
@@ -446,24 +446,6 @@ def build_rms_norm_grad_weight_reduce(hidden: int, partitions: int):
                     grad_weight[(b * REDUCE_THREADS + tid) * C + e] = row[e] + acc[e]
 
     return rms_norm_grad_weight_reduce_cuda
-
-
-def _prim_func(T, name, params, scalars, body, order):
-    """A prim_func named ``name`` over the tensor ``params`` (name, annotation) of a variant and fp32 ``scalars``,
-    calling ``body`` with every name of ``order`` (None where the variant has no such parameter) and the scalars.
-    The variants' signatures differ (absent tensors are no parameters), so the function's source is generated;
-    it is registered with ``linecache``, where the TVMScript parser reads a function's source."""
-    import linecache
-
-    names = [n for n, _ in params] + list(scalars)
-    annotations = {f"{n}_param": a for n, a in params} | {f"{s}_param": T.float32 for s in scalars}
-    lines = [f"def {name}({', '.join(f'{n}: {n}_param' for n in names)}):\n",
-             f"    body({', '.join(n if n in names else 'None' for n in order)}, {', '.join(scalars)})\n"]
-    filename = f"<{name}:{'/'.join(names)}>"
-    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-    namespace = {"body": body, **annotations}
-    exec(compile("".join(lines), filename, "exec"), namespace)  # noqa: S102 - the variant's signature
-    return T.prim_func(namespace[name])
 
 
 def _forward_cases(hidden_size: int, hc_mult: int) -> dict:
