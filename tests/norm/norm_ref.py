@@ -13,7 +13,7 @@ F32, F64 = torch.float32, torch.float64
 # --- rms_norm (docs/ops/norm.md#rms_norm) ---------------------------------------------------------------------
 
 
-def _quant_ref():
+def quant_reference():
     """tests/quant/quant_ref.py (the fused casts' bytes are its per-token cast of the rounded output)."""
     import importlib
     import sys
@@ -42,7 +42,7 @@ def rms_norm_forward_ref(x, weight, eps, residual=None, out_scale=1.0, layout=No
     residual_out = r.clone() if residual is not None else empty
     if layout is None:
         return y, rstd, residual_out, x.new_empty((0,), dtype=torch.float8_e4m3fn), x.new_empty((0,), dtype=F32)
-    data, sf = _quant_ref().per_token_cast_ref(rms_norm_rows(y), layout)
+    data, sf = quant_reference().per_token_cast_ref(rms_norm_rows(y), layout)
     return (y if with_y else empty), rstd, residual_out, data, sf
 
 

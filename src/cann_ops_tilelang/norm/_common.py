@@ -23,8 +23,10 @@ ROW_ALIGN_BYTES = 16
 
 def pitch_of(x: torch.Tensor) -> int | None:
     """The row stride of ``x (..., W)`` seen as ``(T, W)`` rows, or None where its leading dims do not flatten into
-    one stride (``W`` when there is at most one row)."""
+    one stride (``W`` when there is at most one row, or none)."""
     width = x.shape[-1]
+    if 0 in x.shape[:-1]:  # no rows: any strides
+        return width
     pitch = None
     for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
         if size == 1:
