@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -174,6 +175,9 @@ def kernel_module(module: str, *kernels: Kernel) -> tuple[dict, Callable[..., di
     return table, lowering_cases, public_names(module)
 
 
+_VARIANT_SOURCES = itertools.count()
+
+
 def variant_prim_func(prim_func: Callable[..., Any], scalar_type: Any, name: str, params: list, scalars: tuple,
                       body: Any, order: tuple) -> Any:
     """A prim_func named ``name`` (built by the backend's ``T.prim_func``) whose parameters are the tensor
@@ -187,7 +191,7 @@ def variant_prim_func(prim_func: Callable[..., Any], scalar_type: Any, name: str
     annotations = {f"{n}_param": a for n, a in params} | {f"{s}_param": scalar_type for s in scalars}
     lines = [f"def {name}({', '.join(f'{n}: {n}_param' for n in names)}):\n",
              f"    body({', '.join([n if n in names else 'None' for n in order] + list(scalars))})\n"]
-    filename = f"<{name}:{'/'.join(names)}>"
+    filename = f"<{name}:{'/'.join(names)}:{next(_VARIANT_SOURCES)}>"  # one source a build (parsers cache by file)
     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     namespace = {"body": body, **annotations}
     exec(compile("".join(lines), filename, "exec"), namespace)  # noqa: S102 - the variant's signature

@@ -165,6 +165,29 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
                                                     _widen(res_ub[c * LANES], in_dtype)), in_dtype)
 
     @T.macro
+    def sum_squares(r_ub, acc_ub):
+        """``acc_ub += f32(r)^2`` over the tile, 64 lanes (the buffer of r passed: the residual sum, or x)."""
+        with T.SimdVF():
+            acc = S.alloc_local((1,), T.float32)
+            acc[0] = S.vld(acc_ub[0])
+            for c in T.serial(n_chunks):
+                v = _widen(r_ub[c * LANES], in_dtype)
+                S.vmula(acc[0], v, v)
+            S.vsts(acc_ub[0], acc[0])
+
+    @T.macro
+    def scale_rows(r_ub, w_ub, rs_ub, y_ub, out_scale):
+        """``y = dtype(fl(fl(r * rstd) * fl(w * out_scale)))`` over the tile."""
+        with T.SimdVF():
+            rv = S.vld(rs_ub[0], dist="BRC_B32")
+            for c in T.serial(n_chunks):
+                if weight:
+                    ws = S.vmuls(_widen(w_ub[c * LANES], in_dtype), out_scale)
+                else:
+                    ws = S.vdup(out_scale, T.float32)
+                _store(y_ub[c * LANES], S.vmul(S.vmul(_widen(r_ub[c * LANES], in_dtype), rv), ws), in_dtype)
+
+    @T.macro
     def body(x, w, res, y, rstd, res_out, eps, out_scale):
         with T.Kernel(num_cores) as core_id:
             x_ub = T.alloc_shared((hk,), dt)
@@ -179,7 +202,6 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
                                             rs_ub: stages})
                 if weight:
                     T.copy(w[0:hk], w_ub)
-            r_ub = ro_ub if residual else x_ub
             for (t,) in T.Persistent([num_tokens], num_cores, core_id, group_size=1, num_stages=stages):
                 with T.SimdVF():
                     S.vsts(acc_ub[0], S.vdup(0.0, T.float32))
@@ -187,13 +209,10 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
                     load_r(x, res, x_ub, res_ub, ro_ub, t, i * hk)
                     if residual:
                         T.copy(ro_ub, res_out[t, i * hk : i * hk + hk])
-                    with T.SimdVF():
-                        acc = S.alloc_local((1,), T.float32)
-                        acc[0] = S.vld(acc_ub[0])
-                        for c in T.serial(n_chunks):
-                            v = _widen(r_ub[c * LANES], in_dtype)
-                            S.vmula(acc[0], v, v)
-                        S.vsts(acc_ub[0], acc[0])
+                    if residual:
+                        sum_squares(ro_ub, acc_ub)
+                    else:
+                        sum_squares(x_ub, acc_ub)
                 with T.SimdVF():
                     ss = S.vdupv(S.vcadd(S.vld(acc_ub[0])))
                     r = S.vdiv(S.vdup(1.0, T.float32), S.vsqrt(S.vadds(S.vmuls(ss, inv_h), eps)))
@@ -204,15 +223,10 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
                         load_r(x, res, x_ub, res_ub, ro_ub, t, i * hk)
                         if weight:
                             T.copy(w[i * hk : i * hk + hk], w_ub)
-                    with T.SimdVF():
-                        rv = S.vld(rs_ub[0], dist="BRC_B32")
-                        for c in T.serial(n_chunks):
-                            if weight:
-                                ws = S.vmuls(_widen(w_ub[c * LANES], in_dtype), out_scale)
-                            else:
-                                ws = S.vdup(out_scale, T.float32)
-                            _store(y_ub[c * LANES], S.vmul(S.vmul(_widen(r_ub[c * LANES], in_dtype), rv), ws),
-                                   in_dtype)
+                    if residual:
+                        scale_rows(ro_ub, w_ub, rs_ub, y_ub, out_scale)
+                    else:
+                        scale_rows(x_ub, w_ub, rs_ub, y_ub, out_scale)
                     T.copy(y_ub, y[t, i * hk : i * hk + hk])
 
     params = [("x", _param((num_tokens, H), dt, x_stride))]
