@@ -13,7 +13,7 @@ from .._checks import OpError, describe
 from ..quant._common import backend_of, check_layout
 
 __all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "check_cast_layout", "check_like",
-           "check_rows", "pitch_of", "rows"]
+           "check_rows", "pitch_of", "present", "rows", "rows_of"]
 
 BF16, F32 = torch.bfloat16, torch.float32
 INPUT_DTYPES = (BF16, F32)
@@ -99,3 +99,14 @@ def check_cast_layout(err: OpError, arg: str, spec, hidden: int):
     if hidden % layout.block[1]:
         raise err.value(arg, f"expected a group dividing H = {hidden}, got {spec!r} (groups of {layout.block[1]})")
     return layout
+
+
+def rows_of(x: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`rows` of ``x``, None for None (an optional tensor)."""
+    return None if x is None else rows(x)
+
+
+def present(*tensors) -> list:
+    """The tensors that are not None, in order: the arguments of a kernel variant whose absent optional tensors are
+    no parameters."""
+    return [t for t in tensors if t is not None]

@@ -26,7 +26,7 @@ from tilelang.ascend import language as T
 from tilelang.ascend.language import simd as S
 
 from .... import limits
-from ....norm._common import rows
+from ....norm._common import present, rows, rows_of
 from ....policy import ASCEND_CASE_CORES, NORM_GRAD_WEIGHT_PARTITIONS
 from ..._kernel import Kernel, compile_key, kernel_module, variant_prim_func
 from .. import _build, num_vector_cores
@@ -430,15 +430,8 @@ def rms_norm_forward(x, weight, eps, residual, out_scale, layout, with_y, y, rst
         return
     key = FORWARD.key(x, weight, residual, layout)
     y2 = y.view(x2.shape) if layout is None or with_y else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    args = [x2]
-    if weight is not None:
-        args.append(weight)
-    if residual is not None:
-        args.append(rows(residual))
-    args += [y2, rstd.view(x2.shape[0])]
-    if residual is not None:
-        args.append(residual_out.view(x2.shape))
-    FORWARD.compiled(key)(*args, float(eps), float(out_scale))
+    FORWARD.compiled(key)(*present(x2, weight, rows_of(residual), y2, rstd.view(x2.shape[0]),
+                                   rows_of(residual_out if residual is not None else None)), float(eps), float(out_scale))
     if layout is not None:
         cast = torch.ops.cann_ops_tilelang.per_token_cast(y2, layout)
         data.copy_(cast[0])
@@ -452,18 +445,9 @@ def rms_norm_backward(grad_y, x, weight, rstd, grad_weight, grad_residual_out, o
     if g2.shape[0] == 0:
         return
     key = BACKWARD.key(grad_y, weight, grad_weight, grad_residual_out)
-    args = [g2, rows(x)]
-    if weight is not None:
-        args.append(weight)
-    args.append(rstd.reshape(g2.shape[0]))
-    if grad_residual_out is not None:
-        args.append(rows(grad_residual_out))
-    args.append(grad_x.view(g2.shape))
-    partial = None
-    if grad_weight is not None:
-        partial = torch.empty((key.partitions, key.hidden), dtype=torch.float32, device=grad_y.device)
-        args.append(partial)
-    BACKWARD.compiled(key)(*args, float(out_scale))
+    partial = None if grad_weight is None else grad_weight.new_empty((key.partitions, key.hidden))
+    BACKWARD.compiled(key)(*present(g2, rows(x), weight, rstd.reshape(g2.shape[0]), rows_of(grad_residual_out),
+                                    rows(grad_x), partial), float(out_scale))
     if partial is not None:
         GRAD_WEIGHT_REDUCE.compiled(ReduceKey(key.hidden, key.partitions, key.num_cores))(partial, grad_weight)
 

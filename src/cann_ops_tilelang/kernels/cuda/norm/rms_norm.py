@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from ....limits import NORM_HIDDEN, IntRange, LimitError
-from ....norm._common import rows
+from ....norm._common import present, rows, rows_of
 from ....policy import NORM_GRAD_WEIGHT_PARTITIONS
 from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module, variant_prim_func
@@ -85,6 +85,27 @@ def row_layout(hidden: int, in_dtype: str, plan: RowPlan) -> RowLayout:
     need = -(-nvec // per)
     tpr = 1 << (need - 1).bit_length() if need <= 32 else -(-need // 32) * 32
     return RowLayout(nvec, per, tpr, max(1, plan.min_threads // tpr))
+
+
+def row_sum_macro(T, lay: RowLayout):
+    """A ``T.macro`` ``(acc, red, tid)``: ``acc[0]`` becomes its row's sum over the row's threads in every one of
+    them, by an xor butterfly over the row's lanes (at most a warp), then the row's warps' sums through the shared
+    ``red`` added in warp order."""
+    tpr, wpr = lay.tpr, lay.warps
+
+    @T.macro
+    def row_sum(acc, red, tid):
+        for b in T.unroll((min(tpr, 32)).bit_length() - 1):
+            acc[0] += T.shfl_xor(acc[0], 1 << b)
+        if wpr > 1:
+            if tid % 32 == 0:
+                red[tid // 32] = acc[0]
+            T.sync_threads()
+            acc[0] = red[(tid // tpr) * wpr]
+            for j in T.unroll(1, wpr):
+                acc[0] += red[(tid // tpr) * wpr + j]
+
+    return row_sum
 
 
 @compile_key
@@ -179,6 +200,8 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
     def live(k, lt):
         return (lt + k * tpr < nvec) if lay.guarded else True
 
+    row_sum = row_sum_macro(T, lay)
+
     @T.macro
     def body(x, w, res, y, rstd, res_out, data, sf_out, eps, out_scale):
         T.assume(x_stride % V == 0)  # rows start on 16 bytes (the op checks it): the loads are vectors
@@ -215,15 +238,7 @@ def build_rms_norm_forward(hidden: int, in_dtype: str, weight: bool, residual: b
                     for e in T.unroll(V):
                         v[k, e] = T.cast(raw[e], f32)
                         acc[0] += v[k, e] * v[k, e]
-            for b in T.unroll((min(tpr, 32)).bit_length() - 1):
-                acc[0] += T.shfl_xor(acc[0], 1 << b)
-            if wpr > 1:
-                if tid % 32 == 0:
-                    red[tid // 32] = acc[0]
-                T.sync_threads()
-                acc[0] = red[(tid // tpr) * wpr]
-                for j in T.unroll(1, wpr):
-                    acc[0] += red[(tid // tpr) * wpr + j]
+            row_sum(acc, red, tid)
             acc[1] = T.rsqrt(acc[0] / T.float32(H) + eps)
             if t < num_tokens and lt == 0:
                 rstd[t] = acc[1]
@@ -314,6 +329,19 @@ def build_rms_norm_backward(hidden: int, in_dtype: str, weight: bool, grad_weigh
     def live(k, lt):
         return (lt + k * tpr < nvec) if lay.guarded else True
 
+    row_sum = row_sum_macro(T, lay)
+
+    @T.macro
+    def terms(w, xr, gr, wr, xh, gx, gw, k, lt, rs, out_scale):
+        """Of the thread's vector ``k``: ``xhat = fl(x * rstd)``, ``g = fl(grad_y * out_scale)``, ``fl(w * g)``."""
+        if weight:
+            for e in T.vectorized(V):
+                wr[e] = w[(lt + k * tpr) * V + e]
+        for e in T.unroll(V):
+            xh[e] = T.cast(xr[k, e], f32) * rs
+            gx[e] = T.cast(gr[k, e], f32) * out_scale
+            gw[e] = T.cast(wr[e], f32) * gx[e] if weight else gx[e]
+
     @T.macro
     def body(grad_y, x, w, rstd, gro, grad_x, partial, out_scale):
         for name in strides if grad_residual_out else ("grad_y", "x"):
@@ -352,39 +380,21 @@ def build_rms_norm_backward(hidden: int, in_dtype: str, weight: bool, grad_weigh
                                 gr[k, e] = grad_y[lo + i * slots + slot, (lt + k * tpr) * V + e]
                     for k in T.unroll(per):
                         if live(k, lt):
-                            if weight:
-                                for e in T.vectorized(V):
-                                    wr[e] = w[(lt + k * tpr) * V + e]
+                            terms(w, xr, gr, wr, xh, gx, gw, k, lt, acc[1], out_scale)
                             for e in T.unroll(V):
-                                xh[e] = T.cast(xr[k, e], f32) * acc[1]
-                                gx[e] = T.cast(gr[k, e], f32) * out_scale
-                                gw[e] = T.cast(wr[e], f32) * gx[e] if weight else gx[e]
                                 acc[0] += xh[e] * gw[e]
                             if grad_weight:
                                 for e in T.unroll(V):
                                     dw[slot, (lt + k * tpr) * V + e] += xh[e] * gx[e]
-                for b in T.unroll((min(tpr, 32)).bit_length() - 1):
-                    acc[0] += T.shfl_xor(acc[0], 1 << b)
+                row_sum(acc, red, tid)
                 if wpr > 1:
-                    if tid % 32 == 0:
-                        red[tid // 32] = acc[0]
-                    T.sync_threads()
-                    acc[0] = red[slot * wpr]
-                    for j in T.unroll(1, wpr):
-                        acc[0] += red[slot * wpr + j]
                     T.sync_threads()  # every slot has read red before the next row writes it
                 acc[0] = acc[0] / T.float32(H)  # mean(xhat * w * g)
                 if lo + i * slots + slot < hi:
                     for k in T.unroll(per):
                         if live(k, lt):
-                            if weight:
-                                for e in T.vectorized(V):
-                                    wr[e] = w[(lt + k * tpr) * V + e]
+                            terms(w, xr, gr, wr, xh, gx, gw, k, lt, acc[1], out_scale)
                             for e in T.unroll(V):
-                                xh[e] = T.cast(xr[k, e], f32) * acc[1]
-                                gw[e] = T.cast(gr[k, e], f32) * out_scale
-                                if weight:
-                                    gw[e] = T.cast(wr[e], f32) * gw[e]
                                 gx[e] = (gw[e] - xh[e] * acc[0]) * acc[1]
                             if grad_residual_out:
                                 for e in T.vectorized(V):
@@ -500,16 +510,8 @@ def rms_norm_forward(x, weight, eps, residual, out_scale, layout, with_y, y, rst
     if x2.shape[0] == 0:
         return
     key = FORWARD.key(x, weight, residual, layout, with_y)
-    args = [x2]
-    if weight is not None:
-        args.append(weight)
-    if residual is not None:
-        args.append(rows(residual))
-    if key.writes_y:
-        args.append(y.view(x2.shape))
-    args.append(rstd.view(x2.shape[0]))
-    if residual is not None:
-        args.append(residual_out.view(x2.shape))
+    args = present(x2, weight, rows_of(residual), y.view(x2.shape) if key.writes_y else None,
+                   rstd.view(x2.shape[0]), rows_of(residual_out if residual is not None else None))
     if key.group:
         args += [data, sf_view(sf, key.storage, key.sf)]
     FORWARD.compiled(key)(*args, float(eps), float(out_scale))
@@ -522,18 +524,9 @@ def rms_norm_backward(grad_y, x, weight, rstd, grad_weight, grad_residual_out, o
     if g2.shape[0] == 0:
         return
     key = BACKWARD.key(grad_y, weight, grad_weight, grad_residual_out)
-    args = [g2, rows(x)]
-    if weight is not None:
-        args.append(weight)
-    args.append(rstd.reshape(g2.shape[0]))
-    if grad_residual_out is not None:
-        args.append(rows(grad_residual_out))
-    args.append(grad_x.view(g2.shape))
-    partial = None
-    if grad_weight is not None:
-        partial = torch.empty((key.partitions, key.hidden), dtype=torch.float32, device=grad_y.device)
-        args.append(partial)
-    BACKWARD.compiled(key)(*args, float(out_scale))
+    partial = None if grad_weight is None else grad_weight.new_empty((key.partitions, key.hidden))
+    BACKWARD.compiled(key)(*present(g2, rows(x), weight, rstd.reshape(g2.shape[0]), rows_of(grad_residual_out),
+                                    rows(grad_x), partial), float(out_scale))
     if partial is not None:
         GRAD_WEIGHT_REDUCE.compiled(ReduceKey(key.hidden, key.partitions))(partial, grad_weight)
 
