@@ -31,6 +31,8 @@ TOL = {BF16: dict(rtol=2**-8, atol=1e-5), F32: dict(rtol=1e-5, atol=1e-5)}
 GRAD_TOL = {BF16: dict(rtol=2**-8, atol=1e-4), F32: dict(rtol=1e-4, atol=1e-4)}
 RSTD_RTOL = 1e-5
 WEIGHT_RTOL = 2e-5
+# two results each within half an ulp of the exact value (plus fp32 noise): within one ulp of each other
+PEER_TOL = {BF16: dict(rtol=2**-7, atol=1e-5), F32: dict(rtol=2e-5, atol=1e-5)}
 
 
 def assert_within(got, want, rtol, atol, what=""):
@@ -513,9 +515,9 @@ def test_device_backward_and_reproducible_weight_gradient(hidden, variant, seed)
 @pytest.mark.device
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_device_against_the_peer(dtype, seed):
-    """tile_kernels' norm_forward / norm_backward on the same inputs (its sizes: H <= 8192): y and grad_x within
-    the oracle's tolerance of each other's, rstd relative 1e-5; its fused cast (e4m3, groups of 32) bitwise our cast
-    on every row where the two y rows are bitwise equal (the cast of the same y is the same bytes)."""
+    """tile_kernels' norm_forward / norm_backward on the same inputs (its sizes: H <= 8192): residual_out bitwise, y
+    and grad_x within one ulp of each other's, rstd relative 1e-5; its fused cast (e4m3, groups of 32) bitwise our
+    cast on every row where the two y rows are bitwise equal (the cast of the same y is the same bytes)."""
     peer = pytest.importorskip("tile_kernels.quant")
     for tokens, hidden in ((4001, 2048), (4001, 7168), (8001, 4096)):
         call = rms_norm_forward_call(tokens, hidden, seed=seed, dtype=dtype, device="cuda", layout=None)
@@ -524,7 +526,7 @@ def test_device_against_the_peer(dtype, seed):
                                             call["out_scale"], with_rstd=True)
         assert same(residual_out, pres)
         assert_within(rstd.cpu(), prstd.cpu().to(F64), RSTD_RTOL, 0.0, "rstd vs peer")
-        assert_within(y.cpu(), py.cpu().to(F64), what="y vs peer", **TOL[dtype])
+        assert_within(y.cpu(), py.cpu().to(F64), what="y vs peer", **PEER_TOL[dtype])
         if dtype == BF16:
             for layout, opts in (("1x32/e4m3/ue8m0/col_tma/round", dict(use_tma_aligned_col_major_sf=True,
                                                                          round_sf=True, use_packed_ue8m0=True)),
@@ -534,12 +536,14 @@ def test_device_against_the_peer(dtype, seed):
                     call["x"], call["weight"], call["eps"], "e4m3", 32, call["residual"], call["out_scale"],
                     with_out_bf16=True, **opts)
                 rows_equal = (ours[0] == pout).all(dim=-1)
-                assert rows_equal.float().mean() > 0.5
+                assert rows_equal.any()
                 assert torch.equal(ours[3].view(torch.uint8)[rows_equal], pdata.view(torch.uint8)[rows_equal])
+                assert torch.equal(ours[4][rows_equal], psf[rows_equal])
         back = rms_norm_backward_call(tokens, hidden, seed=seed, dtype=dtype, device="cuda")
         gx = ops.rms_norm_backward(**back)
         pw = torch.zeros_like(back["grad_weight"])
         pgx, _ = peer.norm_backward(back["grad_y"], back["x"], back["weight"], back["rstd"],
                                     back["grad_residual_out"], back["out_scale"], pw)
-        assert_within(gx.cpu(), pgx.cpu().to(F64), what="grad_x vs peer", **GRAD_TOL[dtype])
+        assert_within(gx.cpu(), pgx.cpu().to(F64), what="grad_x vs peer",
+                      **{**PEER_TOL[dtype], "atol": GRAD_TOL[dtype]["atol"]})
         assert torch.allclose(back["grad_weight"], pw, rtol=1e-4, atol=1e-3)

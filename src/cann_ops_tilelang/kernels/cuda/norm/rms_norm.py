@@ -45,10 +45,12 @@ class RowPlan:
     max_threads: int
 
 
-# Two vectors a thread (16 bf16 values in flight per load of x, a row of H = 7168 on 14 warps); 128-thread CTAs at
-# least. Not yet measured on a GPU (docs/perf/h200/norm.md will hold the measurement).
+# Two vectors a thread (16 bf16 values in flight per load of x, a row of H = 7168 on 14 warps); forward CTAs of 128
+# threads at least (one row each from H = 1024: several CTAs an SM). The backward has one CTA per partition (an SM):
+# row slots up to 1024 threads keep more loads in flight. Not yet measured on a GPU (docs/perf/h200/norm.md will
+# hold the measurement).
 FORWARD_PLAN = RowPlan(vectors=2, min_threads=128, max_threads=1024)
-BACKWARD_PLAN = RowPlan(vectors=2, min_threads=128, max_threads=1024)
+BACKWARD_PLAN = RowPlan(vectors=2, min_threads=1024, max_threads=1024)
 # the partial rows' sum: 4 fp32 columns a thread, 128 threads a CTA
 REDUCE_THREADS, REDUCE_VEC = 128, 4
 
