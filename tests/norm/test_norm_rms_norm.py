@@ -14,7 +14,8 @@ from _plugins.device import requires_cuda
 from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
 from norm_cases import norm_rows, rms_norm_backward_call, rms_norm_forward_call
-from norm_ref import quant_reference, rms_norm_backward_f64, rms_norm_forward_f64, rms_norm_rows
+from norm_ref import (quant_reference, rms_norm_backward_f64, rms_norm_forward_f64, rms_norm_forward_ref,
+                      rms_norm_rows)
 
 import cann_ops_tilelang as ops
 from cann_ops_tilelang import limits
@@ -439,6 +440,21 @@ def test_ascend_lowers_within_ub(hidden, kernel, name):
     assert til.hk * til.n_tiles == hidden and (til.n_tiles > 1) == (hidden == 32768 or til.stages == 1)
     if key.in_dtype == "bfloat16":
         assert "vsts_pack_b32" in source  # one rounding to bf16 at the store
+
+
+@pytest.mark.parametrize("with_y", [True, False])
+def test_ascend_cast_of_y_goes_through_per_token_cast(with_y, monkeypatch, seed):
+    """On Ascend the launcher writes y (a scratch buffer without with_y) and casts its rows with per_token_cast:
+    data / sf are that op's outputs for the y the kernel wrote (here a stub writing the reference's y)."""
+    call = rms_norm_forward_call(6, 512, seed=seed, with_y=with_y, lead=(2, 3))
+    want = rms_norm_forward_ref(**{**call, "with_y": True})
+    monkeypatch.setattr(ascend_norm.FORWARD, "compiled", lambda key: lambda *args: args[3].copy_(
+        rms_norm_rows(want[0])))
+    outputs = dict(zip(("y", "rstd", "residual_out", "data", "sf"), ops.rms_norm_forward.prepare(*call.values())))
+    ascend_norm.rms_norm_forward(**call, **outputs)
+    data, sf = quant_reference().per_token_cast_ref(rms_norm_rows(want[0]), call["layout"])
+    assert same(outputs["data"], data) and same(outputs["sf"], sf)
+    assert same(outputs["y"], want[0]) if with_y else outputs["y"].shape == (0,)
 
 
 def test_ascend_keys_refuse_what_the_limits_refuse():
