@@ -10,3 +10,51 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 # the family's ops as registered, not listed here (each has an <op>_call below: tests/test_example_calls.py)
 OPS = [name for name, public in ops.registered_ops().items() if public.declaration.family == "norm"]
+
+
+# --- rms_norm ----------------------------------------------------------------------------------------------------
+
+# the default fused cast: groups of 32 (any H of the range), UE8M0 scales in SM100's column-major storage
+RMS_NORM_LAYOUT = "1x32/e4m3/ue8m0/col_tma/round"
+
+
+def norm_rows(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, pitch=None, lead=None, scale=1.0):
+    """Normal rows ``(T, H)`` times ``scale`` (``lead``: the leading dims instead of ``(T,)``; ``pitch``: rows strided
+    by that many elements, NaN past ``H``), drawn on the CPU from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (tokens,) if lead is None else tuple(lead)
+    x = (torch.randn(*shape, hidden, generator=gen) * scale).to(dtype)
+    if pitch is not None:
+        base = torch.full((*shape, pitch), float("nan"), dtype=dtype)
+        base[..., :hidden] = x
+        return base.to(device)[..., :hidden]
+    return x.to(device)
+
+
+def rms_norm_forward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, weight=True, residual=True,
+                          layout=RMS_NORM_LAYOUT, with_y=True, out_scale=0.75, eps=1e-6, pitch=None, lead=None):
+    """``x`` and ``residual`` rows, a weight around 1 (or None), a fused cast ``layout`` (or None) with ``y`` too."""
+    rows = dict(device=device, dtype=dtype, pitch=pitch, lead=lead)
+    w = (1.0 + 0.1 * norm_rows(1, hidden, seed=seed + 2, dtype=F32)[0]).to(dtype).to(device) if weight else None
+    return {"x": norm_rows(tokens, hidden, seed=seed, **rows),
+            "weight": w, "eps": eps,
+            "residual": norm_rows(tokens, hidden, seed=seed + 1, **rows) if residual else None,
+            "out_scale": out_scale, "layout": layout, "with_y": with_y}
+
+
+def rms_norm_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, weight=True, grad_weight=True,
+                           grad_residual_out=True, out_scale=0.75, eps=1e-6, pitch=None, lead=None):
+    """``grad_y``, the norm input ``x`` and its ``rstd`` (from the forward's reference on the CPU), a weight (or
+    None), a zero fp32 ``grad_weight`` buffer (or None) and ``grad_residual_out`` (or None)."""
+    from norm_ref import rms_norm_forward_ref
+
+    rows = dict(dtype=dtype, pitch=pitch, lead=lead)
+    x = norm_rows(tokens, hidden, seed=seed, **rows)
+    w = (1.0 + 0.1 * norm_rows(1, hidden, seed=seed + 2, dtype=F32)[0]).to(dtype) if weight else None
+    rstd = rms_norm_forward_ref(x, w, eps)[1].contiguous()
+    return {"grad_y": norm_rows(tokens, hidden, seed=seed + 3, **rows).to(device), "x": x.to(device),
+            "weight": None if w is None else w.to(device), "rstd": rstd.to(device),
+            "grad_weight": torch.zeros(hidden, dtype=F32, device=device) if weight and grad_weight else None,
+            "grad_residual_out": norm_rows(tokens, hidden, seed=seed + 4, device=device, **rows)
+            if grad_residual_out else None,
+            "out_scale": out_scale}

@@ -21,11 +21,12 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Kernel", "compile_key", "kernel_module", "public_names"]
+__all__ = ["Kernel", "compile_key", "kernel_module", "public_names", "variant_prim_func"]
 
 
 def compile_key(cls: type) -> type:
@@ -172,3 +173,26 @@ def kernel_module(module: str, *kernels: Kernel) -> tuple[dict, Callable[..., di
     lowering_cases.__doc__ = (f"Every kernel variant of ``{module.rsplit('.', 1)[-1]}`` at ``hidden_size``, "
                               f"un-compiled: ``{{case: prim_func}}`` (kernels: {', '.join(table)}).")
     return table, lowering_cases, public_names(module)
+
+
+_VARIANT_SOURCES = itertools.count()
+
+
+def variant_prim_func(prim_func: Callable[..., Any], scalar_type: Any, name: str, params: list, scalars: tuple,
+                      body: Any, order: tuple) -> Any:
+    """A prim_func named ``name`` (built by the backend's ``T.prim_func``) whose parameters are the tensor
+    ``params`` of one variant, ``(name, annotation)`` in order, then the ``scalars`` (of ``scalar_type``); it calls
+    the macro ``body`` with every name of ``order`` (None where the variant has no such parameter) and the scalars.
+    Variants whose signatures differ (an absent optional tensor is no parameter) share one body this way: the
+    function's source is generated and registered with ``linecache``, where the TVMScript parser reads it."""
+    import linecache
+
+    names = [n for n, _ in params] + list(scalars)
+    annotations = {f"{n}_param": a for n, a in params} | {f"{s}_param": scalar_type for s in scalars}
+    lines = [f"def {name}({', '.join(f'{n}: {n}_param' for n in names)}):\n",
+             f"    body({', '.join([n if n in names else 'None' for n in order] + list(scalars))})\n"]
+    filename = f"<{name}:{'/'.join(names)}:{next(_VARIANT_SOURCES)}>"  # one source a build (parsers cache by file)
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    namespace = {"body": body, **annotations}
+    exec(compile("".join(lines), filename, "exec"), namespace)  # noqa: S102 - the variant's signature
+    return prim_func(namespace[name])

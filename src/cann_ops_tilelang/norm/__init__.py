@@ -4,3 +4,7 @@ the quant family; one module per op pair.
 """
 
 __all__: list[str] = []
+
+from .rms_norm import rms_norm_backward, rms_norm_forward  # noqa: E402
+
+__all__ += ["rms_norm_backward", "rms_norm_forward"]

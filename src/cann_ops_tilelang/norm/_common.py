@@ -13,7 +13,7 @@ from .._checks import OpError, describe
 from ..quant._common import backend_of, check_layout
 
 __all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "check_cast_layout", "check_like",
-           "check_rows", "pitch_of", "rows"]
+           "check_rows", "pitch_of", "present", "rows", "rows_of"]
 
 BF16, F32 = torch.bfloat16, torch.float32
 INPUT_DTYPES = (BF16, F32)
@@ -23,8 +23,10 @@ ROW_ALIGN_BYTES = 16
 
 def pitch_of(x: torch.Tensor) -> int | None:
     """The row stride of ``x (..., W)`` seen as ``(T, W)`` rows, or None where its leading dims do not flatten into
-    one stride (``W`` when there is at most one row)."""
+    one stride (``W`` when there is at most one row, or none)."""
     width = x.shape[-1]
+    if 0 in x.shape[:-1]:  # no rows: any strides
+        return width
     pitch = None
     for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
         if size == 1:
@@ -97,3 +99,14 @@ def check_cast_layout(err: OpError, arg: str, spec, hidden: int):
     if hidden % layout.block[1]:
         raise err.value(arg, f"expected a group dividing H = {hidden}, got {spec!r} (groups of {layout.block[1]})")
     return layout
+
+
+def rows_of(x: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`rows` of ``x``, None for None (an optional tensor)."""
+    return None if x is None else rows(x)
+
+
+def present(*tensors) -> list:
+    """The tensors that are not None, in order: the arguments of a kernel variant whose absent optional tensors are
+    no parameters."""
+    return [t for t in tensors if t is not None]
