@@ -30,6 +30,11 @@ SINKHORN_STEP_PARTIALS = {"cuda": 4 * H200.sms, "ascend": ASCEND_950.vector_core
 # one partial row per vector core (their launch's core count).
 MHC_SPLIT_MIXES_PARTIALS = H200.sms
 
+# Token partitions of the norm family's weight gradients (rms_norm_backward): per-partition partial rows over fixed
+# token ranges, summed in ascending order, so the bytes depend on this count only (never on the device's cores):
+# one partition per H200 SM on CUDA, one per Ascend 950 vector core.
+NORM_GRAD_WEIGHT_PARTITIONS = {"cuda": H200.sms, "ascend": ASCEND_950.vector_cores}
+
 # Vector cores the Ascend lowering cases are built for (no NPU on the CPU tier; launchers read the stream's count).
 ASCEND_CASE_CORES = ASCEND_950.vector_cores
 

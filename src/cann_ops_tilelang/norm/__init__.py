@@ -4,3 +4,7 @@ the quant family; one module per op pair.
 """
 
 __all__: list[str] = []
+
+from .layer_norm import layer_norm_backward, layer_norm_forward
+
+__all__ += ["layer_norm_backward", "layer_norm_forward"]
