@@ -64,7 +64,8 @@ def layer_norm_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16
     rows = dict(dtype=dtype, pitch=pitch, offset=offset, lead=lead)
     x = norm_rows(tokens, hidden, seed=seed, device=device, **rows)
     w = norm_param(hidden, seed=seed + 1, dtype=dtype) if weight else None
-    _, mean, rstd, *_ = layer_norm_forward_ref(x.cpu(), w, None, LAYER_NORM_EPS)
+    # the statistics of the same draw on the CPU (device may be meta)
+    _, mean, rstd, *_ = layer_norm_forward_ref(norm_rows(tokens, hidden, seed=seed, **rows), w, None, LAYER_NORM_EPS)
     gen = torch.Generator().manual_seed(seed + 4)
 
     def buffer():

@@ -12,7 +12,7 @@ F32, F64 = torch.float32, torch.float64
 
 # --- layer_norm (docs/ops/norm.md#layer_norm) ---------------------------------------------------------------------
 
-def _quant_ref():
+def quant_reference():
     """tests/quant/quant_ref.py (the fused cast's reference), its directory put on ``sys.path``."""
     import importlib
     import sys
@@ -49,7 +49,7 @@ def layer_norm_forward_ref(x, weight, bias, eps, residual=None, layout=None, wit
     residual_out = empty if residual is None else r.contiguous()
     if layout is None:
         return y, mean, rstd, residual_out, empty, empty
-    q = _quant_ref().per_token_quantize_ref(y.reshape(-1, y.shape[-1]), layout,
+    q = quant_reference().per_token_quantize_ref(y.reshape(-1, y.shape[-1]), layout,
                                              backend=policy.kernel_backend(x.device.type))
     return y if with_y else empty, mean, rstd, residual_out, q.data, q.sf
 
