@@ -292,6 +292,18 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, kernel, name):
         assert "__fmul_rn(" in src  # the cast's IEEE product, as per_token_cast
 
 
+@pytest.mark.parametrize("backend", ["cuda", "ascend"])
+def test_every_parameter_is_its_own_buffer(backend):
+    """No two parameters of a prim_func share a buffer (one annotation object for two parameters aliases them: a
+    kernel would write one output twice)."""
+    module = cuda_ln if backend == "cuda" else ascend_ln
+    for kernel in module.KERNELS.values():
+        for name, key in kernel.case_keys(256, 4).items():
+            prim_func = kernel.prim_func(key)
+            data = [prim_func.buffer_map[p].data for p in prim_func.params if p in prim_func.buffer_map]
+            assert len(set(data)) == len(data), name
+
+
 def test_plans_cover_the_range():
     """Threads a multiple of a warp, at most 1024, every vector of the row owned by one thread."""
     for plan in (cuda_ln.ROW_PLAN, cuda_ln.BACKWARD_PLAN):

@@ -15,8 +15,8 @@ the UB (:func:`tile_of`); a row that fits is one tile, loaded once. All arithmet
   ``xhat g`` and ``g`` over the partition's tokens in ascending order, written as partial row ``p``; (3) each
   column tile adds the partial rows in ascending ``p`` and that sum to the fp32 buffer. No atomics.
 
-Not on this backend yet: the fused per-token cast (``layout``): the launcher refuses it (``LimitError``); strided
-rows are passed through their row stride (the DMAs take a dynamic row stride).
+Not on this backend yet: the fused per-token cast (``layout``): the launcher refuses it (``LimitError``). The
+kernels take dense rows: the launchers copy strided rows to contiguous ones first.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
@@ -93,6 +93,12 @@ def _check(op: str, hidden, in_dtype) -> int:
     return limits.NORM_HIDDEN.require(op, int(hidden))
 
 
+def _param(rows, cols: int, dt):
+    """A new buffer parameter ``(rows, cols)`` (``(cols,)`` for ``rows`` None: a placeholder); never one object
+    for two parameters, which would alias them."""
+    return T.Tensor[(cols,), dt] if rows is None else T.Tensor[(rows, cols), dt]
+
+
 def _load(ref, dt):
     """64 fp32 lanes of a UB row of ``dt`` at ``ref``."""
     return S.vcvt(S.vld(ref, dist="UNPK_B16"), T.float32, part=0) if dt == "bfloat16" else S.vld(ref)
@@ -118,18 +124,16 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
     inv_h = 1.0 / H
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    holder = T.Tensor[(LANES,), dt]
-    rows = T.Tensor[(num_tokens, H), dt]
 
     @T.prim_func
     def layer_norm_forward_asc(
-        x: rows,
-        weight: T.Tensor[(H,), dt] if has_weight else holder,
-        bias: T.Tensor[(H,), dt] if has_bias else holder,
-        residual: rows if has_residual else holder,
-        y: rows,
+        x: _param(num_tokens, H, dt),
+        weight: T.Tensor[(H,), dt] if has_weight else _param(None, LANES, dt),
+        bias: T.Tensor[(H,), dt] if has_bias else _param(None, LANES, dt),
+        residual: _param(num_tokens if has_residual else None, H if has_residual else LANES, dt),
+        y: _param(num_tokens, H, dt),
         stats: T.Tensor[(num_tokens, STATS), f32],
-        residual_out: rows if has_residual else holder,
+        residual_out: _param(num_tokens if has_residual else None, H if has_residual else LANES, dt),
         eps: f32,
     ):
         with T.Kernel(num_cores) as core_id:
@@ -237,13 +241,12 @@ def build_layer_norm_backward_sums(hidden: int, in_dtype: str, has_weight: bool,
     inv_h = 1.0 / H
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    rows = T.Tensor[(num_tokens, H), dt]
 
     @T.prim_func
     def layer_norm_backward_sums_asc(
-        grad_y: rows,
-        x: rows,
-        weight: T.Tensor[(H,), dt] if has_weight else T.Tensor[(LANES,), dt],
+        grad_y: _param(num_tokens, H, dt),
+        x: _param(num_tokens, H, dt),
+        weight: T.Tensor[(H,), dt] if has_weight else _param(None, LANES, dt),
         stats: T.Tensor[(num_tokens, STATS), f32],
     ):
         with T.Kernel(num_cores) as core_id:
@@ -298,16 +301,15 @@ def build_layer_norm_backward(hidden: int, in_dtype: str, has_weight: bool, has_
     n_tiles, nc = H // hb, hb // LANES
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
-    rows = T.Tensor[(num_tokens, H), dt]
 
     @T.prim_func
     def layer_norm_backward_asc(
-        grad_y: rows,
-        x: rows,
-        weight: T.Tensor[(H,), dt] if has_weight else T.Tensor[(LANES,), dt],
+        grad_y: _param(num_tokens, H, dt),
+        x: _param(num_tokens, H, dt),
+        weight: T.Tensor[(H,), dt] if has_weight else _param(None, LANES, dt),
         stats: T.Tensor[(num_tokens, STATS), f32],
-        grad_residual_out: rows if has_grad_residual else T.Tensor[(LANES,), dt],
-        grad_x: rows,
+        grad_residual_out: _param(num_tokens if has_grad_residual else None, H if has_grad_residual else LANES, dt),
+        grad_x: _param(num_tokens, H, dt),
         partial_weight: T.Tensor[(P, H), f32],
         partial_bias: T.Tensor[(P, H), f32],
     ):

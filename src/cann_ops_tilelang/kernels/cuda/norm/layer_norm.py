@@ -174,7 +174,9 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
 
     num_tokens = T.dynamic("num_tokens")
     x_stride, r_stride = T.dynamic("x_stride"), T.dynamic("residual_stride")
-    holder = T.Tensor((V,), dt)  # an absent tensor's placeholder
+    def holder():  # an absent tensor's placeholder: a new buffer per parameter (one object would alias them)
+        return T.Tensor((V,), dt)
+
     e2m1 = fmt == "e2m1"
     if cast:
         lanes = group // V
@@ -185,19 +187,21 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
         sf_arg = sf_param(T, storage, sf, nk, num_tokens, "sf_stride")
     else:
         lanes, nk, pad = 1, 0, 0
-        data_param = sf_arg = T.Tensor((VEC_BYTES,), T.uint8)
-    rows_param = T.Tensor((num_tokens, H), dt)
+        data_param, sf_arg = T.Tensor((VEC_BYTES,), T.uint8), T.Tensor((VEC_BYTES,), T.uint8)
+
+    def rows_param():
+        return T.Tensor((num_tokens, H), dt)
 
     @T.prim_func
     def layer_norm_forward_cuda(
         x: T.StridedTensor((num_tokens, H), (x_stride, 1), dt),
-        weight: T.Tensor((H,), dt) if has_weight else holder,
-        bias: T.Tensor((H,), dt) if has_bias else holder,
-        residual: T.StridedTensor((num_tokens, H), (r_stride, 1), dt) if has_residual else holder,
-        y: rows_param if write_y else holder,
+        weight: T.Tensor((H,), dt) if has_weight else holder(),
+        bias: T.Tensor((H,), dt) if has_bias else holder(),
+        residual: T.StridedTensor((num_tokens, H), (r_stride, 1), dt) if has_residual else holder(),
+        y: rows_param() if write_y else holder(),
         mean: T.Tensor((num_tokens,), f32),
         rstd: T.Tensor((num_tokens,), f32),
-        residual_out: rows_param if has_residual else holder,
+        residual_out: rows_param() if has_residual else holder(),
         data: data_param,
         sf_out: sf_arg,
         eps: f32,
@@ -341,21 +345,39 @@ def build_layer_norm_backward(hidden: int, in_dtype: str, has_weight: bool, has_
 
     num_tokens = T.dynamic("num_tokens")
     g_stride, x_stride, gr_stride = T.dynamic("grad_y_stride"), T.dynamic("x_stride"), T.dynamic("grad_res_stride")
-    holder = T.Tensor((V,), dt)
-    partial = T.Tensor((P, H), f32)
-    partial_holder = T.Tensor((VEC_BYTES // 4,), f32)
+    def holder():  # a new buffer per parameter (one object would alias them)
+        return T.Tensor((V,), dt)
+
+    def partial(used: bool):
+        return T.Tensor((P, H), f32) if used else T.Tensor((VEC_BYTES // 4,), f32)
+
+    @T.macro
+    def load_row(x_in, grad_in, res_in, mean_in, rstd_in, xn, gn, rn, sn, t, end, tid):
+        """Row ``t`` into the registers when ``t < end`` (the padding lanes keep their zeros)."""
+        if t < end:
+            for j in T.unroll(nv):
+                if (not guarded) or j * threads + tid < nvec:
+                    for k in T.vectorized(V):
+                        xn[j, k] = x_in[t, (j * threads + tid) * V + k]
+                    for k in T.vectorized(V):
+                        gn[j, k] = grad_in[t, (j * threads + tid) * V + k]
+                    if has_grad_residual:
+                        for k in T.vectorized(V):
+                            rn[j, k] = res_in[t, (j * threads + tid) * V + k]
+            sn[0] = mean_in[t]
+            sn[1] = rstd_in[t]
 
     @T.prim_func
     def layer_norm_backward_cuda(
         grad_y: T.StridedTensor((num_tokens, H), (g_stride, 1), dt),
         x: T.StridedTensor((num_tokens, H), (x_stride, 1), dt),
-        weight: T.Tensor((H,), dt) if has_weight else holder,
+        weight: T.Tensor((H,), dt) if has_weight else holder(),
         mean: T.Tensor((num_tokens,), f32),
         rstd: T.Tensor((num_tokens,), f32),
-        grad_residual_out: T.StridedTensor((num_tokens, H), (gr_stride, 1), dt) if has_grad_residual else holder,
+        grad_residual_out: T.StridedTensor((num_tokens, H), (gr_stride, 1), dt) if has_grad_residual else holder(),
         grad_x: T.Tensor((num_tokens, H), dt),
-        partial_weight: partial if sums_weight else partial_holder,
-        partial_bias: partial if sums_bias else partial_holder,
+        partial_weight: partial(sums_weight),
+        partial_bias: partial(sums_bias),
     ):
         T.assume(g_stride % V == 0)
         T.assume(x_stride % V == 0)
@@ -372,6 +394,10 @@ def build_layer_norm_backward(hidden: int, in_dtype: str, has_weight: bool, has_
             dw = T.alloc_local((nv, V), f32)  # this worker's sum of xhat * g per column
             db = T.alloc_local((nv, V), f32)  # ... of g
             go = T.alloc_local((V,), dt)
+            xn = T.alloc_local((nv, V), dt)  # the next row's x, grad_y, grad_residual_out, mean and rstd
+            gn = T.alloc_local((nv, V), dt)
+            rn = T.alloc_local((nv, V), dt)
+            sn = T.alloc_local((2,), f32)
             acc = T.alloc_local((2,), f32)
             st = T.alloc_local((2,), f32)
             red = T.alloc_shared((2, warps), f32)
@@ -381,27 +407,26 @@ def build_layer_norm_backward(hidden: int, in_dtype: str, has_weight: bool, has_
                     dw[j, k] = T.float32(0)
                     db[j, k] = T.float32(0)
                     pw[j, k] = T.cast(1, dt)
+                    xn[j, k] = T.cast(0, dt)
+                    gn[j, k] = T.cast(0, dt)
+                    rn[j, k] = T.cast(0, dt)
             if has_weight:
                 for j in T.unroll(nv):
                     if (not guarded) or j * threads + tid < nvec:
                         for k in T.vectorized(V):
                             pw[j, k] = weight[(j * threads + tid) * V + k]
+            # the next row's loads are issued before this row's sums (their latency hides behind the CTA syncs)
+            rows = (x, grad_y, grad_residual_out, mean, rstd)
+            load_row(*rows, xn, gn, rn, sn, T.min(p * per, num_tokens), T.min(p * per + per, num_tokens), tid)
             for t in T.serial(T.min(p * per, num_tokens), T.min(p * per + per, num_tokens)):
                 for j in T.unroll(nv):
-                    if (not guarded) or j * threads + tid < nvec:
-                        for k in T.vectorized(V):
-                            xr[j, k] = x[t, (j * threads + tid) * V + k]
-                        for k in T.vectorized(V):
-                            gr[j, k] = grad_y[t, (j * threads + tid) * V + k]
-                        if has_grad_residual:
-                            for k in T.vectorized(V):
-                                rr[j, k] = grad_residual_out[t, (j * threads + tid) * V + k]
-                    else:
-                        for k in T.vectorized(V):
-                            xr[j, k] = T.cast(0, dt)
-                            gr[j, k] = T.cast(0, dt)
-                st[0] = mean[t]
-                st[1] = rstd[t]
+                    for k in T.unroll(V):
+                        xr[j, k] = xn[j, k]
+                        gr[j, k] = gn[j, k]
+                        rr[j, k] = rn[j, k]
+                st[0] = sn[0]
+                st[1] = sn[1]
+                load_row(*rows, xn, gn, rn, sn, t + 1, T.min(p * per + per, num_tokens), tid)
                 acc[0] = T.float32(0)
                 acc[1] = T.float32(0)
                 for j in T.unroll(nv):
