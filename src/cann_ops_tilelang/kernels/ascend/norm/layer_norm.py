@@ -125,6 +125,16 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
     f32 = T.float32
     num_tokens = T.dynamic("num_tokens")
 
+    @T.macro
+    def load_r(x, residual, t, h0, x_ub, r_ub):
+        """The tile of ``r = x + residual`` (rounded to the dtype) at column ``h0`` of token ``t`` into ``x_ub``."""
+        T.copy(x[t, h0: h0 + hb], x_ub)
+        if has_residual:
+            T.copy(residual[t, h0: h0 + hb], r_ub)
+            with T.SimdVF():
+                for c in T.serial(nc):
+                    _store(x_ub[c * LANES], S.vadd(_load(x_ub[c * LANES], dt), _load(r_ub[c * LANES], dt)), dt)
+
     @T.prim_func
     def layer_norm_forward_asc(
         x: _param(num_tokens, H, dt),
@@ -156,13 +166,8 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
                 with T.SimdVF():
                     S.vsts(acc_ub[0], S.vdup(0.0, f32))
                 for ht in T.serial(n_tiles):
-                    T.copy(x[t, ht * hb: ht * hb + hb], x_ub)
+                    load_r(x, residual, t, ht * hb, x_ub, r_ub)
                     if has_residual:
-                        T.copy(residual[t, ht * hb: ht * hb + hb], r_ub)
-                        with T.SimdVF():
-                            for c in T.serial(nc):
-                                _store(x_ub[c * LANES], S.vadd(_load(x_ub[c * LANES], dt), _load(r_ub[c * LANES], dt)),
-                                       dt)
                         T.copy(x_ub, residual_out[t, ht * hb: ht * hb + hb])
                     with T.SimdVF():
                         acc = S.alloc_local((1,), f32)
@@ -177,13 +182,7 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
                     S.vsts(acc_ub[0], S.vdup(0.0, f32))
                 for ht in T.serial(n_tiles):
                     if not once:
-                        T.copy(x[t, ht * hb: ht * hb + hb], x_ub)
-                        if has_residual:
-                            T.copy(residual[t, ht * hb: ht * hb + hb], r_ub)
-                            with T.SimdVF():
-                                for c in T.serial(nc):
-                                    _store(x_ub[c * LANES], S.vadd(_load(x_ub[c * LANES], dt),
-                                                                   _load(r_ub[c * LANES], dt)), dt)
+                        load_r(x, residual, t, ht * hb, x_ub, r_ub)
                     with T.SimdVF():
                         acc = S.alloc_local((1,), f32)
                         acc[0] = S.vld(acc_ub[0])
@@ -203,13 +202,7 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
                 # pass 3: y
                 for ht in T.serial(n_tiles):
                     if not once:
-                        T.copy(x[t, ht * hb: ht * hb + hb], x_ub)
-                        if has_residual:
-                            T.copy(residual[t, ht * hb: ht * hb + hb], r_ub)
-                            with T.SimdVF():
-                                for c in T.serial(nc):
-                                    _store(x_ub[c * LANES], S.vadd(_load(x_ub[c * LANES], dt),
-                                                                   _load(r_ub[c * LANES], dt)), dt)
+                        load_r(x, residual, t, ht * hb, x_ub, r_ub)
                         if has_weight:
                             T.copy(weight[ht * hb: ht * hb + hb], w_ub)
                         if has_bias:

@@ -121,6 +121,18 @@ def forward_key(op: str, hidden: int, in_dtype: str, weight: bool, bias: bool, r
                       layout.fmt, layout.sf, layout.storage, layout.round_sf)
 
 
+def row_layout(op: str, hidden: int, in_dtype: str, plan: RowPlan) -> tuple[int, int, int, int, int, bool]:
+    """``(H, V, nvec, threads, vectors a thread, guarded)`` of a row of ``in_dtype``: ``V`` elements per 16-byte
+    vector, ``guarded`` where the last vectors of some threads fall past the row (``LimitError`` outside the
+    ranges)."""
+    H = NORM_HIDDEN.require(op, hidden)
+    if in_dtype not in _BYTES:
+        raise LimitError(f"{op}: the input dtype must be bfloat16 or float32, got {in_dtype}")
+    V = VEC_BYTES // _BYTES[in_dtype]
+    threads, nv = plan.of(H // V)
+    return H, V, H // V, threads, nv, nv * threads != H // V
+
+
 def _block_sum(T, warps: int):
     """A ``T.macro(acc, n, red, slot, tid)``: the CTA sums of ``acc[0..n)`` into every thread's ``acc``: a warp
     xor-butterfly, then the warps' sums (rows ``slot..slot + n`` of ``red (slots, warps)``, shared) added in
@@ -157,17 +169,11 @@ def build_layer_norm_forward(hidden: int, in_dtype: str, has_weight: bool, has_b
     """
     from tilelang import language as T
 
-    H = NORM_HIDDEN.require("layer_norm_forward", hidden)
-    if in_dtype not in _BYTES:
-        raise LimitError(f"layer_norm_forward: the input dtype must be bfloat16 or float32, got {in_dtype}")
+    H, V, nvec, threads, nv, guarded = row_layout("layer_norm_forward", hidden, in_dtype, ROW_PLAN)
     cast = group > 0
     if cast and H % group:
         raise LimitError(f"layer_norm_forward: H = {H} is not a multiple of the group {group}")
-    V = VEC_BYTES // _BYTES[in_dtype]
-    nvec = H // V
-    threads, nv = ROW_PLAN.of(nvec)
     warps = threads // WARP
-    guarded = nv * threads != nvec
     f32, dt = T.float32, in_dtype
     inv_h = 1.0 / H
     block_sum = _block_sum(T, warps)
@@ -329,15 +335,9 @@ def build_layer_norm_backward(hidden: int, in_dtype: str, has_weight: bool, has_
     """
     from tilelang import language as T
 
-    H = NORM_HIDDEN.require("layer_norm_backward", hidden)
-    if in_dtype not in _BYTES:
-        raise LimitError(f"layer_norm_backward: the input dtype must be bfloat16 or float32, got {in_dtype}")
+    H, V, nvec, threads, nv, guarded = row_layout("layer_norm_backward", hidden, in_dtype, BACKWARD_PLAN)
     P = IntRange("partitions", 1).require("layer_norm_backward", partitions)
-    V = VEC_BYTES // _BYTES[in_dtype]
-    nvec = H // V
-    threads, nv = BACKWARD_PLAN.of(nvec)
     warps = threads // WARP
-    guarded = nv * threads != nvec
     f32, dt = T.float32, in_dtype
     inv_h = 1.0 / H
     block_sum = _block_sum(T, warps)
