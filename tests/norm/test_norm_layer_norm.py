@@ -428,9 +428,15 @@ def test_ascend_launchers(monkeypatch):
     key, args = fwd[-1]
     assert key == ascend_ln.ForwardKey(hidden, "bfloat16", True, True, True, 64)
     _check_views(ascend_ln.FORWARD, key, args, tokens)
-    with pytest.raises(LimitError, match="fused per-token cast"):
-        ascend_ln.layer_norm_forward(**{**call, "layout": "1x64/e4m3/fp32/row/exact"},
-                                     **dict(zip(("y", "mean", "rstd", "residual_out", "data", "sf"), outs)))
+    # with a layout: y (a temporary without with_y) cast by the per_token_cast op
+    for with_y in (True, False):
+        lcall = {**call, "layout": "1x128/e4m3/ue8m0/col_tma/round", "with_y": with_y}
+        outs = ops.layer_norm_forward.prepare(*lcall.values())
+        ascend_ln.layer_norm_forward(**lcall, **dict(zip(("y", "mean", "rstd", "residual_out", "data", "sf"), outs)))
+        y = fwd[-1][1][4].view(tokens, hidden)
+        want = ops.per_token_cast(y, lcall["layout"])
+        assert torch.equal(bits(outs[4]), bits(want[0])) and torch.equal(bits(outs[5]), bits(want[1]))
+        assert (outs[0].shape == (tokens, hidden)) == with_y
     seen = {k: _capture(monkeypatch, getattr(ascend_ln, k)) for k in ("BACKWARD_SUMS", "BACKWARD", "BACKWARD_REDUCE")}
     bcall = layer_norm_backward_call(tokens, hidden)
     ascend_ln.layer_norm_backward(**bcall, grad_x=ops.layer_norm_backward.prepare(*bcall.values()))

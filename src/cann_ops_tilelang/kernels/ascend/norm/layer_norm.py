@@ -15,8 +15,9 @@ the UB (:func:`tile_of`); a row that fits is one tile, loaded once. All arithmet
   ``xhat g`` and ``g`` over the partition's tokens in ascending order, written as partial row ``p``; (3) each
   column tile adds the partial rows in ascending ``p`` and that sum to the fp32 buffer. No atomics.
 
-Not on this backend yet: the fused per-token cast (``layout``): the launcher refuses it (``LimitError``). The
-kernels take dense rows: the launchers copy strided rows to contiguous ones first.
+Not fused on this backend yet: with a ``layout`` the launcher writes ``y`` (to a temporary without ``with_y``) and
+casts it with the ``per_token_cast`` op (``H`` a multiple of 128 there, ``limits.QUANT_HIDDEN``): the same bytes,
+one more pass over ``y``. The kernels take dense rows: the launchers copy strided rows to contiguous ones first.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
@@ -29,6 +30,7 @@ from tilelang.ascend.language import simd as S
 
 from .... import limits
 from ....policy import ASCEND_CASE_CORES, NORM_GRAD_WEIGHT_PARTITIONS
+from ....quant import per_token_cast
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
 
@@ -440,14 +442,13 @@ def _holder(like):
 
 def layer_norm_forward(x, weight, bias, eps, residual, layout, with_y, y, mean, rstd, residual_out, data,
                        sf) -> None:
-    """Launches the forward (no fused cast on this backend: ``LimitError`` for a layout) on the current stream."""
-    if layout is not None:
-        raise limits.LimitError("layer_norm_forward: the fused per-token cast is not implemented on the Ascend "
-                                "backend yet (call per_token_cast on y)")
-    del with_y, data, sf
+    """Launches the forward on the current stream; with a layout, ``y`` (a temporary without ``with_y``) is then cast
+    by the ``per_token_cast`` op into ``data`` / ``sf`` (unfused on this backend)."""
     xr = _rows(x)
     if xr.shape[0] == 0:
         return
+    if layout is not None and not with_y:
+        y = x.new_empty(x.shape)
     rr = None if residual is None else _rows(residual)
     key = FORWARD.key(xr, weight, bias, rr)
     stats = xr.new_empty((xr.shape[0], STATS), dtype=torch.float32)
@@ -456,6 +457,10 @@ def layer_norm_forward(x, weight, bias, eps, residual, layout, with_y, y, mean, 
                           _holder(x) if rr is None else residual_out.view(-1, key.hidden), float(eps))
     mean.view(-1).copy_(stats[:, 0])
     rstd.view(-1).copy_(stats[:, 1])
+    if layout is not None:
+        cast_data, cast_sf = per_token_cast(y.view(-1, key.hidden), layout)
+        data.copy_(cast_data)
+        sf.copy_(cast_sf)
 
 
 def layer_norm_backward(grad_y, x, weight, mean, rstd, grad_weight, grad_bias, grad_residual_out, grad_x) -> None:
