@@ -202,6 +202,30 @@ def test_one_dimensional_row(seed):
     check_forward(ops.layer_norm_forward(**call), call)
 
 
+def layer_norm_model(x, weight, bias, residual, grad_y, grad_weight):
+    y, mean, rstd, residual_out, data, sf = ops.layer_norm_forward(x, weight, bias, LAYER_NORM_EPS, residual,
+                                                                   "1x64/e4m3/fp32/row/exact", True)
+    grad_x = ops.layer_norm_backward(grad_y, residual_out, weight, mean, rstd, grad_weight)
+    return y, grad_x, data.view(torch.uint8), sf
+
+
+def test_compile_fullgraph_dynamic_no_recompile(seed):
+    """Forward and backward under ``torch.compile(fullgraph=True, dynamic=True)`` equal eager, with leading dims,
+    compiled once over the token counts (a recompile fails)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(layer_norm_model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, tokens in enumerate((6, 10, 18)):
+        call = layer_norm_forward_call(tokens, 128, seed=seed + tokens, lead=(2, tokens // 2))
+        grad_y = norm_rows(tokens, 128, seed=seed + 1, lead=(2, tokens // 2))
+        args = (call["x"], call["weight"], call["bias"], call["residual"], grad_y)
+        buffers = [torch.zeros(128), torch.zeros(128)]
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(*args, buffers[0])
+        want = layer_norm_model(*args, buffers[1])
+        assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want)), tokens
+        assert torch.equal(buffers[0], buffers[1])
+
+
 # --- validation -----------------------------------------------------------------------------------------------------
 
 def _forward_bad_calls():

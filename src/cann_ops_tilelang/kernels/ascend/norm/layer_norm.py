@@ -405,9 +405,11 @@ def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
             "f32_plain": BackwardKey(hidden_size, "float32", False, False, P, ASCEND_CASE_CORES)}
 
 
-def _named(prefix: str):
+def _named(prefix: str, names=("bf16_all", "f32_plain")):
+    """The backward's cases under a kernel's name (the reduction, fp32 whatever the dtype: one case)."""
     def cases(hidden_size: int, hc_mult: int) -> dict:
-        return {f"{prefix}_{name}": key for name, key in _backward_cases(hidden_size, hc_mult).items()}
+        return {f"{prefix}_{name}": key for name, key in _backward_cases(hidden_size, hc_mult).items()
+                if name in names}
     return cases
 
 
@@ -428,7 +430,7 @@ BACKWARD_SUMS = Kernel("layer_norm_backward_sums", BackwardKey, build_layer_norm
 BACKWARD = Kernel("layer_norm_backward", BackwardKey, build_layer_norm_backward, cases=_named("layer_norm_backward"),
                   derive=_backward_derive)
 BACKWARD_REDUCE = Kernel("layer_norm_backward_reduce", BackwardKey, build_layer_norm_backward_reduce,
-                         cases=_named("layer_norm_backward_reduce"), derive=_backward_derive)
+                         cases=_named("layer_norm_backward_reduce", ("bf16_all",)), derive=_backward_derive)
 
 
 def _rows(t):
