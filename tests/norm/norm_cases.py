@@ -20,7 +20,7 @@ LAYER_NORM_LAYOUT = "1x64/e4m3/ue8m0/col_tma/round"
 LAYER_NORM_EPS = 1e-5
 
 
-def norm_rows(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, pitch=None, offset=0.0, lead=None):
+def layer_norm_rows(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, pitch=None, offset=0.0, lead=None):
     """``(T, H)`` normal rows with per-row magnitudes and an ``offset`` added (a large mean), drawn on the CPU from
     one generator; ``pitch``: rows strided by that many elements (NaN past ``H``); ``lead``: leading dims
     ``lead`` instead of ``T`` (their product is ``T``)."""
@@ -35,7 +35,7 @@ def norm_rows(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, pitch=None, o
     return x if lead is None else x.reshape(*lead, hidden)
 
 
-def norm_param(hidden, *, seed=0, device="cpu", dtype=BF16, center=1.0):
+def layer_norm_param(hidden, *, seed=0, device="cpu", dtype=BF16, center=1.0):
     """An ``(H,)`` weight (``center`` 1) or bias (``center`` 0) with spread."""
     gen = torch.Generator().manual_seed(seed)
     return (center + 0.5 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
@@ -47,11 +47,11 @@ def layer_norm_forward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16,
     output); ``pitch`` strides the rows of x and the residual, ``offset`` adds a large mean, ``lead`` reshapes
     the rows to leading dims."""
     rows = dict(device=device, dtype=dtype, pitch=pitch, offset=offset, lead=lead)
-    return {"x": norm_rows(tokens, hidden, seed=seed, **rows),
-            "weight": norm_param(hidden, seed=seed + 1, device=device, dtype=dtype) if weight else None,
-            "bias": norm_param(hidden, seed=seed + 2, device=device, dtype=dtype, center=0.0) if bias else None,
+    return {"x": layer_norm_rows(tokens, hidden, seed=seed, **rows),
+            "weight": layer_norm_param(hidden, seed=seed + 1, device=device, dtype=dtype) if weight else None,
+            "bias": layer_norm_param(hidden, seed=seed + 2, device=device, dtype=dtype, center=0.0) if bias else None,
             "eps": LAYER_NORM_EPS,
-            "residual": norm_rows(tokens, hidden, seed=seed + 3, **{**rows, "offset": 0.0}) if residual else None,
+            "residual": layer_norm_rows(tokens, hidden, seed=seed + 3, **{**rows, "offset": 0.0}) if residual else None,
             "layout": layout, "with_y": with_y}
 
 
@@ -62,18 +62,19 @@ def layer_norm_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16
     from norm_ref import layer_norm_forward_ref
 
     rows = dict(dtype=dtype, pitch=pitch, offset=offset, lead=lead)
-    x = norm_rows(tokens, hidden, seed=seed, device=device, **rows)
-    w = norm_param(hidden, seed=seed + 1, dtype=dtype) if weight else None
+    x = layer_norm_rows(tokens, hidden, seed=seed, device=device, **rows)
+    w = layer_norm_param(hidden, seed=seed + 1, dtype=dtype) if weight else None
     # the statistics of the same draw on the CPU (device may be meta)
-    _, mean, rstd, *_ = layer_norm_forward_ref(norm_rows(tokens, hidden, seed=seed, **rows), w, None, LAYER_NORM_EPS)
+    cpu_x = layer_norm_rows(tokens, hidden, seed=seed, **rows)
+    _, mean, rstd, *_ = layer_norm_forward_ref(cpu_x, w, None, LAYER_NORM_EPS)
     gen = torch.Generator().manual_seed(seed + 4)
 
     def buffer():
         return torch.randn(hidden, generator=gen).to(device)
 
-    return {"grad_y": norm_rows(tokens, hidden, seed=seed + 5, device=device, **{**rows, "offset": 0.0}),
+    grads = {**rows, "device": device, "offset": 0.0}
+    return {"grad_y": layer_norm_rows(tokens, hidden, seed=seed + 5, **grads),
             "x": x, "weight": None if w is None else w.to(device),
             "mean": mean.contiguous().to(device), "rstd": rstd.contiguous().to(device),
             "grad_weight": buffer() if weight else None, "grad_bias": buffer() if bias else None,
-            "grad_residual_out": norm_rows(tokens, hidden, seed=seed + 6, device=device, **{**rows, "offset": 0.0})
-            if residual else None}
+            "grad_residual_out": layer_norm_rows(tokens, hidden, seed=seed + 6, **grads) if residual else None}

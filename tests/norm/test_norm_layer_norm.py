@@ -14,7 +14,8 @@ from _plugins.cuda_vectors import declared_vector_args, undeclared
 from _plugins.device import requires_cuda
 from _plugins.levels import level_choice
 from _plugins.references import without_cpu_references
-from norm_cases import LAYER_NORM_EPS, layer_norm_backward_call, layer_norm_forward_call, norm_param, norm_rows
+from norm_cases import (LAYER_NORM_EPS, layer_norm_backward_call, layer_norm_forward_call, layer_norm_param,
+                        layer_norm_rows)
 from norm_ref import (layer_norm_backward_f64, layer_norm_backward_ref, layer_norm_forward_f64,
                       layer_norm_forward_ref, layer_norm_residual, quant_reference)
 
@@ -216,7 +217,7 @@ def test_compile_fullgraph_dynamic_no_recompile(seed):
     compiled = torch.compile(layer_norm_model, backend="aot_eager", fullgraph=True, dynamic=True)
     for i, tokens in enumerate((6, 10, 18)):
         call = layer_norm_forward_call(tokens, 128, seed=seed + tokens, lead=(2, tokens // 2))
-        grad_y = norm_rows(tokens, 128, seed=seed + 1, lead=(2, tokens // 2))
+        grad_y = layer_norm_rows(tokens, 128, seed=seed + 1, lead=(2, tokens // 2))
         args = (call["x"], call["weight"], call["bias"], call["residual"], grad_y)
         buffers = [torch.zeros(128), torch.zeros(128)]
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
@@ -555,11 +556,11 @@ def test_device_backward_matches_torch_autograd_on_the_forward(seed):
     tokens, hidden = 4099, 4096
     call = layer_norm_forward_call(tokens, hidden, seed=seed, device="cuda", layout=None)
     y, mean, rstd, residual_out, _, _ = ops.layer_norm_forward(**call)
-    gy = norm_rows(tokens, hidden, seed=seed + 9, device="cuda")
+    gy = layer_norm_rows(tokens, hidden, seed=seed + 9, device="cuda")
     gw = torch.zeros(hidden, device="cuda")
     gb = torch.zeros(hidden, device="cuda")
     grad_x = ops.layer_norm_backward(gy, residual_out, call["weight"], mean, rstd, gw, gb)
-    w = norm_param(hidden, seed=seed + 1)
+    w = layer_norm_param(hidden, seed=seed + 1)
     gx64, gw64, gb64 = layer_norm_backward_f64(gy.cpu(), residual_out.cpu(), w, LAYER_NORM_EPS)
     assert_close_scaled(grad_x, gx64, grad_tolerance(BF16), gx64.abs().max().item(), "grad_x")
     assert_close_scaled(gw, gw64, 1e-3, gw64.abs().max().item(), "grad_weight")

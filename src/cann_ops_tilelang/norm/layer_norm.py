@@ -8,7 +8,6 @@ grad_bias=None, grad_residual_out=None) -> grad_x`` (accumulating the weight and
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from .._checks import OpError, check_bool, check_float, check_same_device, check_tensor, describe
