@@ -50,8 +50,8 @@ class TilePlan:
     budget: int
 
 
-# single-buffered tiles: the row of H = 7168 bf16 with weight, bias and residual fits in one tile; not measured
-# (no Ascend 950 here)
+# single-buffered tiles (the passes of a token reuse them): a forward row of up to H = 24576 bf16 with weight, bias
+# and residual is one tile; not measured (no Ascend 950 here)
 PLAN = TilePlan(budget=_build.UB_BUDGET_BYTES - SLACK)
 
 
