@@ -58,3 +58,69 @@ def rms_norm_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, 
             "grad_residual_out": norm_rows(tokens, hidden, seed=seed + 4, device=device, **rows)
             if grad_residual_out else None,
             "out_scale": out_scale}
+# --- layer_norm -----------------------------------------------------------------------------------------------------
+
+# the default fused cast of the example calls: column-major UE8M0 words (the hardest storage) of 64-channel groups
+# (64 divides every H of limits.NORM_HIDDEN)
+LAYER_NORM_LAYOUT = "1x64/e4m3/ue8m0/col_tma/round"
+LAYER_NORM_EPS = 1e-5
+
+
+def layer_norm_rows(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, pitch=None, offset=0.0, lead=None):
+    """``(T, H)`` normal rows with per-row magnitudes and an ``offset`` added (a large mean), drawn on the CPU from
+    one generator; ``pitch``: rows strided by that many elements (NaN past ``H``); ``lead``: leading dims
+    ``lead`` instead of ``T`` (their product is ``T``)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen) * torch.exp(torch.randn(tokens, 1, generator=gen)) + offset
+    x = x.to(dtype)
+    if pitch is not None:
+        base = torch.full((tokens, pitch), float("nan"), dtype=dtype)
+        base[:, :hidden] = x
+        x = base.to(device)[:, :hidden]
+    x = x.to(device)
+    return x if lead is None else x.reshape(*lead, hidden)
+
+
+def layer_norm_param(hidden, *, seed=0, device="cpu", dtype=BF16, center=1.0):
+    """An ``(H,)`` weight (``center`` 1) or bias (``center`` 0) with spread."""
+    gen = torch.Generator().manual_seed(seed)
+    return (center + 0.5 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+
+
+def layer_norm_forward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, weight=True, bias=True,
+                            residual=True, layout=LAYER_NORM_LAYOUT, with_y=True, pitch=None, offset=0.0, lead=None):
+    """``x``, weight, bias, eps, a residual, the fused cast's layout and ``with_y`` (the defaults exercise every
+    output); ``pitch`` strides the rows of x and the residual, ``offset`` adds a large mean, ``lead`` reshapes
+    the rows to leading dims."""
+    rows = dict(device=device, dtype=dtype, pitch=pitch, offset=offset, lead=lead)
+    return {"x": layer_norm_rows(tokens, hidden, seed=seed, **rows),
+            "weight": layer_norm_param(hidden, seed=seed + 1, device=device, dtype=dtype) if weight else None,
+            "bias": layer_norm_param(hidden, seed=seed + 2, device=device, dtype=dtype, center=0.0) if bias else None,
+            "eps": LAYER_NORM_EPS,
+            "residual": layer_norm_rows(tokens, hidden, seed=seed + 3, **{**rows, "offset": 0.0}) if residual else None,
+            "layout": layout, "with_y": with_y}
+
+
+def layer_norm_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, weight=True, bias=True,
+                             residual=True, pitch=None, offset=0.0, lead=None):
+    """``grad_y``, the forward's input ``x``, weight, its statistics (the reference's), fp32 weight and bias
+    gradient buffers holding earlier sums, and ``grad_residual_out``."""
+    from norm_ref import layer_norm_forward_ref
+
+    rows = dict(dtype=dtype, pitch=pitch, offset=offset, lead=lead)
+    x = layer_norm_rows(tokens, hidden, seed=seed, device=device, **rows)
+    w = layer_norm_param(hidden, seed=seed + 1, dtype=dtype) if weight else None
+    # the statistics of the same draw on the CPU (device may be meta)
+    cpu_x = layer_norm_rows(tokens, hidden, seed=seed, **rows)
+    _, mean, rstd, *_ = layer_norm_forward_ref(cpu_x, w, None, LAYER_NORM_EPS)
+    gen = torch.Generator().manual_seed(seed + 4)
+
+    def buffer():
+        return torch.randn(hidden, generator=gen).to(device)
+
+    grads = {**rows, "device": device, "offset": 0.0}
+    return {"grad_y": layer_norm_rows(tokens, hidden, seed=seed + 5, **grads),
+            "x": x, "weight": None if w is None else w.to(device),
+            "mean": mean.contiguous().to(device), "rstd": rstd.contiguous().to(device),
+            "grad_weight": buffer() if weight else None, "grad_bias": buffer() if bias else None,
+            "grad_residual_out": layer_norm_rows(tokens, hidden, seed=seed + 6, **grads) if residual else None}

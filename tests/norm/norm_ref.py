@@ -10,11 +10,9 @@ import torch
 F32, F64 = torch.float32, torch.float64
 
 
-# --- rms_norm (docs/ops/norm.md#rms_norm) ---------------------------------------------------------------------
-
-
 def quant_reference():
-    """tests/quant/quant_ref.py (the fused casts' bytes are its per-token cast of the rounded output)."""
+    """tests/quant/quant_ref.py, its directory put on ``sys.path`` (the fused casts' bytes are its per-token cast of
+    the rounded output)."""
     import importlib
     import sys
     from pathlib import Path
@@ -23,6 +21,9 @@ def quant_reference():
     if path not in sys.path:
         sys.path.insert(0, path)
     return importlib.import_module("quant_ref")
+
+
+# --- rms_norm (docs/ops/norm.md#rms_norm) ---------------------------------------------------------------------
 
 
 def rms_norm_rows(x):
@@ -81,3 +82,77 @@ def rms_norm_backward_f64(grad_y, x, weight, rstd, out_scale=1.0):
     grad_x = (wg - xhat * (xhat * wg).mean(-1, keepdim=True)) * rstd.to(F64)[..., None]
     terms = rms_norm_rows(xhat * g)
     return grad_x, terms.sum(0), terms.abs().sum(0)
+
+
+# --- layer_norm (docs/ops/norm.md#layer_norm) ---------------------------------------------------------------------
+
+
+def layer_norm_residual(x, residual):
+    """``r = x + residual`` rounded to x's dtype (``x`` itself without a residual)."""
+    return x if residual is None else (x.to(F32) + residual.to(F32)).to(x.dtype)
+
+
+def layer_norm_forward_ref(x, weight, bias, eps, residual=None, layout=None, with_y=False):
+    """The op ``layer_norm_forward``: fp32 two-pass statistics of ``r``, ``y`` rounded once to x's dtype, the fused
+    cast the quant reference's bytes of the rounded ``y`` rows (the backend of x's device)."""
+    from cann_ops_tilelang import policy
+
+    r = layer_norm_residual(x, residual)
+    rf = r.to(F32)
+    mean = rf.mean(-1)
+    centered = rf - mean[..., None]
+    rstd = torch.rsqrt((centered * centered).mean(-1) + eps)
+    yf = centered * rstd[..., None]
+    if weight is not None:
+        yf = yf * weight.to(F32)
+    if bias is not None:
+        yf = yf + bias.to(F32)
+    y = yf.to(x.dtype)
+    empty = x.new_empty((0,))
+    residual_out = empty if residual is None else r.contiguous()
+    if layout is None:
+        return y, mean, rstd, residual_out, empty, empty
+    q = quant_reference().per_token_quantize_ref(y.reshape(-1, y.shape[-1]), layout,
+                                             backend=policy.kernel_backend(x.device.type))
+    return y if with_y else empty, mean, rstd, residual_out, q.data, q.sf
+
+
+def layer_norm_backward_ref(grad_y, x, weight, mean, rstd, grad_weight=None, grad_bias=None, grad_residual_out=None):
+    """The op ``layer_norm_backward``: fp32 arithmetic from the given statistics; the weight and bias gradients
+    accumulated once into their buffers (the kernels' partition order is not reproduced: tolerances)."""
+    g = grad_y.to(F32)
+    xhat = (x.to(F32) - mean[..., None]) * rstd[..., None]
+    wg = g if weight is None else g * weight.to(F32)
+    grad = rstd[..., None] * (wg - wg.mean(-1, keepdim=True) - xhat * (xhat * wg).mean(-1, keepdim=True))
+    if grad_residual_out is not None:
+        grad = grad + grad_residual_out.to(F32)
+    if grad_weight is not None:
+        grad_weight += (xhat * g).reshape(-1, g.shape[-1]).sum(0)
+    if grad_bias is not None:
+        grad_bias += g.reshape(-1, g.shape[-1]).sum(0)
+    return grad.to(x.dtype)
+
+
+def layer_norm_forward_f64(x, weight, bias, eps, residual=None):
+    """float64 oracle of the forward: ``(y, mean, rstd)`` of ``torch.nn.functional.layer_norm`` on the rounded
+    ``r`` (mean and rstd from float64 moments)."""
+    r = layer_norm_residual(x, residual).to(F64)
+    w = None if weight is None else weight.to(F64)
+    b = None if bias is None else bias.to(F64)
+    y = torch.nn.functional.layer_norm(r, (r.shape[-1],), w, b, eps)
+    mean = r.mean(-1)
+    rstd = torch.rsqrt(r.var(-1, unbiased=False) + eps)
+    return y, mean, rstd
+
+
+def layer_norm_backward_f64(grad_y, x, weight, eps, grad_residual_out=None, bias=True):
+    """float64 oracle of the backward by autograd through ``torch.nn.functional.layer_norm`` (its statistics
+    recomputed in float64 from ``x``): ``(grad_x, grad_weight, grad_bias)``, the parameter gradients None where
+    there is no weight (no bias with ``bias=False``)."""
+    xd = x.detach().to(F64).requires_grad_(True)
+    wd = None if weight is None else weight.detach().to(F64).requires_grad_(True)
+    bd = torch.zeros(x.shape[-1], dtype=F64, requires_grad=True) if bias else None
+    y = torch.nn.functional.layer_norm(xd, (x.shape[-1],), wd, bd, eps)
+    y.backward(grad_y.to(F64))
+    grad_x = xd.grad if grad_residual_out is None else xd.grad + grad_residual_out.to(F64)
+    return grad_x, None if wd is None else wd.grad, None if bd is None else bd.grad

@@ -3,8 +3,7 @@ SwiGLU activation, forward and backward, each with an optional fused per-token c
 the quant family; one module per op pair.
 """
 
-__all__: list[str] = []
+from .layer_norm import layer_norm_backward, layer_norm_forward
+from .rms_norm import rms_norm_backward, rms_norm_forward
 
-from .rms_norm import rms_norm_backward, rms_norm_forward  # noqa: E402
-
-__all__ += ["rms_norm_backward", "rms_norm_forward"]
+__all__ = ["layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward"]
