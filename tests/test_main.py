@@ -101,7 +101,7 @@ def test_hidden_size_accepted_exactly_in_the_declared_ranges(hidden, families):
     (["--tokens", "-3"], "argument --tokens: expected an integer >= 1, got -3"),
     (["--tokens", "many"], "argument --tokens: expected an integer >= 1, got 'many'"),
     (["--steps", "-1"], "argument --steps: expected an integer >= 0, got -1"),
-    (["--family", "norm"], "argument --family: invalid choice: 'norm'"),
+    (["--family", "attention"], "argument --family: invalid choice: 'attention'"),
     (["--target", "rocm"], "argument --target: invalid choice: 'rocm'"),
     (["--jobs", "0"], "argument -j/--jobs: expected an integer >= 1, got 0"),
     (["-j", "-2"], "argument -j/--jobs: expected an integer >= 1, got -2"),
