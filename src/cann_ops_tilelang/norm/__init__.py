@@ -4,3 +4,6 @@ the quant family; one module per op pair.
 """
 
 __all__: list[str] = []
+from .swiglu import swiglu_backward, swiglu_forward  # noqa: E402
+
+__all__ += ["swiglu_backward", "swiglu_forward"]

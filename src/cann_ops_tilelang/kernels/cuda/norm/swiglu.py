@@ -1,0 +1,368 @@
+"""CUDA kernels of ``swiglu_forward`` / ``swiglu_backward`` (docs/ops/norm.md#swiglu).
+
+One warp per row: each lane takes 16-byte vectors of the gate and up halves (and of ``grad_y``) at columns
+``(i * 32 + lane) * V``, ``unroll`` vectors per lane per step with every load issued before the math, so the row
+streams through registers once whatever ``H`` (up to 32768). All arithmetic is fp32 (bf16 widened exactly), each
+result rounded once to its dtype at the store. The per-row sums (the routing weight's gradient, the clamp
+counters) are lane sums in column order, then a xor butterfly over the warp: a fixed order, no atomics.
+
+Math (the peer's order): ``silu = g / (1 + exp(-g))`` (``expf``, IEEE division), ``y = (silu * u) * w`` with
+``w = routing_weight * routed_scaling_factor`` (one fp32 product); backward ``s = 1 / (1 + exp(-g))``,
+``d = (dy * w) * s``, ``grad_g = (d * u) * fma(g, 1 - s, 1)``, ``grad_u = d * g``, zero where the clamp clamped.
+Padding rows (a 0 in ``valid``, the expert segments' row flags that the launcher derives) are not read: their
+zero loads with ``w = 1`` give +0 everywhere (the clamp is positive), the routing weight's gradient is selected 0.
+
+The fused cast is the quant family's ``per_token_cast`` kernel on the rounded result (the contract's bytes by
+construction); a quantized ``x`` is dequantized to fp32 by ``cast_back`` first (``fl(f32(data) * s)``, exact in
+fp32, so the math is the same as a fused dequantization). ``T`` and the row strides are dynamic.
+"""
+
+import dataclasses
+
+import torch
+
+from ....limits import NORM_HIDDEN, LimitError
+from ....norm import swiglu as swiglu_op
+from ....norm._common import rows
+from ..._kernel import Kernel, compile_key, kernel_module
+from ..quant.cast_back import cast_back
+from ..quant.per_token_cast import per_token_cast
+
+# bytes of one vector access of a row
+VEC_BYTES = 16
+DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
+WARP = 32
+# the clamp counters the kernel writes per row: gate > c, up > c, up < -c, the row's counted elements
+COUNTERS = swiglu_op.COUNTERS
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Warp-per-row kernels: CTAs of ``warps`` warps (one row each), ``unroll`` vectors per lane per step."""
+
+    warps: int
+    unroll: int
+
+
+# 4 vectors per lane per step: 4 KiB of gate and up (6 KiB with grad_y) in flight per warp; 4 warps per CTA keep
+# many CTAs resident for every H. Not measured yet (docs/perf/h200/norm.md will hold the measurement).
+ROW_PLAN = RowPlan(warps=4, unroll=4)
+
+
+@compile_key
+class ForwardKey:
+    """Compile-time key of the forward: ``H``, ``x``'s dtype and the options that change code (never ``T``)."""
+
+    hidden: int
+    in_dtype: str  # "bfloat16" | "float32"
+    weighted: bool  # a routing weight
+    clamped: bool  # the clamp
+    counted: bool  # the clamp counters
+    masked: bool  # expert segments (row flags)
+
+
+@compile_key
+class BackwardKey:
+    """Compile-time key of the backward: ``H``, the dtypes of ``x`` (fp32 for a dequantized one) and of the
+    gradients, and the options that change code."""
+
+    hidden: int
+    in_dtype: str
+    out_dtype: str
+    weighted: bool
+    clamped: bool
+    masked: bool
+    recompute: bool
+
+
+def _dtype(where: str, name: str) -> str:
+    if name not in ELEMENT_BYTES:
+        raise LimitError(f"{where}: the dtype must be bfloat16 or float32, got {name}")
+    return name
+
+
+def forward_key(x, routing_weight, clamp, clamped_count, expert_offsets) -> ForwardKey:
+    return ForwardKey(hidden=NORM_HIDDEN.require("swiglu_forward", x.shape[-1] // 2),
+                      in_dtype=_dtype("swiglu_forward", DTYPES.get(x.dtype, str(x.dtype))),
+                      weighted=routing_weight is not None, clamped=clamp is not None,
+                      counted=clamped_count is not None, masked=expert_offsets is not None)
+
+
+def backward_key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute) -> BackwardKey:
+    return BackwardKey(hidden=NORM_HIDDEN.require("swiglu_backward", x2.shape[-1] // 2),
+                       in_dtype=_dtype("swiglu_backward", DTYPES.get(x2.dtype, str(x2.dtype))),
+                       out_dtype=_dtype("swiglu_backward", DTYPES.get(grad_y.dtype, str(grad_y.dtype))),
+                       weighted=routing_weight is not None, clamped=clamp is not None,
+                       masked=expert_offsets is not None, recompute=bool(recompute))
+
+
+def _row_params(T, hidden: int, in_dtype: str, vec: int):
+    """The dynamic sizes and the geometry shared by both kernels: ``(num_tokens, steps)``."""
+    nvec = hidden // vec
+    steps = -(-nvec // (WARP * ROW_PLAN.unroll))
+    return T.dynamic("num_tokens"), nvec, steps
+
+
+def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bool, counted: bool, masked: bool):
+    """prim_func ``(x (T, 2H) strided, y (T, H), routing_weight (n_w,), valid (n_v,) int32, counts (n_c, 4) int32,
+    routed_scaling_factor, clamp)``: the optional tensors are read or written only where the key says so (the
+    launcher passes empty ones otherwise)."""
+    from tilelang import language as T
+
+    H = NORM_HIDDEN.require("swiglu_forward", hidden)
+    _dtype("swiglu_forward", in_dtype)
+    V = VEC_BYTES // ELEMENT_BYTES[in_dtype]
+    U, warps = ROW_PLAN.unroll, ROW_PLAN.warps
+    num_tokens, nvec, steps = _row_params(T, H, in_dtype, V)
+    x_stride = T.dynamic("x_stride")
+    n_w, n_v, n_c = T.dynamic("n_w"), T.dynamic("n_v"), T.dynamic("n_c")
+    f32, i32 = T.float32, T.int32
+
+    @T.prim_func
+    def swiglu_forward_cuda(x: T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype),
+                            y: T.Tensor((num_tokens, H), in_dtype), routing_weight: T.Tensor((n_w,), f32),
+                            valid: T.Tensor((n_v,), i32), counts: T.Tensor((n_c, COUNTERS), i32),
+                            routed_scaling_factor: f32, clamp: f32):
+        T.assume(x_stride % V == 0)  # rows start on 16 bytes (the op checks it): the loads are vectors
+        with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
+            tid = T.get_thread_binding()
+            lane = tid % WARP
+            t = bid * warps + tid // WARP
+            gr = T.alloc_local((U, V), in_dtype)
+            ur = T.alloc_local((U, V), in_dtype)
+            yr = T.alloc_local((U, V), in_dtype)
+            g = T.alloc_local((1,), f32)
+            u = T.alloc_local((1,), f32)
+            w = T.alloc_local((1,), f32)
+            ok = T.alloc_local((1,), i32)
+            cnt = T.alloc_local((3,), i32)
+            if t < num_tokens:
+                ok[0] = valid[t] if masked else 1
+                w[0] = T.float32(1)  # padding rows keep 1: their zero loads give +0 results
+                if weighted and ok[0] != 0:
+                    w[0] = routing_weight[t] * routed_scaling_factor
+                for c in T.unroll(3):
+                    cnt[c] = 0
+                for s in T.serial(steps):
+                    for k in T.unroll(U):
+                        if (s * U + k) * WARP + lane < nvec and ok[0] != 0:
+                            for j in T.vectorized(V):
+                                gr[k, j] = x[t, ((s * U + k) * WARP + lane) * V + j]
+                            for j in T.vectorized(V):
+                                ur[k, j] = x[t, H + ((s * U + k) * WARP + lane) * V + j]
+                        else:
+                            for j in T.vectorized(V):
+                                gr[k, j] = T.cast(0, in_dtype)
+                                ur[k, j] = T.cast(0, in_dtype)
+                    for k in T.unroll(U):
+                        for j in T.unroll(V):
+                            g[0] = T.cast(gr[k, j], f32)
+                            u[0] = T.cast(ur[k, j], f32)
+                            if counted:
+                                cnt[0] += T.cast(g[0] > clamp, i32)
+                                cnt[1] += T.cast(u[0] > clamp, i32)
+                                cnt[2] += T.cast(u[0] < -clamp, i32)
+                            if clamped:
+                                g[0] = T.min(g[0], clamp)
+                                u[0] = T.max(T.min(u[0], clamp), -clamp)
+                            u[0] = T.ieee_mul(T.ieee_fdiv(g[0], T.ieee_add(T.float32(1), T.exp(-g[0]))), u[0])
+                            if weighted:
+                                u[0] = T.ieee_mul(u[0], w[0])
+                            yr[k, j] = T.cast(u[0], in_dtype)
+                        if (s * U + k) * WARP + lane < nvec:
+                            for j in T.vectorized(V):
+                                y[t, ((s * U + k) * WARP + lane) * V + j] = yr[k, j]
+                if counted:
+                    for c in T.unroll(3):
+                        for b in T.unroll(5):
+                            cnt[c] = cnt[c] + T.shfl_xor(cnt[c], 1 << b)
+                    if lane == 0:
+                        for c in T.unroll(3):
+                            counts[t, c] = cnt[c]
+                        counts[t, 3] = T.if_then_else(ok[0] != 0, T.int32(H), T.int32(0))
+
+    return swiglu_forward_cuda
+
+
+def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: bool, clamped: bool, masked: bool,
+                          recompute: bool):
+    """prim_func ``(x (T, 2H) strided, grad_y (T, H) strided, grad_x (T, 2H), y (n_y, H), routing_weight (n_w,),
+    valid (n_v,) int32, grad_routing_weight (n_w,), routed_scaling_factor, clamp)``."""
+    from tilelang import language as T
+
+    H = NORM_HIDDEN.require("swiglu_backward", hidden)
+    _dtype("swiglu_backward", in_dtype)
+    _dtype("swiglu_backward", out_dtype)
+    V = VEC_BYTES // max(ELEMENT_BYTES[in_dtype], ELEMENT_BYTES[out_dtype])
+    U, warps = ROW_PLAN.unroll, ROW_PLAN.warps
+    num_tokens, nvec, steps = _row_params(T, H, in_dtype, V)
+    x_stride, gy_stride = T.dynamic("x_stride"), T.dynamic("grad_y_stride")
+    n_y, n_w, n_v = T.dynamic("n_y"), T.dynamic("n_w"), T.dynamic("n_v")
+    f32, i32 = T.float32, T.int32
+    x_align = VEC_BYTES // ELEMENT_BYTES[in_dtype]
+    gy_align = VEC_BYTES // ELEMENT_BYTES[out_dtype]
+
+    @T.prim_func
+    def swiglu_backward_cuda(x: T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype),
+                             grad_y: T.StridedTensor((num_tokens, H), (gy_stride, 1), out_dtype),
+                             grad_x: T.Tensor((num_tokens, 2 * H), out_dtype), y: T.Tensor((n_y, H), out_dtype),
+                             routing_weight: T.Tensor((n_w,), f32), valid: T.Tensor((n_v,), i32),
+                             grad_routing_weight: T.Tensor((n_w,), f32), routed_scaling_factor: f32, clamp: f32):
+        T.assume(x_stride % x_align == 0)
+        T.assume(gy_stride % gy_align == 0)
+        with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
+            tid = T.get_thread_binding()
+            lane = tid % WARP
+            t = bid * warps + tid // WARP
+            gr = T.alloc_local((U, V), in_dtype)
+            ur = T.alloc_local((U, V), in_dtype)
+            dr = T.alloc_local((U, V), out_dtype)
+            ggr = T.alloc_local((U, V), out_dtype)
+            gur = T.alloc_local((U, V), out_dtype)
+            yr = T.alloc_local((U, V), out_dtype)
+            v = T.alloc_local((8,), f32)  # g, u, dy, e = 1 + exp(-g), s, d, act, scratch
+            w = T.alloc_local((1,), f32)
+            acc = T.alloc_local((1,), f32)
+            ok = T.alloc_local((1,), i32)
+            if t < num_tokens:
+                ok[0] = valid[t] if masked else 1
+                w[0] = T.float32(1)  # padding rows keep 1: their zero loads give +0 results
+                if weighted and ok[0] != 0:
+                    w[0] = routing_weight[t] * routed_scaling_factor
+                acc[0] = T.float32(0)
+                for s in T.serial(steps):
+                    for k in T.unroll(U):
+                        if (s * U + k) * WARP + lane < nvec and ok[0] != 0:
+                            for j in T.vectorized(V):
+                                gr[k, j] = x[t, ((s * U + k) * WARP + lane) * V + j]
+                            for j in T.vectorized(V):
+                                ur[k, j] = x[t, H + ((s * U + k) * WARP + lane) * V + j]
+                            for j in T.vectorized(V):
+                                dr[k, j] = grad_y[t, ((s * U + k) * WARP + lane) * V + j]
+                        else:
+                            for j in T.vectorized(V):
+                                gr[k, j] = T.cast(0, in_dtype)
+                                ur[k, j] = T.cast(0, in_dtype)
+                                dr[k, j] = T.cast(0, out_dtype)
+                    for k in T.unroll(U):
+                        for j in T.unroll(V):
+                            v[0] = T.cast(gr[k, j], f32)
+                            v[1] = T.cast(ur[k, j], f32)
+                            v[2] = T.cast(dr[k, j], f32)
+                            v[7] = T.float32(1)  # 1 where the gate is not clamped
+                            v[6] = T.float32(1)  # 1 where up is not clamped
+                            if clamped:
+                                v[7] = T.if_then_else(v[0] > clamp, T.float32(0), T.float32(1))
+                                v[6] = T.if_then_else(v[1] > clamp, T.float32(0),
+                                                      T.if_then_else(v[1] < -clamp, T.float32(0), T.float32(1)))
+                                v[0] = T.min(v[0], clamp)
+                                v[1] = T.max(T.min(v[1], clamp), -clamp)
+                            v[3] = T.ieee_add(T.float32(1), T.exp(-v[0]))
+                            v[4] = T.ieee_fdiv(T.float32(1), v[3])
+                            v[5] = T.ieee_mul(T.ieee_mul(v[2], w[0]) if weighted else v[2], v[4])
+                            ggr[k, j] = T.cast(T.if_then_else(
+                                v[7] != T.float32(0),
+                                T.ieee_mul(T.ieee_mul(v[5], v[1]),
+                                           T.ieee_fmaf(v[0], T.ieee_sub(T.float32(1), v[4]), T.float32(1))),
+                                T.float32(0)), out_dtype)
+                            gur[k, j] = T.cast(T.if_then_else(v[6] != T.float32(0), T.ieee_mul(v[5], v[0]),
+                                                              T.float32(0)), out_dtype)
+                            if weighted or recompute:
+                                v[6] = T.ieee_mul(T.ieee_fdiv(v[0], v[3]), v[1])  # act = silu(g) * u
+                                if weighted:
+                                    acc[0] = acc[0] + T.ieee_mul(v[2], v[6])
+                                if recompute:
+                                    if weighted:
+                                        v[6] = T.ieee_mul(v[6], w[0])
+                                    yr[k, j] = T.cast(v[6], out_dtype)
+                        if (s * U + k) * WARP + lane < nvec:
+                            for j in T.vectorized(V):
+                                grad_x[t, ((s * U + k) * WARP + lane) * V + j] = ggr[k, j]
+                            for j in T.vectorized(V):
+                                grad_x[t, H + ((s * U + k) * WARP + lane) * V + j] = gur[k, j]
+                            if recompute:
+                                for j in T.vectorized(V):
+                                    y[t, ((s * U + k) * WARP + lane) * V + j] = yr[k, j]
+                if weighted:
+                    for b in T.unroll(5):
+                        acc[0] = acc[0] + T.shfl_xor(acc[0], 1 << b)
+                    if lane == 0:
+                        grad_routing_weight[t] = T.if_then_else(ok[0] != 0, acc[0] * routed_scaling_factor,
+                                                                T.float32(0))
+
+    return swiglu_backward_cuda
+
+
+def _forward_cases(hidden_size: int, hc_mult: int) -> dict:
+    """bf16 with every option (weight, clamp and counters, expert rows) and plain fp32."""
+    del hc_mult
+    return {"swiglu_forward_bf16_all": ForwardKey(hidden_size, "bfloat16", True, True, True, True),
+            "swiglu_forward_f32": ForwardKey(hidden_size, "float32", False, False, False, False)}
+
+
+def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
+    """bf16 with every option, a dequantized (fp32) x with bf16 gradients, plain fp32."""
+    del hc_mult
+    return {"swiglu_backward_bf16_all": BackwardKey(hidden_size, "bfloat16", "bfloat16", True, True, True, True),
+            "swiglu_backward_quantized": BackwardKey(hidden_size, "float32", "bfloat16", True, False, False, False),
+            "swiglu_backward_f32": BackwardKey(hidden_size, "float32", "float32", False, False, False, False)}
+
+
+FORWARD = Kernel("swiglu_forward", ForwardKey, build_swiglu_forward, cases=_forward_cases, derive=forward_key)
+BACKWARD = Kernel("swiglu_backward", BackwardKey, build_swiglu_backward, cases=_backward_cases, derive=backward_key)
+
+
+def _optional(t, like: torch.Tensor, dtype) -> torch.Tensor:
+    return t if t is not None else like.new_empty((0,), dtype=dtype)
+
+
+def row_flags(expert_offsets, tokens: int, alignment: int, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``valid`` argument: the expert rows' flags, or an empty tensor without segments."""
+    if expert_offsets is None:
+        return like.new_empty((0,), dtype=torch.int32)
+    return swiglu_op.expert_rows(expert_offsets, tokens, alignment)
+
+
+def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_count, expert_offsets, alignment, layout,
+                   with_y, y, data, sf) -> None:
+    """Launches the forward (``T > 0``): writes ``y`` (a scratch row buffer when the cast alone is asked for), adds
+    the row counters to ``clamped_count``, then casts ``y``'s rows into ``data`` / ``sf``."""
+    hidden = x.shape[-1] // 2
+    x2 = rows(x)
+    tokens = x2.shape[0]
+    y2 = y.view(tokens, hidden) if y.numel() else x.new_empty((tokens, hidden))
+    counts = x.new_empty((tokens if clamped_count is not None else 0, COUNTERS), dtype=torch.int32)
+    key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets)
+    FORWARD.compiled(key)(x2, y2, _optional(routing_weight, x, torch.float32),
+                          row_flags(expert_offsets, tokens, alignment, x), counts, float(routed_scaling_factor),
+                          float(clamp or 0.0))
+    if clamped_count is not None:
+        clamped_count += counts.sum(0, dtype=torch.int64)
+    if layout is not None:
+        per_token_cast(y2, layout, None, None, data, sf)
+
+
+def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment, recompute,
+                    x_sf, x_layout, layout, grad_x, grad_routing_weight, y, data, sf) -> None:
+    """Launches the backward (``T > 0``): a quantized ``x`` dequantized to fp32 rows first, then ``grad_x``,
+    ``grad_routing_weight`` and ``y``, then the cast of ``grad_x``'s rows into ``data`` / ``sf``."""
+    hidden = grad_y.shape[-1]
+    if x_sf is not None:
+        x2 = x.new_empty(x.shape, dtype=torch.float32)
+        cast_back(x, x_sf, x_layout, torch.float32, x2)
+    else:
+        x2 = rows(x)
+    tokens = x2.shape[0]
+    gy2 = rows(grad_y)
+    gx2 = grad_x.view(tokens, 2 * hidden)
+    y2 = y.view(tokens, hidden) if recompute else grad_y.new_empty((0, hidden))
+    key = BACKWARD.key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute)
+    BACKWARD.compiled(key)(x2, gy2, gx2, y2, _optional(routing_weight, x2, torch.float32),
+                           row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight,
+                           float(routed_scaling_factor), float(clamp or 0.0))
+    if layout is not None:
+        per_token_cast(gx2, layout, None, None, data, sf)
+
+
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)
