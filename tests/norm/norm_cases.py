@@ -5,6 +5,7 @@
 import torch
 
 import cann_ops_tilelang as ops
+from cann_ops_tilelang import limits
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -66,19 +67,19 @@ def swiglu_forward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, lay
 def swiglu_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, layout="auto", recompute=True,
                          weighted=True, clamp=SWIGLU_CLAMP, experts=False, alignment=4, quantized=None, lead=None,
                          pitch=None):
-    """``grad_y`` and ``x`` with a routing weight, the clamp, the recomputed ``y`` and (``H`` a multiple of 64) the
-    fused cast of ``grad_x``; ``quantized``: a per-token e4m3 layout spec, ``x`` quantized to it (the reference's
+    """``grad_y`` and ``x`` with a routing weight, the clamp, the recomputed ``y`` and (rows of ``2 H`` within the
+    per-token cast's widths) the fused cast of ``grad_x``; ``quantized``: a per-token e4m3 layout spec, ``x`` quantized to it (the reference's
     CUDA bytes) with its scales."""
     gen = torch.Generator().manual_seed(seed + 2)
     if layout == "auto":
-        layout = "1x64/e4m3/ue8m0/row/round"
+        layout = "1x64/e4m3/ue8m0/row/round" if 2 * hidden <= limits.QUANT_HIDDEN.high else None
     x = swiglu_x(tokens, hidden, seed=seed, device="cpu", dtype=dtype if quantized is None else F32, lead=lead,
                  pitch=pitch)
     x_sf = None
     if quantized is not None:
-        from norm_ref import _quant_ref
+        from norm_ref import quant_ref_module
 
-        q = _quant_ref().per_token_quantize_ref(x.reshape(tokens, 2 * hidden), quantized)
+        q = quant_ref_module().per_token_quantize_ref(x.reshape(tokens, 2 * hidden), quantized)
         x, x_sf, dtype = q.data.to(device), q.sf.to(device), BF16
     else:
         x = x.to(device)

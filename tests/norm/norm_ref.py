@@ -12,7 +12,7 @@ F32, F64 = torch.float32, torch.float64
 
 # --- swiglu ---------------------------------------------------------------------------------------------------
 
-def _quant_ref():
+def quant_ref_module():
     """tests/quant/quant_ref.py (the fused casts' bytes are its per-token cast of the rounded result)."""
     import sys
     from pathlib import Path
@@ -60,12 +60,12 @@ def _swiglu_weight(tokens, routing_weight, routed_scaling_factor, dtype=F32):
 def _swiglu_x_rows(x, x_sf=None, x_layout=None):
     """``x``'s ``(T, 2 H)`` fp32 rows (a quantized ``x`` dequantized as ``cast_back`` does)."""
     if x_sf is not None:
-        return _quant_ref().cast_back_ref(x, x_sf, x_layout, F32)
+        return quant_ref_module().cast_back_ref(x, x_sf, x_layout, F32)
     return x.reshape(-1, x.shape[-1]).float()
 
 
 def _swiglu_cast(rows2d, layout):
-    q = _quant_ref().per_token_cast_ref(rows2d, layout)
+    q = quant_ref_module().per_token_cast_ref(rows2d, layout)
     return q[0], q[1]
 
 
@@ -152,9 +152,10 @@ def swiglu_forward_f64(x, routing_weight=None, routed_scaling_factor=1.0, clamp=
 
 
 def swiglu_backward_f64(grad_y, x2, routing_weight=None, routed_scaling_factor=1.0, clamp=None, expert_offsets=None,
-                        alignment=128) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The float64 oracle ``(grad_x (T, 2 H), grad_routing_weight (T,) or None, the magnitude of the terms of
-    grad_routing_weight (T,))`` from ``x``'s fp32 rows ``x2`` (dequantized already)."""
+                        alignment=128):
+    """The float64 oracle from ``x``'s fp32 rows ``x2`` (dequantized already): ``(grad_x (T, 2 H), the magnitude of
+    grad_x's terms (T, 2 H): |d u| (1 + |g| (1 - s)) and |d g|, grad_routing_weight (T,) or None, the magnitude of
+    its terms f sum_h |dy act| (T,))``, the magnitudes scaling the tolerances of docs/ops/norm.md#swiglu."""
     tokens, hidden = x2.shape[0], x2.shape[1] // 2
     x2 = x2.to(F64)
     g0, u0 = _swiglu_halves(x2, None, F64)
@@ -165,13 +166,14 @@ def swiglu_backward_f64(grad_y, x2, routing_weight=None, routed_scaling_factor=1
     d = dy * w[:, None] * s if w is not None else dy * s
     grad_g = d * u * (1 + g * (1 - s))
     grad_u = d * g
+    size = torch.cat([(d * u).abs() * (1 + g.abs() * (1 - s)), (d * g).abs()], 1)
     if clamp is not None:
         grad_g = torch.where(g0 > clamp, 0.0, grad_g)
         grad_u = torch.where((u0 > clamp) | (u0 < -clamp), 0.0, grad_u)
-    valid = swiglu_rows_valid(tokens, expert_offsets, alignment)
-    grad_x = torch.where(valid[:, None], torch.cat([grad_g, grad_u], 1), 0.0)
+    valid = swiglu_rows_valid(tokens, expert_offsets, alignment)[:, None]
+    grad_x = torch.where(valid, torch.cat([grad_g, grad_u], 1), 0.0)
     terms = dy * g * s * u
     grad_w = None
     if w is not None:
-        grad_w = torch.where(valid, terms.sum(1) * routed_scaling_factor, 0.0)
-    return grad_x, grad_w, torch.where(valid, terms.abs().sum(1) * abs(routed_scaling_factor), 0.0)
+        grad_w = torch.where(valid[:, 0], terms.sum(1) * routed_scaling_factor, 0.0)
+    return grad_x, torch.where(valid, size, 0.0), grad_w, terms.abs().sum(1) * abs(routed_scaling_factor)
