@@ -353,8 +353,13 @@ def test_launchers_pass_the_views_the_kernels_declare(backend, tokens, monkeypat
     for kernel in module.KERNELS.values():
         monkeypatch.setattr(kernel, "compiled", lambda key, kernel=kernel: lambda *args: seen.append((kernel, key,
                                                                                                       args)))
-    monkeypatch.setattr(module, "per_token_cast", lambda *args: casts.append(("cast", args)))
-    monkeypatch.setattr(module, "cast_back", lambda *args: casts.append(("cast_back", args)))
+    monkeypatch.setattr(module.swiglu_op, "cast_into", lambda *args: casts.append(("cast", args)))
+
+    def dequantized(x, x_sf, x_layout, dtype):
+        casts.append(("cast_back", (x, x_sf, x_layout, dtype)))
+        return x.new_empty(x.shape, dtype=dtype)
+
+    monkeypatch.setattr(module, "cast_back", dequantized)
     if backend == "ascend":
         monkeypatch.setattr(module, "num_vector_cores", lambda: 64)
     call = swiglu_forward_call(tokens, 256, experts=True, pitch=512 + 64)

@@ -18,6 +18,7 @@ from .._checks import OpError, check_bool, check_float, check_int, check_same_de
 from .._library import declare
 from ..quant._common import check_layout
 from ..quant.cast_back import check_sf
+from ..quant.per_token_cast import per_token_cast
 from ._common import F32, backend_of, check_cast_layout, check_rows
 
 __all__ = ["swiglu_backward", "swiglu_forward"]
@@ -39,6 +40,14 @@ def expert_rows(expert_offsets: Tensor, tokens: int, alignment: int) -> Tensor:
     ends = torch.cat([expert_offsets.new_zeros(1), expert_offsets])
     start = (ends[expert] + (alignment - 1)) // alignment * alignment  # its first row
     return ((expert < expert_offsets.shape[0]) & (rows >= start)).to(OFFSET_DTYPE)
+
+
+def cast_into(rows2d: Tensor, layout: str, data: Tensor, sf: Tensor) -> None:
+    """The launchers' cast of the rounded result's rows ``rows2d (T, W)`` into the op's ``data`` / ``sf``: the
+    quant family's ``per_token_cast`` op (its kernel, on the current stream), copied (not yet fused)."""
+    got_data, got_sf = per_token_cast(rows2d, layout)
+    data.copy_(got_data)
+    sf.copy_(got_sf)
 
 
 def _check_options(err: OpError, x: Tensor, tokens: int, routing_weight, routed_scaling_factor, clamp,

@@ -15,8 +15,8 @@ Per-row sums: each task writes one 8-fp32 partial row ``[sum dy * act, #g > c, #
 partials reduced with ``vcadd``; the counts are exact in fp32); the launcher adds a row's partials over its hidden
 tiles in ascending order (one tile up to H = 16384) and the counts over the rows as int64. No atomics.
 
-The fused cast is the quant family's ``per_token_cast`` kernel on the rounded result and a quantized ``x`` is
-dequantized by ``cast_back`` to fp32 first, as on CUDA.
+The cast (``layout``) is the quant family's ``per_token_cast`` op on the rounded result, not yet fused, and a
+quantized ``x`` is dequantized by the ``cast_back`` op to fp32 first, as on CUDA.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
@@ -31,10 +31,9 @@ from .... import limits
 from ....norm import swiglu as swiglu_op
 from ....norm._common import rows
 from ....policy import ASCEND_CASE_CORES
+from ....quant import cast_back
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import _build, num_vector_cores
-from ..quant.cast_back import cast_back
-from ..quant.per_token_cast import per_token_cast
 
 LANES = 64  # fp32 lanes of one 256-byte vector register
 # UB kept free of the tile formula's count (buffer alignment in the merged UB pool, the small per-row buffers)
@@ -372,7 +371,7 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
         counted = valid.to(torch.int64).sum() if expert_offsets is not None else x.new_tensor(tokens, dtype=torch.int64)
         clamped_count += torch.cat([partials[:, :, 1:4].to(torch.int64).sum((0, 1)), (counted * hidden).reshape(1)])
     if layout is not None:
-        per_token_cast(y2, layout, None, None, data, sf)
+        swiglu_op.cast_into(y2, layout, data, sf)
 
 
 def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment, recompute,
@@ -382,8 +381,7 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
     the cast of ``grad_x``'s rows."""
     hidden = grad_y.shape[-1]
     if x_sf is not None:
-        x2 = x.new_empty(x.shape, dtype=torch.float32)
-        cast_back(x, x_sf, x_layout, torch.float32, x2)
+        x2 = cast_back(x, x_sf, x_layout, torch.float32)
     else:
         x2 = rows(x)
     tokens = x2.shape[0]
@@ -401,7 +399,7 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
             total = total + partials[:, tile, 0]
         torch.mul(total, float(routed_scaling_factor), out=grad_routing_weight)
     if layout is not None:
-        per_token_cast(gx2, layout, None, None, data, sf)
+        swiglu_op.cast_into(gx2, layout, data, sf)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)

@@ -12,9 +12,10 @@ Math (the peer's order): ``silu = g / (1 + exp(-g))`` (``expf``, IEEE division),
 Padding rows (a 0 in ``valid``, the expert segments' row flags that the launcher derives) are not read: their
 zero loads with ``w = 1`` give +0 everywhere (the clamp is positive), the routing weight's gradient is selected 0.
 
-The fused cast is the quant family's ``per_token_cast`` kernel on the rounded result (the contract's bytes by
-construction); a quantized ``x`` is dequantized to fp32 by ``cast_back`` first (``fl(f32(data) * s)``, exact in
-fp32, so the math is the same as a fused dequantization). ``T`` and the row strides are dynamic.
+The cast (``layout``) is the quant family's ``per_token_cast`` op on the rounded result (the contract's bytes by
+construction), not yet fused into these kernels; a quantized ``x`` is dequantized to fp32 by the ``cast_back`` op
+first (``fl(f32(data) * s)``, exact in fp32: the same math as a fused dequantization). ``T`` and the row strides are
+dynamic.
 """
 
 import dataclasses
@@ -24,9 +25,8 @@ import torch
 from ....limits import NORM_HIDDEN, LimitError
 from ....norm import swiglu as swiglu_op
 from ....norm._common import rows
+from ....quant import cast_back
 from ..._kernel import Kernel, compile_key, kernel_module
-from ..quant.cast_back import cast_back
-from ..quant.per_token_cast import per_token_cast
 
 # bytes of one vector access of a row
 VEC_BYTES = 16
@@ -340,7 +340,7 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
     if clamped_count is not None:
         clamped_count += counts.sum(0, dtype=torch.int64)
     if layout is not None:
-        per_token_cast(y2, layout, None, None, data, sf)
+        swiglu_op.cast_into(y2, layout, data, sf)
 
 
 def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment, recompute,
@@ -349,8 +349,7 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
     ``grad_routing_weight`` and ``y``, then the cast of ``grad_x``'s rows into ``data`` / ``sf``."""
     hidden = grad_y.shape[-1]
     if x_sf is not None:
-        x2 = x.new_empty(x.shape, dtype=torch.float32)
-        cast_back(x, x_sf, x_layout, torch.float32, x2)
+        x2 = cast_back(x, x_sf, x_layout, torch.float32)
     else:
         x2 = rows(x)
     tokens = x2.shape[0]
@@ -362,7 +361,7 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
                            row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight,
                            float(routed_scaling_factor), float(clamp or 0.0))
     if layout is not None:
-        per_token_cast(gx2, layout, None, None, data, sf)
+        swiglu_op.cast_into(gx2, layout, data, sf)
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)
