@@ -369,7 +369,10 @@ def test_launchers_pass_the_views_the_kernels_declare(backend, tokens, monkeypat
     kernel, key, args = seen[-1]
     _check_views(kernel, key, args, tokens)
     assert key.weighted and key.clamped and key.counted and key.masked
-    assert casts[-1][0] == "cast" and casts[-1][1][0].shape == (tokens, 256)
+    if backend == "cuda":  # the cast fused: data and the scales' buffer passed to the kernel, y not written
+        assert (key.group, key.writes_y) == (128, True) and args[5] is outputs["data"] and not casts
+    else:
+        assert casts[-1][0] == "cast" and casts[-1][1][0].shape == (tokens, 256)
     partials = args[4]
     if backend == "cuda":  # uninitialized counts (the kernel did not run): the launcher adds their column sums
         assert torch.equal(call["clamped_count"] - before, partials.sum(0, dtype=torch.int64))
@@ -490,6 +493,34 @@ def test_device_forward(device, dtype, variant, seed):
                 assert_bitwise(sf, want[1])
             again = ops.swiglu_forward(**{**dev, "clamped_count": None})
             assert_bitwise(again[0], y)
+            if dev["layout"] is not None:  # the cast alone: the same bytes
+                alone = ops.swiglu_forward(**{**dev, "clamped_count": None, "with_y": False})
+                assert alone[0].shape == (0,)
+                assert_bitwise(alone[1], data)
+                assert_bitwise(alone[2], sf)
+
+
+CAST_LAYOUTS = ["1x128/e4m3/fp32/row/exact", "1x128/e4m3/ue8m0/col_tma/round", "1x32/e4m3/ue8m0/row/round",
+                "1x16/e4m3/e4m3/col_tma/exact", "1x64/e4m3/fp32/row/round", "1x32/e2m1/ue8m0/row/round",
+                "1x16/e2m1/e4m3/col_tma/exact"]
+
+
+@requires_device
+@pytest.mark.parametrize("layout", CAST_LAYOUTS)
+def test_device_forward_cast_layouts(device, layout, seed):
+    """The fused cast of every kind (formats, scales, storages, groups 16 to 128) bitwise the quant reference of the
+    kernel's own y, with y and alone, from bf16 and fp32, ragged token counts and padding rows."""
+    for dtype in (BF16, F32):
+        for hidden, tokens in ((128, 7), (4096, 4133)):
+            call = _to(swiglu_forward_call(tokens, hidden, seed=seed, dtype=dtype, layout=layout, experts=True,
+                                           count=False), device)
+            y, data, sf = ops.swiglu_forward(**call)
+            want = quant_ref_module().per_token_cast_ref(y.cpu().reshape(tokens, hidden), layout)
+            assert_bitwise(data, want[0])
+            assert_bitwise(sf, want[1])
+            alone = ops.swiglu_forward(**{**call, "with_y": False})
+            assert_bitwise(alone[1], data)
+            assert_bitwise(alone[2], sf)
 
 
 @requires_device

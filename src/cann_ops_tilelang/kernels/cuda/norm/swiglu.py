@@ -12,8 +12,9 @@ Math (the peer's order): ``silu = g / (1 + exp(-g))`` (``expf``, IEEE division),
 Padding rows (a 0 in ``valid``, the expert segments' row flags that the launcher derives) are not read: their
 zero loads with ``w = 1`` give +0 everywhere (the clamp is positive), the routing weight's gradient is selected 0.
 
-The cast (``layout``) is the quant family's ``per_token_cast`` op on the rounded result (the contract's bytes by
-construction), not yet fused into these kernels; a quantized ``x`` is dequantized to fp32 by the ``cast_back`` op
+The forward's cast (``layout``) is fused: each lane casts its rounded ``y`` vector in the registers, as the quant
+family's ``per_token_cast`` kernel casts a row (its scale arithmetic, ``group_scale``); ``y`` is written only with
+``with_y``. The backward's cast is the ``per_token_cast`` op on the rounded ``grad_x`` (not yet fused); a quantized ``x`` is dequantized to fp32 by the ``cast_back`` op
 first (``fl(f32(data) * s)``, exact in fp32: the same math as a fused dequantization). ``T`` and the row strides are
 dynamic.
 """
@@ -25,8 +26,9 @@ import torch
 from ....limits import NORM_HIDDEN, LimitError
 from ....norm import swiglu as swiglu_op
 from ....norm._common import rows
-from ....quant import cast_back
+from ....quant import ScaleLayout, cast_back
 from ..._kernel import Kernel, compile_key, kernel_module
+from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
 
 # bytes of one vector access of a row
 VEC_BYTES = 16
@@ -60,6 +62,12 @@ class ForwardKey:
     clamped: bool  # the clamp
     counted: bool  # the clamp counters
     masked: bool  # expert segments (row flags)
+    group: int = 0  # the fused cast's layout (group 0: no cast)
+    fmt: str = ""
+    sf: str = ""
+    storage: str = ""
+    round_sf: bool = False
+    writes_y: bool = True  # False: the cast alone (no with_y)
 
 
 @compile_key
@@ -82,11 +90,18 @@ def _dtype(where: str, name: str) -> str:
     return name
 
 
-def forward_key(x, routing_weight, clamp, clamped_count, expert_offsets) -> ForwardKey:
+def forward_key(x, routing_weight, clamp, clamped_count, expert_offsets, layout=None, with_y=False) -> ForwardKey:
+    cast = {}
+    if layout is not None:
+        spec = ScaleLayout.parse(layout)
+        if spec.kind != "per_token":
+            raise LimitError(f"swiglu_forward: the cast's layout must be per-token, got {spec.spec}")
+        cast = dict(group=spec.block[1], fmt=spec.fmt, sf=spec.sf, storage=spec.storage, round_sf=spec.round_sf,
+                    writes_y=bool(with_y))
     return ForwardKey(hidden=NORM_HIDDEN.require("swiglu_forward", x.shape[-1] // 2),
                       in_dtype=_dtype("swiglu_forward", DTYPES.get(x.dtype, str(x.dtype))),
                       weighted=routing_weight is not None, clamped=clamp is not None,
-                      counted=clamped_count is not None, masked=expert_offsets is not None)
+                      counted=clamped_count is not None, masked=expert_offsets is not None, **cast)
 
 
 def backward_key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute) -> BackwardKey:
@@ -104,10 +119,14 @@ def _row_params(T, hidden: int, in_dtype: str, vec: int):
     return T.dynamic("num_tokens"), nvec, steps
 
 
-def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bool, counted: bool, masked: bool):
-    """prim_func ``(x (T, 2H) strided, y (T, H), routing_weight (n_w,), valid (n_v,) int32, counts (n_c, 4) int32,
-    routed_scaling_factor, clamp)``: the optional tensors are read or written only where the key says so (the
-    launcher passes empty ones otherwise)."""
+def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bool, counted: bool, masked: bool,
+                         group: int = 0, fmt: str = "", sf: str = "", storage: str = "", round_sf: bool = False,
+                         writes_y: bool = True):
+    """prim_func ``(x (T, 2H) strided, y (n_y, H), routing_weight (n_w,), valid (n_v,) int32, counts (n_c, 4) int32,
+    [data, sf_out,] routed_scaling_factor, clamp)``: the optional tensors are read or written only where the key says
+    so (the launcher passes empty ones otherwise). With a cast (``group > 0``) each lane's rounded ``y`` vector is
+    cast in the registers: a group of ``g`` channels is ``g / V`` consecutive lanes, its amax a xor butterfly, its
+    scale and data the quant family's arithmetic (``group_scale``), the scale stored by the group's first lane."""
     from tilelang import language as T
 
     H = NORM_HIDDEN.require("swiglu_forward", hidden)
@@ -116,14 +135,35 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
     U, warps = ROW_PLAN.unroll, ROW_PLAN.warps
     num_tokens, nvec, steps = _row_params(T, H, in_dtype, V)
     x_stride = T.dynamic("x_stride")
-    n_w, n_v, n_c = T.dynamic("n_w"), T.dynamic("n_v"), T.dynamic("n_c")
+    n_y, n_w, n_v, n_c = T.dynamic("n_y"), T.dynamic("n_w"), T.dynamic("n_v"), T.dynamic("n_c")
     f32, i32 = T.float32, T.int32
+    cast = group > 0
+    if cast:
+        ScaleLayout((1, group), fmt, sf, storage, round_sf)  # the layout's own checks
+        lanes = group // V
+        if lanes < 1 or lanes > WARP or H % group:
+            raise LimitError(f"swiglu_forward: a cast group of {group} must be 1 to 32 vectors of {V} and divide H "
+                             f"= {H}")
+        levels, nk = lanes.bit_length() - 1, H // group
+        words, pad = -(-nk // 4), (4 - nk % 4) % 4  # UE8M0 words per token, zero bytes after the last scale
+        scale_of = group_scale(T, fmt, sf, round_sf)
+        e2m1 = fmt == "e2m1"
+        data_param = T.Tensor((num_tokens, H // 2 if e2m1 else H), T.uint8 if e2m1 else T.float8_e4m3fn)
+        sf_arg = sf_param(T, storage, sf, nk, num_tokens, "sf_stride")
 
-    @T.prim_func
-    def swiglu_forward_cuda(x: T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype),
-                            y: T.Tensor((num_tokens, H), in_dtype), routing_weight: T.Tensor((n_w,), f32),
-                            valid: T.Tensor((n_v,), i32), counts: T.Tensor((n_c, COUNTERS), i32),
-                            routed_scaling_factor: f32, clamp: f32):
+    @T.macro
+    def store_scale(sf_out, t, gi, value):
+        sf_out[sf_index(storage, sf, t, gi)] = value
+        if sf == "ue8m0" and pad:
+            if gi == nk - 1:
+                for b in T.unroll(pad):
+                    if storage == "row":
+                        sf_out[t, nk + b] = T.uint8(0)
+                    else:
+                        sf_out[words - 1, t * 4 + 4 - pad + b] = T.uint8(0)
+
+    @T.macro
+    def body(x, y, routing_weight, valid, counts, data, sf_out, routed_scaling_factor, clamp):
         T.assume(x_stride % V == 0)  # rows start on 16 bytes (the op checks it): the loads are vectors
         with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
             tid = T.get_thread_binding()
@@ -137,6 +177,9 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
             w = T.alloc_local((1,), f32)
             ok = T.alloc_local((1,), i32)
             cnt = T.alloc_local((3,), i32)
+            yv = T.alloc_local((V,), f32)  # the cast: the rounded y widened, then scaled
+            amax = T.alloc_local((1,), f32)
+            scale = T.alloc_local((4,), f32)  # a, a / max, s, inv
             if t < num_tokens:
                 ok[0] = valid[t] if masked else 1
                 w[0] = T.float32(1)  # padding rows keep 1: their zero loads give +0 results
@@ -170,9 +213,31 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
                             if weighted:
                                 u[0] = T.ieee_mul(u[0], w[0])
                             yr[k, j] = T.cast(u[0], in_dtype)
-                        if (s * U + k) * WARP + lane < nvec:
-                            for j in T.vectorized(V):
-                                y[t, ((s * U + k) * WARP + lane) * V + j] = yr[k, j]
+                        if writes_y:
+                            if (s * U + k) * WARP + lane < nvec:
+                                for j in T.vectorized(V):
+                                    y[t, ((s * U + k) * WARP + lane) * V + j] = yr[k, j]
+                        if cast:
+                            amax[0] = T.float32(0)
+                            for j in T.unroll(V):
+                                yv[j] = T.cast(yr[k, j], f32)
+                                amax[0] = T.max(amax[0], T.abs(yv[j]))
+                            for b in T.unroll(levels):
+                                amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << b))
+                            if (s * U + k) * WARP + lane < nvec:
+                                scale_of(scale, amax[0])
+                                for j in T.unroll(V):
+                                    yv[j] = T.ieee_mul(yv[j], scale[3])
+                                if e2m1:
+                                    for j in T.vectorized(V // 2):
+                                        data[t, ((s * U + k) * WARP + lane) * (V // 2) + j] = (
+                                            e2m1_encode(T, yv[2 * j]) | (e2m1_encode(T, yv[2 * j + 1]) << T.uint8(4)))
+                                else:
+                                    for j in T.vectorized(V):
+                                        data[t, ((s * U + k) * WARP + lane) * V + j] = T.cast(yv[j], T.float8_e4m3fn)
+                                if lane % lanes == 0:
+                                    store_scale(sf_out, t, ((s * U + k) * WARP + lane) // lanes,
+                                                stored_scale(T, scale[2], sf))
                 if counted:
                     for c in T.unroll(3):
                         for b in T.unroll(5):
@@ -182,6 +247,20 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
                             counts[t, c] = cnt[c]
                         counts[t, 3] = T.if_then_else(ok[0] != 0, T.int32(H), T.int32(0))
 
+    x_param = T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype)
+    if cast:
+        @T.prim_func
+        def swiglu_forward_cast_cuda(x: x_param, y: T.Tensor((n_y, H), in_dtype), routing_weight: T.Tensor((n_w,), f32),
+                                     valid: T.Tensor((n_v,), i32), counts: T.Tensor((n_c, COUNTERS), i32),
+                                     data: data_param, sf_out: sf_arg, routed_scaling_factor: f32, clamp: f32):
+            body(x, y, routing_weight, valid, counts, data, sf_out, routed_scaling_factor, clamp)
+        return swiglu_forward_cast_cuda
+
+    @T.prim_func
+    def swiglu_forward_cuda(x: x_param, y: T.Tensor((n_y, H), in_dtype), routing_weight: T.Tensor((n_w,), f32),
+                            valid: T.Tensor((n_v,), i32), counts: T.Tensor((n_c, COUNTERS), i32),
+                            routed_scaling_factor: f32, clamp: f32):
+        body(x, y, routing_weight, valid, counts, None, None, routed_scaling_factor, clamp)
     return swiglu_forward_cuda
 
 
@@ -297,8 +376,19 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
 def _forward_cases(hidden_size: int, hc_mult: int) -> dict:
     """bf16 with every option (weight, clamp and counters, expert rows) and plain fp32."""
     del hc_mult
-    return {"swiglu_forward_bf16_all": ForwardKey(hidden_size, "bfloat16", True, True, True, True),
-            "swiglu_forward_f32": ForwardKey(hidden_size, "float32", False, False, False, False)}
+    cases = {"swiglu_forward_bf16_all": ForwardKey(hidden_size, "bfloat16", True, True, True, True),
+             "swiglu_forward_f32": ForwardKey(hidden_size, "float32", False, False, False, False)}
+    # the fused cast: SM90 DeepGEMM's e4m3 1x128 fp32 scales (with y), SM100's UE8M0 col_tma and MXFP4 (the cast
+    # alone), at the sizes whose groups divide H
+    for name, spec, dtype, with_y in (("e4m3_fp32_row", "1x128/e4m3/fp32/row/exact", "bfloat16", True),
+                                      ("e4m3_ue8m0_col", "1x128/e4m3/ue8m0/col_tma/round", "float32", False),
+                                      ("e2m1_ue8m0_g32", "1x32/e2m1/ue8m0/row/round", "bfloat16", False)):
+        layout = ScaleLayout.parse(spec)
+        if hidden_size % layout.block[1] == 0:
+            cases[f"swiglu_forward_cast_{name}"] = ForwardKey(hidden_size, dtype, True, True, False, False,
+                                                              layout.block[1], layout.fmt, layout.sf,
+                                                              layout.storage, layout.round_sf, with_y)
+    return cases
 
 
 def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
@@ -326,21 +416,21 @@ def row_flags(expert_offsets, tokens: int, alignment: int, like: torch.Tensor) -
 
 def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_count, expert_offsets, alignment, layout,
                    with_y, y, data, sf) -> None:
-    """Launches the forward (``T > 0``): writes ``y`` (a scratch row buffer when the cast alone is asked for), adds
-    the row counters to ``clamped_count``, then casts ``y``'s rows into ``data`` / ``sf``."""
+    """Launches the forward (``T > 0``): writes ``y`` (unless the cast alone is asked for), the fused cast into
+    ``data`` / ``sf``, and adds the row counters to ``clamped_count``."""
     hidden = x.shape[-1] // 2
     x2 = rows(x)
     tokens = x2.shape[0]
-    y2 = y.view(tokens, hidden) if y.numel() else x.new_empty((tokens, hidden))
+    y2 = y.view(tokens, hidden) if y.numel() else x.new_empty((0, hidden))
     counts = x.new_empty((tokens if clamped_count is not None else 0, COUNTERS), dtype=torch.int32)
-    key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets)
-    FORWARD.compiled(key)(x2, y2, _optional(routing_weight, x, torch.float32),
-                          row_flags(expert_offsets, tokens, alignment, x), counts, float(routed_scaling_factor),
-                          float(clamp or 0.0))
+    key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets, layout, with_y)
+    args = [x2, y2, _optional(routing_weight, x, torch.float32), row_flags(expert_offsets, tokens, alignment, x), counts]
+    if layout is not None:  # the cast fused: its scales as the kernel takes them (col_tma transposed, UE8M0 bytes)
+        view = sf.t() if key.storage == "col_tma" else sf
+        args += [data, view.view(torch.uint8) if key.sf == "ue8m0" else view]
+    FORWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
     if clamped_count is not None:
         clamped_count += counts.sum(0, dtype=torch.int64)
-    if layout is not None:
-        swiglu_op.cast_into(y2, layout, data, sf)
 
 
 def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment, recompute,
