@@ -14,7 +14,8 @@ zero loads with ``w = 1`` give +0 everywhere (the clamp is positive), the routin
 
 The forward's cast (``layout``) is fused: each lane casts its rounded ``y`` vector in the registers, as the quant
 family's ``per_token_cast`` kernel casts a row (its scale arithmetic, ``group_scale``); ``y`` is written only with
-``with_y``. The backward's cast is the ``per_token_cast`` op on the rounded ``grad_x`` (not yet fused); a quantized ``x`` is dequantized to fp32 by the ``cast_back`` op
+``with_y``. The backward casts its rounded ``grad_g`` and ``grad_u`` vectors likewise (groups of the ``2 H`` row,
+each within a half). A quantized ``x`` is dequantized to fp32 by the ``cast_back`` op
 first (``fl(f32(data) * s)``, exact in fp32: the same math as a fused dequantization). ``T`` and the row strides are
 dynamic.
 """
@@ -82,6 +83,11 @@ class BackwardKey:
     clamped: bool
     masked: bool
     recompute: bool
+    group: int = 0  # the fused cast's layout (group 0: no cast)
+    fmt: str = ""
+    sf: str = ""
+    storage: str = ""
+    round_sf: bool = False
 
 
 def _dtype(where: str, name: str) -> str:
@@ -91,25 +97,20 @@ def _dtype(where: str, name: str) -> str:
 
 
 def forward_key(x, routing_weight, clamp, clamped_count, expert_offsets, layout=None, with_y=False) -> ForwardKey:
-    cast = {}
-    if layout is not None:
-        spec = ScaleLayout.parse(layout)
-        if spec.kind != "per_token":
-            raise LimitError(f"swiglu_forward: the cast's layout must be per-token, got {spec.spec}")
-        cast = dict(group=spec.block[1], fmt=spec.fmt, sf=spec.sf, storage=spec.storage, round_sf=spec.round_sf,
-                    writes_y=bool(with_y))
+    cast = layout_fields("swiglu_forward", layout, writes_y=bool(with_y))
     return ForwardKey(hidden=NORM_HIDDEN.require("swiglu_forward", x.shape[-1] // 2),
                       in_dtype=_dtype("swiglu_forward", DTYPES.get(x.dtype, str(x.dtype))),
                       weighted=routing_weight is not None, clamped=clamp is not None,
                       counted=clamped_count is not None, masked=expert_offsets is not None, **cast)
 
 
-def backward_key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute) -> BackwardKey:
+def backward_key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout=None) -> BackwardKey:
     return BackwardKey(hidden=NORM_HIDDEN.require("swiglu_backward", x2.shape[-1] // 2),
                        in_dtype=_dtype("swiglu_backward", DTYPES.get(x2.dtype, str(x2.dtype))),
                        out_dtype=_dtype("swiglu_backward", DTYPES.get(grad_y.dtype, str(grad_y.dtype))),
                        weighted=routing_weight is not None, clamped=clamp is not None,
-                       masked=expert_offsets is not None, recompute=bool(recompute))
+                       masked=expert_offsets is not None, recompute=bool(recompute),
+                       **layout_fields("swiglu_backward", layout))
 
 
 def _row_params(T, hidden: int, in_dtype: str, vec: int):
@@ -117,6 +118,79 @@ def _row_params(T, hidden: int, in_dtype: str, vec: int):
     nvec = hidden // vec
     steps = -(-nvec // (WARP * ROW_PLAN.unroll))
     return T.dynamic("num_tokens"), nvec, steps
+
+
+def cast_geometry(where: str, hidden: int, width: int, vec: int, group: int, fmt: str, sf: str, storage: str,
+                  round_sf: bool) -> tuple[int, int]:
+    """``(lanes, levels)`` of a fused per-token cast of rows of ``width`` channels read in vectors of ``vec``: a group
+    is ``lanes = group / vec`` consecutive lanes of a warp (1 to 32), ``levels`` its butterfly's steps; the group
+    divides ``H`` (no group straddles the gate and up halves). ``LimitError`` otherwise."""
+    ScaleLayout((1, group), fmt, sf, storage, round_sf)  # the layout's own checks
+    lanes = group // vec
+    if lanes < 1 or lanes > WARP or hidden % group or width % group:
+        raise LimitError(f"{where}: a cast group of {group} must be 1 to {WARP} vectors of {vec} and divide H = "
+                         f"{hidden}")
+    return lanes, lanes.bit_length() - 1
+
+
+def cast_macro(T, vec: int, lanes: int, levels: int, nk: int, fmt: str, sf: str, storage: str, round_sf: bool):
+    """A ``T.macro`` ``(vals, k, data, sf_out, t, vi, base, live, yv, amax, scale)`` casting the rounded vector
+    ``vals[k, :]`` (the ``vi``-th vector of a ``(T, W)`` row, ``W = nk * group``, its first channel ``base + vi *
+    vec``) as ``per_token_cast`` casts it: the vector's amax, a xor butterfly over the group's lanes (every lane takes
+    part; ``live`` lanes store), ``group_scale``'s scale and inverse, the data ``Q(fl(v * inv))`` and, from the
+    group's first lane, the scale (UE8M0 words' bytes past the last group zeroed). ``yv``, ``amax``, ``scale`` are
+    the caller's local scratch."""
+    scale_of = group_scale(T, fmt, sf, round_sf)
+    e2m1 = fmt == "e2m1"
+    words, pad = -(-nk // 4), (4 - nk % 4) % 4
+    f32 = T.float32
+
+    @T.macro
+    def cast_vector(vals, k, data, sf_out, t, vi, base, live, yv, amax, scale):
+        amax[0] = T.float32(0)
+        for j in T.unroll(vec):
+            yv[j] = T.cast(vals[k, j], f32)
+            amax[0] = T.max(amax[0], T.abs(yv[j]))
+        for b in T.unroll(levels):
+            amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << b))
+        if live:
+            scale_of(scale, amax[0])
+            for j in T.unroll(vec):
+                yv[j] = T.ieee_mul(yv[j], scale[3])
+            if e2m1:
+                for j in T.vectorized(vec // 2):
+                    data[t, (base + vi * vec) // 2 + j] = (e2m1_encode(T, yv[2 * j])
+                                                           | (e2m1_encode(T, yv[2 * j + 1]) << T.uint8(4)))
+            else:
+                for j in T.vectorized(vec):
+                    data[t, base + vi * vec + j] = T.cast(yv[j], T.float8_e4m3fn)
+            if vi % lanes == 0:
+                sf_out[sf_index(storage, sf, t, (base + vi * vec) // (lanes * vec))] = stored_scale(T, scale[2], sf)
+                if sf == "ue8m0" and pad:
+                    if (base + vi * vec) // (lanes * vec) == nk - 1:
+                        for b in T.unroll(pad):
+                            if storage == "row":
+                                sf_out[t, nk + b] = T.uint8(0)
+                            else:
+                                sf_out[words - 1, t * 4 + 4 - pad + b] = T.uint8(0)
+
+    return cast_vector
+
+
+def sf_buffer(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
+    """The scales as a fused cast's kernel takes them: col_tma the transposed padded buffer, UE8M0 words as bytes."""
+    view = sf.t() if storage == "col_tma" else sf
+    return view.view(torch.uint8) if kind == "ue8m0" else view
+
+
+def layout_fields(where: str, layout, **extra) -> dict:
+    """The key fields of a fused cast's layout (none without one)."""
+    if layout is None:
+        return {}
+    spec = ScaleLayout.parse(layout)
+    if spec.kind != "per_token":
+        raise LimitError(f"{where}: the cast's layout must be per-token, got {spec.spec}")
+    return dict(group=spec.block[1], fmt=spec.fmt, sf=spec.sf, storage=spec.storage, round_sf=spec.round_sf, **extra)
 
 
 def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bool, counted: bool, masked: bool,
@@ -139,28 +213,11 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
     f32, i32 = T.float32, T.int32
     cast = group > 0
     if cast:
-        ScaleLayout((1, group), fmt, sf, storage, round_sf)  # the layout's own checks
-        lanes = group // V
-        if lanes < 1 or lanes > WARP or H % group:
-            raise LimitError(f"swiglu_forward: a cast group of {group} must be 1 to 32 vectors of {V} and divide H "
-                             f"= {H}")
-        levels, nk = lanes.bit_length() - 1, H // group
-        words, pad = -(-nk // 4), (4 - nk % 4) % 4  # UE8M0 words per token, zero bytes after the last scale
-        scale_of = group_scale(T, fmt, sf, round_sf)
-        e2m1 = fmt == "e2m1"
-        data_param = T.Tensor((num_tokens, H // 2 if e2m1 else H), T.uint8 if e2m1 else T.float8_e4m3fn)
-        sf_arg = sf_param(T, storage, sf, nk, num_tokens, "sf_stride")
-
-    @T.macro
-    def store_scale(sf_out, t, gi, value):
-        sf_out[sf_index(storage, sf, t, gi)] = value
-        if sf == "ue8m0" and pad:
-            if gi == nk - 1:
-                for b in T.unroll(pad):
-                    if storage == "row":
-                        sf_out[t, nk + b] = T.uint8(0)
-                    else:
-                        sf_out[words - 1, t * 4 + 4 - pad + b] = T.uint8(0)
+        lanes, levels = cast_geometry("swiglu_forward", H, H, V, group, fmt, sf, storage, round_sf)
+        cast_vector = cast_macro(T, V, lanes, levels, H // group, fmt, sf, storage, round_sf)
+        data_param = T.Tensor((num_tokens, H // 2 if fmt == "e2m1" else H), T.uint8 if fmt == "e2m1" else
+                              T.float8_e4m3fn)
+        sf_arg = sf_param(T, storage, sf, H // group, num_tokens, "sf_stride")
 
     @T.macro
     def body(x, y, routing_weight, valid, counts, data, sf_out, routed_scaling_factor, clamp):
@@ -218,26 +275,8 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
                                 for j in T.vectorized(V):
                                     y[t, ((s * U + k) * WARP + lane) * V + j] = yr[k, j]
                         if cast:
-                            amax[0] = T.float32(0)
-                            for j in T.unroll(V):
-                                yv[j] = T.cast(yr[k, j], f32)
-                                amax[0] = T.max(amax[0], T.abs(yv[j]))
-                            for b in T.unroll(levels):
-                                amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << b))
-                            if (s * U + k) * WARP + lane < nvec:
-                                scale_of(scale, amax[0])
-                                for j in T.unroll(V):
-                                    yv[j] = T.ieee_mul(yv[j], scale[3])
-                                if e2m1:
-                                    for j in T.vectorized(V // 2):
-                                        data[t, ((s * U + k) * WARP + lane) * (V // 2) + j] = (
-                                            e2m1_encode(T, yv[2 * j]) | (e2m1_encode(T, yv[2 * j + 1]) << T.uint8(4)))
-                                else:
-                                    for j in T.vectorized(V):
-                                        data[t, ((s * U + k) * WARP + lane) * V + j] = T.cast(yv[j], T.float8_e4m3fn)
-                                if lane % lanes == 0:
-                                    store_scale(sf_out, t, ((s * U + k) * WARP + lane) // lanes,
-                                                stored_scale(T, scale[2], sf))
+                            cast_vector(yr, k, data, sf_out, t, (s * U + k) * WARP + lane, 0,
+                                        (s * U + k) * WARP + lane < nvec, yv, amax, scale)
                 if counted:
                     for c in T.unroll(3):
                         for b in T.unroll(5):
@@ -265,9 +304,11 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
 
 
 def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: bool, clamped: bool, masked: bool,
-                          recompute: bool):
+                          recompute: bool, group: int = 0, fmt: str = "", sf: str = "", storage: str = "",
+                          round_sf: bool = False):
     """prim_func ``(x (T, 2H) strided, grad_y (T, H) strided, grad_x (T, 2H), y (n_y, H), routing_weight (n_w,),
-    valid (n_v,) int32, grad_routing_weight (n_w,), routed_scaling_factor, clamp)``."""
+    valid (n_v,) int32, grad_routing_weight (n_w,), [data, sf_out,] routed_scaling_factor, clamp)``; with a cast
+    (``group > 0``) each lane casts its rounded grad_g and grad_u vectors (the groups of the ``2 H`` row)."""
     from tilelang import language as T
 
     H = NORM_HIDDEN.require("swiglu_backward", hidden)
@@ -282,12 +323,17 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
     x_align = VEC_BYTES // ELEMENT_BYTES[in_dtype]
     gy_align = VEC_BYTES // ELEMENT_BYTES[out_dtype]
 
-    @T.prim_func
-    def swiglu_backward_cuda(x: T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype),
-                             grad_y: T.StridedTensor((num_tokens, H), (gy_stride, 1), out_dtype),
-                             grad_x: T.Tensor((num_tokens, 2 * H), out_dtype), y: T.Tensor((n_y, H), out_dtype),
-                             routing_weight: T.Tensor((n_w,), f32), valid: T.Tensor((n_v,), i32),
-                             grad_routing_weight: T.Tensor((n_w,), f32), routed_scaling_factor: f32, clamp: f32):
+    cast = group > 0
+    if cast:
+        lanes, levels = cast_geometry("swiglu_backward", H, 2 * H, V, group, fmt, sf, storage, round_sf)
+        cast_vector = cast_macro(T, V, lanes, levels, 2 * H // group, fmt, sf, storage, round_sf)
+        data_param = T.Tensor((num_tokens, H if fmt == "e2m1" else 2 * H), T.uint8 if fmt == "e2m1" else
+                              T.float8_e4m3fn)
+        sf_arg = sf_param(T, storage, sf, 2 * H // group, num_tokens, "sf_stride")
+
+    @T.macro
+    def body(x, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out, routed_scaling_factor,
+             clamp):
         T.assume(x_stride % x_align == 0)
         T.assume(gy_stride % gy_align == 0)
         with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
@@ -304,6 +350,9 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
             w = T.alloc_local((1,), f32)
             acc = T.alloc_local((1,), f32)
             ok = T.alloc_local((1,), i32)
+            yv = T.alloc_local((V,), f32)  # the cast's scratch
+            amax = T.alloc_local((1,), f32)
+            scale = T.alloc_local((4,), f32)
             if t < num_tokens:
                 ok[0] = valid[t] if masked else 1
                 w[0] = T.float32(1)  # padding rows keep 1: their zero loads give +0 results
@@ -363,6 +412,11 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                             if recompute:
                                 for j in T.vectorized(V):
                                     y[t, ((s * U + k) * WARP + lane) * V + j] = yr[k, j]
+                        if cast:
+                            cast_vector(ggr, k, data, sf_out, t, (s * U + k) * WARP + lane, 0,
+                                        (s * U + k) * WARP + lane < nvec, yv, amax, scale)
+                            cast_vector(gur, k, data, sf_out, t, (s * U + k) * WARP + lane, H,
+                                        (s * U + k) * WARP + lane < nvec, yv, amax, scale)
                 if weighted:
                     for b in T.unroll(5):
                         acc[0] = acc[0] + T.shfl_xor(acc[0], 1 << b)
@@ -370,6 +424,25 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                         grad_routing_weight[t] = T.if_then_else(ok[0] != 0, acc[0] * routed_scaling_factor,
                                                                 T.float32(0))
 
+    x_param = T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype)
+    gy_param = T.StridedTensor((num_tokens, H), (gy_stride, 1), out_dtype)
+    if cast:
+        @T.prim_func
+        def swiglu_backward_cast_cuda(x: x_param, grad_y: gy_param, grad_x: T.Tensor((num_tokens, 2 * H), out_dtype),
+                                      y: T.Tensor((n_y, H), out_dtype), routing_weight: T.Tensor((n_w,), f32),
+                                      valid: T.Tensor((n_v,), i32), grad_routing_weight: T.Tensor((n_w,), f32),
+                                      data: data_param, sf_out: sf_arg, routed_scaling_factor: f32, clamp: f32):
+            body(x, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out,
+                 routed_scaling_factor, clamp)
+        return swiglu_backward_cast_cuda
+
+    @T.prim_func
+    def swiglu_backward_cuda(x: x_param, grad_y: gy_param, grad_x: T.Tensor((num_tokens, 2 * H), out_dtype),
+                             y: T.Tensor((n_y, H), out_dtype), routing_weight: T.Tensor((n_w,), f32),
+                             valid: T.Tensor((n_v,), i32), grad_routing_weight: T.Tensor((n_w,), f32),
+                             routed_scaling_factor: f32, clamp: f32):
+        body(x, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, None, None, routed_scaling_factor,
+             clamp)
     return swiglu_backward_cuda
 
 
@@ -396,7 +469,14 @@ def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
     del hc_mult
     return {"swiglu_backward_bf16_all": BackwardKey(hidden_size, "bfloat16", "bfloat16", True, True, True, True),
             "swiglu_backward_quantized": BackwardKey(hidden_size, "float32", "bfloat16", True, False, False, False),
-            "swiglu_backward_f32": BackwardKey(hidden_size, "float32", "float32", False, False, False, False)}
+            "swiglu_backward_f32": BackwardKey(hidden_size, "float32", "float32", False, False, False, False),
+            # the fused cast of grad_x: UE8M0 1x64 (groups dividing every H), and the peer's FP8 path (a dequantized
+            # x, e4m3 1x128 fp32 scales) where 128 divides H
+            "swiglu_backward_cast_ue8m0_g64": BackwardKey(hidden_size, "bfloat16", "bfloat16", True, True, True, False,
+                                                          64, "e4m3", "ue8m0", "row", True),
+            **({"swiglu_backward_cast_quantized": BackwardKey(hidden_size, "float32", "bfloat16", True, True, False,
+                                                              False, 128, "e4m3", "fp32", "row", False)}
+               if hidden_size % 128 == 0 else {})}
 
 
 FORWARD = Kernel("swiglu_forward", ForwardKey, build_swiglu_forward, cases=_forward_cases, derive=forward_key)
@@ -425,9 +505,8 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
     counts = x.new_empty((tokens if clamped_count is not None else 0, COUNTERS), dtype=torch.int32)
     key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets, layout, with_y)
     args = [x2, y2, _optional(routing_weight, x, torch.float32), row_flags(expert_offsets, tokens, alignment, x), counts]
-    if layout is not None:  # the cast fused: its scales as the kernel takes them (col_tma transposed, UE8M0 bytes)
-        view = sf.t() if key.storage == "col_tma" else sf
-        args += [data, view.view(torch.uint8) if key.sf == "ue8m0" else view]
+    if layout is not None:  # the cast fused
+        args += [data, sf_buffer(sf, key.storage, key.sf)]
     FORWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
     if clamped_count is not None:
         clamped_count += counts.sum(0, dtype=torch.int64)
@@ -436,7 +515,7 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
 def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment, recompute,
                     x_sf, x_layout, layout, grad_x, grad_routing_weight, y, data, sf) -> None:
     """Launches the backward (``T > 0``): a quantized ``x`` dequantized to fp32 rows first, then ``grad_x``,
-    ``grad_routing_weight`` and ``y``, then the cast of ``grad_x``'s rows into ``data`` / ``sf``."""
+    ``grad_routing_weight``, ``y`` and the fused cast of ``grad_x``'s rows into ``data`` / ``sf``."""
     hidden = grad_y.shape[-1]
     if x_sf is not None:
         x2 = cast_back(x, x_sf, x_layout, torch.float32)
@@ -446,12 +525,12 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
     gy2 = rows(grad_y)
     gx2 = grad_x.view(tokens, 2 * hidden)
     y2 = y.view(tokens, hidden) if recompute else grad_y.new_empty((0, hidden))
-    key = BACKWARD.key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute)
-    BACKWARD.compiled(key)(x2, gy2, gx2, y2, _optional(routing_weight, x2, torch.float32),
-                           row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight,
-                           float(routed_scaling_factor), float(clamp or 0.0))
-    if layout is not None:
-        swiglu_op.cast_into(gx2, layout, data, sf)
+    key = BACKWARD.key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout)
+    args = [x2, gy2, gx2, y2, _optional(routing_weight, x2, torch.float32),
+            row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight]
+    if layout is not None:  # the cast fused
+        args += [data, sf_buffer(sf, key.storage, key.sf)]
+    BACKWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, FORWARD, BACKWARD)
