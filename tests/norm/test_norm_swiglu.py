@@ -383,7 +383,7 @@ def test_launchers_pass_the_views_the_kernels_declare(backend, tokens, monkeypat
     _check_views(kernel, key, args, tokens)
     assert (key.in_dtype, key.out_dtype, key.recompute) == ("float32", "bfloat16", True)
     if backend == "cuda":
-        assert key.group == 128 and args[7] is outputs["data"] and [c[0] for c in casts] == ["cast_back"]
+        assert key.group == 64 and args[7] is outputs["data"] and [c[0] for c in casts] == ["cast_back"]
     else:
         assert [c[0] for c in casts[-2:]] == ["cast_back", "cast"]
     assert len({k for _, k, _ in seen}) == 2  # neither T nor a stride is in the keys
