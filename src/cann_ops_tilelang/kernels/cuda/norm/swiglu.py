@@ -15,9 +15,8 @@ zero loads with ``w = 1`` give +0 everywhere (the clamp is positive), the routin
 The forward's cast (``layout``) is fused: each lane casts its rounded ``y`` vector in the registers, as the quant
 family's ``per_token_cast`` kernel casts a row (its scale arithmetic, ``group_scale``); ``y`` is written only with
 ``with_y``. The backward casts its rounded ``grad_g`` and ``grad_u`` vectors likewise (groups of the ``2 H`` row,
-each within a half). A quantized ``x`` is dequantized to fp32 by the ``cast_back`` op
-first (``fl(f32(data) * s)``, exact in fp32: the same math as a fused dequantization). ``T`` and the row strides are
-dynamic.
+each within a half). A quantized ``x`` (e4m3 data with per-token scales) is dequantized in the kernel, each vector
+``fl(f32(data) * sx)`` with its group's scale, as ``cast_back`` does. ``T`` and the row strides are dynamic.
 """
 
 import dataclasses
@@ -27,14 +26,15 @@ import torch
 from ....limits import NORM_HIDDEN, LimitError
 from ....norm import swiglu as swiglu_op
 from ....norm._common import rows
-from ....quant import ScaleLayout, cast_back
+from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
-from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
+from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale, ue8m0_decode
 
 # bytes of one vector access of a row
 VEC_BYTES = 16
-DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "e4m3"}
 ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
+QUANTIZED_BYTES = 1  # an e4m3 x
 WARP = 32
 # the clamp counters the kernel writes per row: gate > c, up > c, up < -c, the row's counted elements
 COUNTERS = swiglu_op.COUNTERS
@@ -88,6 +88,9 @@ class BackwardKey:
     sf: str = ""
     storage: str = ""
     round_sf: bool = False
+    x_group: int = 0  # a quantized x (in_dtype "e4m3"): its layout's group, scale kind and storage
+    x_sf: str = ""
+    x_storage: str = ""
 
 
 def _dtype(where: str, name: str) -> str:
@@ -104,13 +107,19 @@ def forward_key(x, routing_weight, clamp, clamped_count, expert_offsets, layout=
                       counted=clamped_count is not None, masked=expert_offsets is not None, **cast)
 
 
-def backward_key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout=None) -> BackwardKey:
+def backward_key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout=None,
+                 x_layout=None) -> BackwardKey:
+    quantized = {}
+    if x_layout is not None:
+        spec = layout_fields("swiglu_backward", x_layout)
+        quantized = dict(x_group=spec["group"], x_sf=spec["sf"], x_storage=spec["storage"])
     return BackwardKey(hidden=NORM_HIDDEN.require("swiglu_backward", x2.shape[-1] // 2),
-                       in_dtype=_dtype("swiglu_backward", DTYPES.get(x2.dtype, str(x2.dtype))),
+                       in_dtype="e4m3" if x_layout is not None else
+                       _dtype("swiglu_backward", DTYPES.get(x2.dtype, str(x2.dtype))),
                        out_dtype=_dtype("swiglu_backward", DTYPES.get(grad_y.dtype, str(grad_y.dtype))),
                        weighted=routing_weight is not None, clamped=clamp is not None,
                        masked=expert_offsets is not None, recompute=bool(recompute),
-                       **layout_fields("swiglu_backward", layout))
+                       **layout_fields("swiglu_backward", layout), **quantized)
 
 
 def _row_params(T, hidden: int, in_dtype: str, vec: int):
@@ -305,22 +314,32 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
 
 def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: bool, clamped: bool, masked: bool,
                           recompute: bool, group: int = 0, fmt: str = "", sf: str = "", storage: str = "",
-                          round_sf: bool = False):
+                          round_sf: bool = False, x_group: int = 0, x_sf: str = "", x_storage: str = ""):
     """prim_func ``(x (T, 2H) strided, grad_y (T, H) strided, grad_x (T, 2H), y (n_y, H), routing_weight (n_w,),
-    valid (n_v,) int32, grad_routing_weight (n_w,), [data, sf_out,] routed_scaling_factor, clamp)``; with a cast
-    (``group > 0``) each lane casts its rounded grad_g and grad_u vectors (the groups of the ``2 H`` row)."""
+    valid (n_v,) int32, grad_routing_weight (n_w,), [data, sf_out,] routed_scaling_factor, clamp)``, with
+    ``x_sf`` after ``x`` for a quantized x (``in_dtype`` "e4m3": each vector's values ``fl(f32(data) * sx)``, ``sx``
+    its group's scale decoded, as ``cast_back`` dequantizes); with a cast (``group > 0``) each lane casts its rounded
+    grad_g and grad_u vectors (the groups of the ``2 H`` row)."""
     from tilelang import language as T
 
     H = NORM_HIDDEN.require("swiglu_backward", hidden)
-    _dtype("swiglu_backward", in_dtype)
+    quantized = in_dtype == "e4m3"
+    if quantized:
+        ScaleLayout((1, x_group), "e4m3", x_sf, x_storage, x_sf == "ue8m0")  # the input layout's own checks
+    else:
+        _dtype("swiglu_backward", in_dtype)
     _dtype("swiglu_backward", out_dtype)
-    V = VEC_BYTES // max(ELEMENT_BYTES[in_dtype], ELEMENT_BYTES[out_dtype])
+    in_bytes = QUANTIZED_BYTES if quantized else ELEMENT_BYTES[in_dtype]
+    V = VEC_BYTES // max(in_bytes, ELEMENT_BYTES[out_dtype])
+    if quantized and (x_group % V or (2 * H) % x_group):
+        raise LimitError(f"swiglu_backward: the input group {x_group} must be whole vectors of {V} and divide 2 H")
+    x_dtype = T.float8_e4m3fn if quantized else in_dtype
     U, warps = ROW_PLAN.unroll, ROW_PLAN.warps
     num_tokens, nvec, steps = _row_params(T, H, in_dtype, V)
     x_stride, gy_stride = T.dynamic("x_stride"), T.dynamic("grad_y_stride")
     n_y, n_w, n_v = T.dynamic("n_y"), T.dynamic("n_w"), T.dynamic("n_v")
     f32, i32 = T.float32, T.int32
-    x_align = VEC_BYTES // ELEMENT_BYTES[in_dtype]
+    x_align = VEC_BYTES // in_bytes
     gy_align = VEC_BYTES // ELEMENT_BYTES[out_dtype]
 
     cast = group > 0
@@ -331,17 +350,24 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                               T.float8_e4m3fn)
         sf_arg = sf_param(T, storage, sf, 2 * H // group, num_tokens, "sf_stride")
 
+    def decode(value):
+        """The fp32 scale of a stored input scale: fp32 as is, e4m3 widened, a UE8M0 byte as its power of two."""
+        if x_sf == "ue8m0":
+            return ue8m0_decode(T, value)
+        return T.cast(value, f32) if x_sf == "e4m3" else value
+
     @T.macro
-    def body(x, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out, routed_scaling_factor,
-             clamp):
+    def body(x, x_scales, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out,
+             routed_scaling_factor, clamp):
         T.assume(x_stride % x_align == 0)
         T.assume(gy_stride % gy_align == 0)
         with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
             tid = T.get_thread_binding()
             lane = tid % WARP
             t = bid * warps + tid // WARP
-            gr = T.alloc_local((U, V), in_dtype)
-            ur = T.alloc_local((U, V), in_dtype)
+            gr = T.alloc_local((U, V), x_dtype)
+            ur = T.alloc_local((U, V), x_dtype)
+            sx = T.alloc_local((U, 2), f32)  # a quantized x: the scales of the gate and up vectors
             dr = T.alloc_local((U, V), out_dtype)
             ggr = T.alloc_local((U, V), out_dtype)
             gur = T.alloc_local((U, V), out_dtype)
@@ -368,15 +394,26 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                                 ur[k, j] = x[t, H + ((s * U + k) * WARP + lane) * V + j]
                             for j in T.vectorized(V):
                                 dr[k, j] = grad_y[t, ((s * U + k) * WARP + lane) * V + j]
+                            if quantized:
+                                sx[k, 0] = decode(x_scales[sf_index(x_storage, x_sf, t, (((s * U + k) * WARP + lane)
+                                                                                         * V) // x_group)])
+                                sx[k, 1] = decode(x_scales[sf_index(x_storage, x_sf, t, (H + ((s * U + k) * WARP
+                                                                                              + lane) * V) // x_group)])
                         else:
                             for j in T.vectorized(V):
-                                gr[k, j] = T.cast(0, in_dtype)
-                                ur[k, j] = T.cast(0, in_dtype)
+                                gr[k, j] = T.cast(0, x_dtype)
+                                ur[k, j] = T.cast(0, x_dtype)
                                 dr[k, j] = T.cast(0, out_dtype)
+                            if quantized:
+                                sx[k, 0] = T.float32(0)
+                                sx[k, 1] = T.float32(0)
                     for k in T.unroll(U):
                         for j in T.unroll(V):
                             v[0] = T.cast(gr[k, j], f32)
                             v[1] = T.cast(ur[k, j], f32)
+                            if quantized:  # cast_back's value, one IEEE product
+                                v[0] = T.ieee_mul(v[0], sx[k, 0])
+                                v[1] = T.ieee_mul(v[1], sx[k, 1])
                             v[2] = T.cast(dr[k, j], f32)
                             v[7] = T.float32(1)  # 1 where the gate is not clamped
                             v[6] = T.float32(1)  # 1 where up is not clamped
@@ -424,25 +461,44 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                         grad_routing_weight[t] = T.if_then_else(ok[0] != 0, acc[0] * routed_scaling_factor,
                                                                 T.float32(0))
 
-    x_param = T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), in_dtype)
+    x_param = T.StridedTensor((num_tokens, 2 * H), (x_stride, 1), x_dtype)
     gy_param = T.StridedTensor((num_tokens, H), (gy_stride, 1), out_dtype)
+    gx_param, y_param = T.Tensor((num_tokens, 2 * H), out_dtype), T.Tensor((n_y, H), out_dtype)
+    # one buffer object per parameter: a shared one makes TileLang take two parameters for one buffer
+    w_param, v_param, gw_param = T.Tensor((n_w,), f32), T.Tensor((n_v,), i32), T.Tensor((n_w,), f32)
+    if quantized:
+        xs_param = sf_param(T, x_storage, x_sf, 2 * H // x_group, num_tokens, "x_sf_stride")
+        if cast:
+            @T.prim_func
+            def swiglu_backward_quantized_cast_cuda(x: x_param, x_sf: xs_param, grad_y: gy_param, grad_x: gx_param,
+                                                    y: y_param, routing_weight: w_param, valid: v_param,
+                                                    grad_routing_weight: gw_param, data: data_param, sf_out: sf_arg,
+                                                    routed_scaling_factor: f32, clamp: f32):
+                body(x, x_sf, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out,
+                     routed_scaling_factor, clamp)
+            return swiglu_backward_quantized_cast_cuda
+
+        @T.prim_func
+        def swiglu_backward_quantized_cuda(x: x_param, x_sf: xs_param, grad_y: gy_param, grad_x: gx_param,
+                                           y: y_param, routing_weight: w_param, valid: v_param,
+                                           grad_routing_weight: gw_param, routed_scaling_factor: f32, clamp: f32):
+            body(x, x_sf, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, None, None,
+                 routed_scaling_factor, clamp)
+        return swiglu_backward_quantized_cuda
     if cast:
         @T.prim_func
-        def swiglu_backward_cast_cuda(x: x_param, grad_y: gy_param, grad_x: T.Tensor((num_tokens, 2 * H), out_dtype),
-                                      y: T.Tensor((n_y, H), out_dtype), routing_weight: T.Tensor((n_w,), f32),
-                                      valid: T.Tensor((n_v,), i32), grad_routing_weight: T.Tensor((n_w,), f32),
+        def swiglu_backward_cast_cuda(x: x_param, grad_y: gy_param, grad_x: gx_param, y: y_param,
+                                      routing_weight: w_param, valid: v_param, grad_routing_weight: gw_param,
                                       data: data_param, sf_out: sf_arg, routed_scaling_factor: f32, clamp: f32):
-            body(x, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out,
+            body(x, None, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, data, sf_out,
                  routed_scaling_factor, clamp)
         return swiglu_backward_cast_cuda
 
     @T.prim_func
-    def swiglu_backward_cuda(x: x_param, grad_y: gy_param, grad_x: T.Tensor((num_tokens, 2 * H), out_dtype),
-                             y: T.Tensor((n_y, H), out_dtype), routing_weight: T.Tensor((n_w,), f32),
-                             valid: T.Tensor((n_v,), i32), grad_routing_weight: T.Tensor((n_w,), f32),
-                             routed_scaling_factor: f32, clamp: f32):
-        body(x, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, None, None, routed_scaling_factor,
-             clamp)
+    def swiglu_backward_cuda(x: x_param, grad_y: gy_param, grad_x: gx_param, y: y_param, routing_weight: w_param,
+                             valid: v_param, grad_routing_weight: gw_param, routed_scaling_factor: f32, clamp: f32):
+        body(x, None, grad_y, grad_x, y, routing_weight, valid, grad_routing_weight, None, None,
+             routed_scaling_factor, clamp)
     return swiglu_backward_cuda
 
 
@@ -465,17 +521,19 @@ def _forward_cases(hidden_size: int, hc_mult: int) -> dict:
 
 
 def _backward_cases(hidden_size: int, hc_mult: int) -> dict:
-    """bf16 with every option, a dequantized (fp32) x with bf16 gradients, plain fp32."""
+    """bf16 with every option, a quantized x (UE8M0 col_tma scales) with bf16 gradients, plain fp32."""
     del hc_mult
     return {"swiglu_backward_bf16_all": BackwardKey(hidden_size, "bfloat16", "bfloat16", True, True, True, True),
-            "swiglu_backward_quantized": BackwardKey(hidden_size, "float32", "bfloat16", True, False, False, False),
+            "swiglu_backward_quantized": BackwardKey(hidden_size, "e4m3", "bfloat16", True, False, False, False,
+                                                     x_group=64, x_sf="ue8m0", x_storage="col_tma"),
             "swiglu_backward_f32": BackwardKey(hidden_size, "float32", "float32", False, False, False, False),
             # the fused cast of grad_x: UE8M0 1x64 (groups dividing every H), and the peer's FP8 path (a dequantized
             # x, e4m3 1x128 fp32 scales) where 128 divides H
             "swiglu_backward_cast_ue8m0_g64": BackwardKey(hidden_size, "bfloat16", "bfloat16", True, True, True, False,
                                                           64, "e4m3", "ue8m0", "row", True),
-            **({"swiglu_backward_cast_quantized": BackwardKey(hidden_size, "float32", "bfloat16", True, True, False,
-                                                              False, 128, "e4m3", "fp32", "row", False)}
+            **({"swiglu_backward_cast_quantized": BackwardKey(hidden_size, "e4m3", "bfloat16", True, True, False,
+                                                              False, 128, "e4m3", "fp32", "row", False, 128, "fp32",
+                                                              "row")}
                if hidden_size % 128 == 0 else {})}
 
 
@@ -514,20 +572,18 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
 
 def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment, recompute,
                     x_sf, x_layout, layout, grad_x, grad_routing_weight, y, data, sf) -> None:
-    """Launches the backward (``T > 0``): a quantized ``x`` dequantized to fp32 rows first, then ``grad_x``,
-    ``grad_routing_weight``, ``y`` and the fused cast of ``grad_x``'s rows into ``data`` / ``sf``."""
+    """Launches the backward (``T > 0``): ``grad_x``, ``grad_routing_weight``, ``y`` and the fused cast of
+    ``grad_x``'s rows into ``data`` / ``sf``; a quantized ``x`` is dequantized in the kernel."""
     hidden = grad_y.shape[-1]
-    if x_sf is not None:
-        x2 = cast_back(x, x_sf, x_layout, torch.float32)
-    else:
-        x2 = rows(x)
+    x2 = x if x_sf is not None else rows(x)  # a quantized x: its data, dequantized in the kernel
     tokens = x2.shape[0]
     gy2 = rows(grad_y)
     gx2 = grad_x.view(tokens, 2 * hidden)
     y2 = y.view(tokens, hidden) if recompute else grad_y.new_empty((0, hidden))
-    key = BACKWARD.key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout)
-    args = [x2, gy2, gx2, y2, _optional(routing_weight, x2, torch.float32),
-            row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight]
+    key = BACKWARD.key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout, x_layout)
+    args = [x2] + ([sf_buffer(x_sf, key.x_storage, key.x_sf)] if x_sf is not None else [])
+    args += [gy2, gx2, y2, _optional(routing_weight, x2, torch.float32),
+             row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight]
     if layout is not None:  # the cast fused
         args += [data, sf_buffer(sf, key.storage, key.sf)]
     BACKWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
