@@ -186,6 +186,25 @@ def cast_macro(T, vec: int, lanes: int, levels: int, nk: int, fmt: str, sf: str,
     return cast_vector
 
 
+def gate_up_loader(T, hidden: int, vec: int, dtype):
+    """A ``T.macro`` ``(x, gr, ur, t, k, col, live)`` loading the gate and up vectors of row ``t`` at column ``col``
+    into ``gr[k, :]`` / ``ur[k, :]`` (zeros where not ``live``: past the row's end, or a padding row)."""
+
+    @T.macro
+    def load(x, gr, ur, t, k, col, live):
+        if live:
+            for j in T.vectorized(vec):
+                gr[k, j] = x[t, col + j]
+            for j in T.vectorized(vec):
+                ur[k, j] = x[t, hidden + col + j]
+        else:
+            for j in T.vectorized(vec):
+                gr[k, j] = T.cast(0, dtype)
+                ur[k, j] = T.cast(0, dtype)
+
+    return load
+
+
 def sf_buffer(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
     """The scales as a fused cast's kernel takes them: col_tma the transposed padded buffer, UE8M0 words as bytes."""
     view = sf.t() if storage == "col_tma" else sf
@@ -219,6 +238,7 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
     num_tokens, nvec, steps = _row_params(T, H, in_dtype, V)
     x_stride = T.dynamic("x_stride")
     n_y, n_w, n_v, n_c = T.dynamic("n_y"), T.dynamic("n_w"), T.dynamic("n_v"), T.dynamic("n_c")
+    load = gate_up_loader(T, H, V, in_dtype)
     f32, i32 = T.float32, T.int32
     cast = group > 0
     if cast:
@@ -255,15 +275,8 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
                     cnt[c] = 0
                 for s in T.serial(steps):
                     for k in T.unroll(U):
-                        if (s * U + k) * WARP + lane < nvec and ok[0] != 0:
-                            for j in T.vectorized(V):
-                                gr[k, j] = x[t, ((s * U + k) * WARP + lane) * V + j]
-                            for j in T.vectorized(V):
-                                ur[k, j] = x[t, H + ((s * U + k) * WARP + lane) * V + j]
-                        else:
-                            for j in T.vectorized(V):
-                                gr[k, j] = T.cast(0, in_dtype)
-                                ur[k, j] = T.cast(0, in_dtype)
+                        load(x, gr, ur, t, k, ((s * U + k) * WARP + lane) * V,
+                             (s * U + k) * WARP + lane < nvec and ok[0] != 0)
                     for k in T.unroll(U):
                         for j in T.unroll(V):
                             g[0] = T.cast(gr[k, j], f32)
@@ -334,6 +347,7 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
     if quantized and (x_group % V or (2 * H) % x_group):
         raise LimitError(f"swiglu_backward: the input group {x_group} must be whole vectors of {V} and divide 2 H")
     x_dtype = T.float8_e4m3fn if quantized else in_dtype
+    load = gate_up_loader(T, H, V, x_dtype)
     U, warps = ROW_PLAN.unroll, ROW_PLAN.warps
     num_tokens, nvec, steps = _row_params(T, H, in_dtype, V)
     x_stride, gy_stride = T.dynamic("x_stride"), T.dynamic("grad_y_stride")
@@ -387,11 +401,9 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                 acc[0] = T.float32(0)
                 for s in T.serial(steps):
                     for k in T.unroll(U):
+                        load(x, gr, ur, t, k, ((s * U + k) * WARP + lane) * V,
+                             (s * U + k) * WARP + lane < nvec and ok[0] != 0)
                         if (s * U + k) * WARP + lane < nvec and ok[0] != 0:
-                            for j in T.vectorized(V):
-                                gr[k, j] = x[t, ((s * U + k) * WARP + lane) * V + j]
-                            for j in T.vectorized(V):
-                                ur[k, j] = x[t, H + ((s * U + k) * WARP + lane) * V + j]
                             for j in T.vectorized(V):
                                 dr[k, j] = grad_y[t, ((s * U + k) * WARP + lane) * V + j]
                             if quantized:
@@ -401,8 +413,6 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
                                                                                               + lane) * V) // x_group)])
                         else:
                             for j in T.vectorized(V):
-                                gr[k, j] = T.cast(0, x_dtype)
-                                ur[k, j] = T.cast(0, x_dtype)
                                 dr[k, j] = T.cast(0, out_dtype)
                             if quantized:
                                 sx[k, 0] = T.float32(0)
