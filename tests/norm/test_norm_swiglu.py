@@ -312,7 +312,7 @@ def test_cuda_compiles_to_sm90a_cubin(hidden, kernel, name):
     # the contract's arithmetic: expf, IEEE division and products; the rows read in 16-byte vectors
     assert "expf(" in src and "__fdiv_rn(" in src and "__fmul_rn(" in src
     # x's rows in 16-byte vectors (8 bytes of e4m3 for a quantized x: one vector per bf16 gradient vector)
-    assert any(f"*({kind}*)(x + " in src for kind in ("uint4", "float4", "uint2"))
+    assert any(f"*({kind}*)(x + " in src for kind in ("uint4", "float4", "fp8_e4_8_t"))
     if getattr(key, "weighted", False) and kernel is cuda_swiglu.BACKWARD or getattr(key, "counted", False):
         assert "__shfl_xor_sync(" in src  # the per-row sums: a butterfly, no atomics
     assert "atomic" not in src.lower()

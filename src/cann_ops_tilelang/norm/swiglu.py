@@ -43,8 +43,8 @@ def expert_rows(expert_offsets: Tensor, tokens: int, alignment: int) -> Tensor:
 
 
 def cast_into(rows2d: Tensor, layout: str, data: Tensor, sf: Tensor) -> None:
-    """The launchers' cast of the rounded result's rows ``rows2d (T, W)`` into the op's ``data`` / ``sf``: the
-    quant family's ``per_token_cast`` op (its kernel, on the current stream), copied (not yet fused)."""
+    """The Ascend launchers' cast of the rounded result's rows ``rows2d (T, W)`` into the op's ``data`` / ``sf``:
+    the quant family's ``per_token_cast`` op (its kernel, on the current stream), copied (not fused there yet)."""
     got_data, got_sf = per_token_cast(rows2d, layout)
     data.copy_(got_data)
     sf.copy_(got_sf)
@@ -72,8 +72,8 @@ def _check_options(err: OpError, x: Tensor, tokens: int, routing_weight, routed_
 
 def _check_cast(err: OpError, layout, hidden: int, width: int):
     """The per-token layout of the fused cast of rows of ``width`` channels (``H`` or ``2 H``) whose group divides
-    ``H`` (no group straddles the gate and up halves); the cast is the quant family's per-token cast, whose row
-    widths are ``limits.QUANT_HIDDEN``."""
+    ``H`` (no group straddles the gate and up halves); on Ascend the cast is the quant family's per-token cast,
+    whose row widths are ``limits.QUANT_HIDDEN``, and both backends take the same arguments."""
     spec = check_cast_layout(err, "layout", layout, hidden)
     if width not in limits.QUANT_HIDDEN:
         raise err.value("layout", f"expected a cast of rows of {limits.QUANT_HIDDEN.describe()} channels (the "
