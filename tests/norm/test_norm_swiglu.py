@@ -538,6 +538,8 @@ def test_device_backward(device, dtype, variant, seed):
     options = {"plain": dict(weighted=False, clamp=None, layout=None, recompute=False), "all": dict(experts=True),
                "quantized": dict(quantized="1x128/e4m3/fp32/row/exact", experts=True)}[variant]
     for hidden in DEVICE_HIDDEN:
+        if variant == "quantized" and 2 * hidden > limits.QUANT_HIDDEN.high:
+            continue  # a quantized x's rows are per-token cast rows: 2 H <= 32768
         for tokens in DEVICE_TOKENS:
             call = swiglu_backward_call(tokens, hidden, seed=seed + tokens, dtype=dtype, **options)
             dev = _to(call, device)
