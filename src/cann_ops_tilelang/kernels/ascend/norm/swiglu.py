@@ -128,6 +128,29 @@ def _dist(dtype: str) -> str:
     return "PK_B32" if dtype == "bfloat16" else "NORM_B32"
 
 
+def row_loaders(weighted: bool, masked: bool):
+    """``(row_inputs, row_factors)``: a ``T.macro`` ``(routing_weight, valid, w_ub, v_ub, t)`` copying row ``t``'s
+    weight and flag into the UB (where the key has them), and ``row_factors(w_ub, v_ub, one, f)`` returning the
+    broadcast ``fl(weight * f)`` (None without a weight) and the row's live-lane mask (None without segments): a
+    padding row computes on zeros with ``w = 1``, giving +0 results and no counts."""
+
+    @T.macro
+    def row_inputs(routing_weight, valid, w_ub, v_ub, t):
+        if weighted:
+            T.copy(routing_weight[t : t + 1], w_ub[:1])
+        if masked:
+            T.copy(valid[t : t + 1], v_ub[:1])
+
+    def row_factors(w_ub, v_ub, one, factor):
+        w = S.vmuls(S.vld(w_ub[0], dist="BRC_B32"), factor) if weighted else None
+        live = S.vcmps(S.vld(v_ub[0], dist="BRC_B32"), 0.0, op="gt") if masked else None
+        if weighted and masked:
+            w = S.vsel(w, one, live)
+        return w, live
+
+    return row_inputs, row_factors
+
+
 def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bool, counted: bool, masked: bool,
                          num_cores: int):
     """prim_func ``(x (T, 2H) strided, y (T, H), routing_weight (n_w,), valid (n_v,) int32, partials (n_p, tiles,
@@ -139,6 +162,7 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
     num_tokens, x_stride = T.dynamic("num_tokens"), T.dynamic("x_stride")
     n_w, n_v, n_p = T.dynamic("n_w"), T.dynamic("n_v"), T.dynamic("n_p")
     f32 = T.float32
+    row_inputs, row_factors = row_loaders(weighted, masked)
 
     @T.prim_func
     def swiglu_forward_asc(x: T.StridedTensor[(num_tokens, 2 * H), (x_stride, 1), in_dtype],
@@ -153,27 +177,23 @@ def build_swiglu_forward(hidden: int, in_dtype: str, weighted: bool, clamped: bo
             v_ub = T.alloc_shared((PARTIAL,), f32)
             p_ub = T.alloc_shared((PARTIAL,), f32)
             versions = {g_ub: stages, u_ub: stages, y_ub: stages}
-            if counted:
-                versions[p_ub] = stages
+            # the row's weight and flag too: the next task's copies must not overwrite what this one reads
+            for buffer, used in ((p_ub, counted), (w_ub, weighted), (v_ub, masked)):
+                if used:
+                    versions[buffer] = stages
             T.annotate_buffer_versions(versions)
             for t, ht in T.Persistent([num_tokens, n_tiles], num_cores, core_id, group_size=1, num_stages=stages):
                 h0 = ht * hk
                 T.copy(x[t, h0 : h0 + hk], g_ub, l2_cache_ctrl="NOTALLOC_KEEP")
                 T.copy(x[t, H + h0 : H + h0 + hk], u_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                if weighted:
-                    T.copy(routing_weight[t : t + 1], w_ub[:1])
-                if masked:
-                    T.copy(valid[t : t + 1], v_ub[:1])
+                row_inputs(routing_weight, valid, w_ub, v_ub, t)
                 with T.SimdVF():
                     zero = S.vdup(0.0, f32)
                     one = S.vdup(1.0, f32)
                     w = S.alloc_local((1,), f32)
+                    wv, live = row_factors(w_ub, v_ub, one, routed_scaling_factor)
                     if weighted:
-                        w[0] = S.vmuls(S.vld(w_ub[0], dist="BRC_B32"), routed_scaling_factor)
-                    if masked:  # a padding row computes on zeros with w = 1: +0 results, no counts
-                        live = S.vcmps(S.vld(v_ub[0], dist="BRC_B32"), 0.0, op="gt")
-                        if weighted:
-                            w[0] = S.vsel(w[0], one, live)
+                        w[0] = wv
                     cnt = S.alloc_local((3,), f32)
                     for i in T.unroll(3, explicit=True):
                         cnt[i] = zero
@@ -216,6 +236,7 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
     num_tokens, x_stride, gy_stride = T.dynamic("num_tokens"), T.dynamic("x_stride"), T.dynamic("grad_y_stride")
     n_y, n_w, n_v, n_p = T.dynamic("n_y"), T.dynamic("n_w"), T.dynamic("n_v"), T.dynamic("n_p")
     f32 = T.float32
+    row_inputs, row_factors = row_loaders(weighted, masked)
 
     @T.prim_func
     def swiglu_backward_asc(x: T.StridedTensor[(num_tokens, 2 * H), (x_stride, 1), in_dtype],
@@ -235,30 +256,23 @@ def build_swiglu_backward(hidden: int, in_dtype: str, out_dtype: str, weighted: 
             v_ub = T.alloc_shared((PARTIAL,), f32)
             p_ub = T.alloc_shared((PARTIAL,), f32)
             versions = {g_ub: stages, u_ub: stages, dy_ub: stages, gg_ub: stages, gu_ub: stages}
-            if recompute:
-                versions[y_ub] = stages
-            if weighted:
-                versions[p_ub] = stages
+            for buffer, used in ((y_ub, recompute), (p_ub, weighted), (w_ub, weighted), (v_ub, masked)):
+                if used:
+                    versions[buffer] = stages
             T.annotate_buffer_versions(versions)
             for t, ht in T.Persistent([num_tokens, n_tiles], num_cores, core_id, group_size=1, num_stages=stages):
                 h0 = ht * hk
                 T.copy(x[t, h0 : h0 + hk], g_ub, l2_cache_ctrl="NOTALLOC_KEEP")
                 T.copy(x[t, H + h0 : H + h0 + hk], u_ub, l2_cache_ctrl="NOTALLOC_KEEP")
                 T.copy(grad_y[t, h0 : h0 + hk], dy_ub, l2_cache_ctrl="NOTALLOC_KEEP")
-                if weighted:
-                    T.copy(routing_weight[t : t + 1], w_ub[:1])
-                if masked:
-                    T.copy(valid[t : t + 1], v_ub[:1])
+                row_inputs(routing_weight, valid, w_ub, v_ub, t)
                 with T.SimdVF():
                     zero = S.vdup(0.0, f32)
                     one = S.vdup(1.0, f32)
                     w = S.alloc_local((1,), f32)
+                    wv, live = row_factors(w_ub, v_ub, one, routed_scaling_factor)
                     if weighted:
-                        w[0] = S.vmuls(S.vld(w_ub[0], dist="BRC_B32"), routed_scaling_factor)
-                    if masked:  # a padding row computes on zeros with w = 1: +0 results
-                        live = S.vcmps(S.vld(v_ub[0], dist="BRC_B32"), 0.0, op="gt")
-                        if weighted:
-                            w[0] = S.vsel(w[0], one, live)
+                        w[0] = wv
                     acc = S.alloc_local((1,), f32)
                     acc[0] = zero
                     f = S.alloc_local((1,), f32)
