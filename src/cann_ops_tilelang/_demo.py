@@ -1,26 +1,41 @@
 """A small language model built from the package's modules, for the main command and the tests: an embedding,
-attention-free sublayers (FFNs) wrapped in mHC, one Engram gate, the mHC head and an LM head, trained on a
-synthetic next-token task whose loss can go down."""
+attention-free sublayers (RMSNorm + SwiGLU FFNs) wrapped in mHC, one Engram gate, the mHC head and an LM head,
+trained on a synthetic next-token task whose loss can go down. ``norms="torch"`` builds the same model with
+``torch.nn.RMSNorm`` and a PyTorch SwiGLU (the comparison of docs/perf/norm_training.md)."""
 
 import time
 
 import torch
 from torch import nn
 
-from .modeling import EngramGate, MHCHead, MHCSublayer, expand_from_embedding
+from .modeling import EngramGate, MHCHead, MHCSublayer, RMSNorm, SwiGLU, expand_from_embedding
 
 __all__ = ["SmallModel", "synthetic_batch", "train"]
 
 
+class _TorchSwiGLU(nn.Module):
+    def forward(self, x):
+        gate, up = x.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def _norm_and_act(norms: str):
+    """The RMSNorm class and the SwiGLU module of ``norms``: ``"ours"`` (the norm family's) or ``"torch"``."""
+    if norms not in ("ours", "torch"):
+        raise ValueError(f"SmallModel: norms must be 'ours' or 'torch', got {norms!r}")
+    return (RMSNorm, SwiGLU()) if norms == "ours" else (nn.RMSNorm, _TorchSwiGLU())
+
+
 class _FFN(nn.Module):
-    def __init__(self, hidden: int, device=None):
+    def __init__(self, hidden: int, device=None, norms: str = "ours"):
         super().__init__()
-        self.up = nn.Linear(hidden, 2 * hidden, device=device, dtype=torch.bfloat16)
-        self.down = nn.Linear(2 * hidden, hidden, device=device, dtype=torch.bfloat16)
-        self.norm = nn.RMSNorm(hidden, device=device, dtype=torch.bfloat16)
+        norm, self.act = _norm_and_act(norms)
+        self.norm = norm(hidden, device=device, dtype=torch.bfloat16)
+        self.up = nn.Linear(hidden, 2 * hidden, device=device, dtype=torch.bfloat16)  # [gate | up]
+        self.down = nn.Linear(hidden, hidden, device=device, dtype=torch.bfloat16)
 
     def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return self.down(self.act(self.up(self.norm(x))))
 
 
 class SmallModel(nn.Module):
@@ -28,14 +43,16 @@ class SmallModel(nn.Module):
     after the first (its keys and value projected from the token's embedding, a stand-in for the Engram
     tables), the mHC head, RMSNorm and the LM head."""
 
-    def __init__(self, vocab: int = 256, hidden: int = 512, layers: int = 3, device=None):
+    def __init__(self, vocab: int = 256, hidden: int = 512, layers: int = 3, device=None, norms: str = "ours"):
         super().__init__()
+        norm, _ = _norm_and_act(norms)
         self.embed = nn.Embedding(vocab, hidden, device=device, dtype=torch.bfloat16)
-        self.blocks = nn.ModuleList(MHCSublayer(hidden, _FFN(hidden, device), device=device) for _ in range(layers))
+        self.blocks = nn.ModuleList(MHCSublayer(hidden, _FFN(hidden, device, norms), device=device)
+                                    for _ in range(layers))
         self.kv = nn.Linear(hidden, 5 * hidden, device=device, dtype=torch.bfloat16)
         self.gate = EngramGate(hidden, device=device)
         self.head = MHCHead(hidden, device=device)
-        self.norm = nn.RMSNorm(hidden, device=device, dtype=torch.bfloat16)
+        self.norm = norm(hidden, device=device, dtype=torch.bfloat16)
         self.lm_head = nn.Linear(hidden, vocab, device=device, dtype=torch.bfloat16)
 
     def forward(self, ids):

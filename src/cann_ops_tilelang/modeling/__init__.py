@@ -1,9 +1,11 @@
-"""Autograd functions and modules over the ops: the Engram gate, the mHC training chain and the FP8 linear layer."""
+"""Autograd functions and modules over the ops: the Engram gate, the mHC training chain, RMSNorm / LayerNorm / SwiGLU
+and the FP8 linear layer."""
 
 from .engram import Engram, ngram_token_ids
 from .engram_gate import EngramGate, engram_gate
 from .mhc import (MHCHead, MHCSublayer, expand_from_embedding, mhc_head, mhc_multilayer_recompute, mhc_post, mhc_pre,
                   mhc_recompute_chunk)
+from .norm import LayerNorm, RMSNorm, SwiGLU, add_rms_norm, layer_norm, rms_norm, swiglu
 
 # fp8_linear's names load on first use: its module imports Dynamo (torch.compile's constant), which imports
 # torch.distributed.tensor, and importing the package must not (tests/test_dtensor.py)
@@ -24,4 +26,5 @@ def __getattr__(name: str):
 
 __all__ = ["Engram", "EngramGate", "FP8Linear", "fp8_linear", "fp8_linear_gemm", "ngram_token_ids",
            "MHCHead", "MHCSublayer", "engram_gate", "expand_from_embedding", "mhc_head",
-           "mhc_multilayer_recompute", "mhc_post", "mhc_pre", "mhc_recompute_chunk"]
+           "mhc_multilayer_recompute", "mhc_post", "mhc_pre", "mhc_recompute_chunk",
+           "LayerNorm", "RMSNorm", "SwiGLU", "add_rms_norm", "layer_norm", "rms_norm", "swiglu"]

@@ -5,5 +5,7 @@ the quant family; one module per op pair.
 
 from .layer_norm import layer_norm_backward, layer_norm_forward
 from .rms_norm import rms_norm_backward, rms_norm_forward
+from .swiglu import swiglu_backward, swiglu_forward
 
-__all__ = ["layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward"]
+__all__ = ["layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward", "swiglu_backward",
+           "swiglu_forward"]
