@@ -29,6 +29,10 @@ __all__ = [
     "MHC_RECOMPUTE_LAYERS",
     "MHC_RMS_GROUPS",
     "MHC_SINKHORN_REPEAT",
+    "MOE_EXPERTS",
+    "MOE_HIDDEN",
+    "MOE_HIDDEN_SIZES",
+    "MOE_TOPK",
     "NORM_ELEMENTS",
     "NORM_HIDDEN",
     "NORM_HIDDEN_SIZES",
@@ -207,3 +211,13 @@ NORM_HIDDEN = IntRange("a hidden size", 64, 32768, multiple_of=64)
 NORM_HIDDEN_SIZES = (64, 2048, 4096, 7168, 32768)
 # both backends index rows with int32 element offsets: T times the row pitch stays below 2**31
 NORM_ELEMENTS = IntRange("elements T * row pitch", 0, 2**31 - 1)
+
+# MoE routing (both backends): E routed experts per token's score row, up to 512 (DeepSeek-V3's 256, the peer's 72
+# and room for replicas); k experts picked per token, with the shared experts appended k + shared <= 32 (one
+# warp's lanes on CUDA, one id per lane).
+MOE_EXPERTS = IntRange("an expert count E", 1, 512)
+MOE_TOPK = IntRange("a top-k count k", 1, 32)
+# the family's "hidden size" is the expert count E (hidden_sizes, the kernel manifest and the example calls draw
+# the family's sizes by this name): the range's low edge, the peer's 72, DeepSeek-V3's 256 and the high edge
+MOE_HIDDEN = MOE_EXPERTS
+MOE_HIDDEN_SIZES = (1, 72, 256, 512)
