@@ -1,6 +1,7 @@
 """Example calls of the MoE routing ops, the family's cases registry (read through tests/_plugins/cases.py): for each
 op ``<op>_call(tokens, hidden, *, seed=0, device="cpu", ...)`` returns a valid call by argument name in schema
-order. The family's "hidden size" is the expert count ``E`` (``limits.MOE_HIDDEN``).
+order. The gates do not read the hidden size (``hidden`` is ignored): their sizes are the expert count ``E`` and
+``k``, options of the calls.
 """
 
 import torch
@@ -11,8 +12,8 @@ F32 = torch.float32
 
 # the family's ops as registered, not listed here (each has an <op>_call below: tests/test_example_calls.py)
 OPS = [name for name, public in ops.registered_ops().items() if public.declaration.family == "moe"]
-# the k of the example calls where E allows it (DeepSeek-V3's)
-TOPK = 8
+# E and k of the example calls (DeepSeek-V3's)
+EXPERTS, TOPK = 256, 8
 
 
 def scores(tokens, experts, *, seed=0, ties=False):
@@ -30,15 +31,14 @@ def weights(tokens, k, *, seed=0):
     return torch.rand(tokens, k, generator=gen) * torch.exp(torch.randn(tokens, 1, generator=gen) * 4)
 
 
-def topk_gate_call(tokens, hidden, *, seed=0, device="cpu", k=None, int32=False, ties=False):
-    """Scores ``(T, E = hidden)`` and ``k`` (default ``min(8, E)``)."""
-    return {"scores": scores(tokens, hidden, seed=seed, ties=ties).to(device), "k": min(TOPK, hidden) if k is None else k,
-            "int32": int32}
+def topk_gate_call(tokens, hidden, *, seed=0, device="cpu", experts=EXPERTS, k=TOPK, int32=False, ties=False):
+    """Scores ``(T, E)``, ``k`` and the id dtype's flag."""
+    return {"scores": scores(tokens, experts, seed=seed, ties=ties).to(device), "k": k, "int32": int32}
 
 
-def normalize_weight_call(tokens, hidden, *, seed=0, device="cpu", k=None):
-    """Routing weights ``(T, k)``, ``k`` (default ``min(8, E)``, ``E = hidden``)."""
-    return {"topk_weights": weights(tokens, min(TOPK, hidden) if k is None else k, seed=seed).to(device)}
+def normalize_weight_call(tokens, hidden, *, seed=0, device="cpu", k=TOPK):
+    """Routing weights ``(T, k)``."""
+    return {"topk_weights": weights(tokens, k, seed=seed).to(device)}
 
 
 # one dim larger, each stays valid (E is free above k, k is free up to 32): their shapes are checked in the op files

@@ -1,7 +1,8 @@
 """``topk_gate`` (docs/ops/moe.md#topk_gate): validation, the fake against the reference on meta tensors, the
 reference against a brute-force oracle (ties to the smaller id), opcheck, torch.compile with a dynamic T and zero
 tokens (CPU tier, the reference as the CPU kernel); the CUDA kernel compiled to sm_90a cubins and the Ascend 950
-kernel lowered to AscendC within the UB at the expert counts that matter, their launch views and keys (CPU tier);
+kernel lowered to AscendC within the UB at the edges of E and k and the models' (E, k), their launch views and keys
+(CPU tier);
 on the device the kernel bitwise against the reference and against the peer (DeepSeek's tile_kernels) when it
 imports (device tier)."""
 
@@ -43,7 +44,7 @@ def _bad_calls():
 
 @pytest.mark.parametrize("change,error,message", _bad_calls(), ids=[str(i) for i in range(len(_bad_calls()))])
 def test_validation_names_op_and_argument(change, error, message):
-    call = {**topk_gate_call(3, 16), **change}
+    call = {**topk_gate_call(3, 64, experts=16), **change}
     with without_cpu_references(), pytest.raises(error, match=rf"cann_ops_tilelang::topk_gate: argument {message}"):
         ops.topk_gate(**call)
 
@@ -83,8 +84,8 @@ def test_ties_go_to_the_smaller_id():
 @pytest.mark.parametrize("int32", [False, True])
 def test_fake_matches_reference(int32, seed):
     for tokens in (0, 1, 5):
-        real = ops.topk_gate(**topk_gate_call(tokens, 72, seed=seed, int32=int32))
-        fake = ops.topk_gate(**topk_gate_call(tokens, 72, seed=seed, int32=int32, device="meta"))
+        real = ops.topk_gate(**topk_gate_call(tokens, 64, seed=seed, experts=72, int32=int32))
+        fake = ops.topk_gate(**topk_gate_call(tokens, 64, seed=seed, experts=72, int32=int32, device="meta"))
         assert metadata(fake) == metadata(real) == ((tokens, 8), I32 if int32 else I64, (8, 1))
         assert torch.equal(real, topk_gate_ref(scores(tokens, 72, seed=seed), 8, int32))
 
@@ -92,7 +93,7 @@ def test_fake_matches_reference(int32, seed):
 @pytest.mark.parametrize("int32", [False, True])
 @pytest.mark.parametrize("tokens", [0, 3])
 def test_opcheck(tokens, int32, seed):
-    call = topk_gate_call(tokens, 256, seed=seed, int32=int32)
+    call = topk_gate_call(tokens, 64, seed=seed, int32=int32)
     torch.library.opcheck(torch.ops.cann_ops_tilelang.topk_gate.default, tuple(call.values()))
 
 
@@ -105,7 +106,7 @@ def test_compile_fullgraph_dynamic_no_recompile(seed):
 
 
 def test_zero_tokens_launch_nothing(monkeypatch):
-    check_zero_tokens_launch_nothing(monkeypatch, "topk_gate", topk_gate_call(0, 256, int32=True))
+    check_zero_tokens_launch_nothing(monkeypatch, "topk_gate", topk_gate_call(0, 64, int32=True))
 
 
 # --- the kernels: lowering, launch views, keys (CPU tier) ----------------------------------------------------------
@@ -117,26 +118,31 @@ from cann_ops_tilelang.kernels.cuda.moe import topk_gate as cuda_topk  # noqa: E
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
-@pytest.mark.parametrize("experts,name", lowering_cases(cuda_topk))
-def test_cuda_compiles_to_sm90a_cubin(experts, name):
+@pytest.mark.parametrize("name", lowering_cases(cuda_topk))
+def test_cuda_compiles_to_sm90a_cubin(name):
     threads = 32 * cuda_topk.TOPK_GATE_PLAN.warps
-    source = check_cuda_compiles_to_sm90a_cubin(cuda_topk, experts, name, threads)
+    source = check_cuda_compiles_to_sm90a_cubin(cuda_topk, name, threads)
     # the warp's max and min: full-warp reductions, no shared memory, no atomics
     assert "tl::warp_reduce_max(" in source and "tl::warp_reduce_min(" in source and "atomic" not in source
     assert ("int* __restrict__ topk_idx" in source) == name.endswith("_int32")
 
 
-@pytest.mark.parametrize("experts,name", lowering_cases(ascend_topk))
-def test_ascend_lowers_within_ub(experts, name):
-    source = check_ascend_lowers_within_ub(ascend_topk, experts, name)
+@pytest.mark.parametrize("name", lowering_cases(ascend_topk))
+def test_ascend_lowers_within_ub(name):
+    source = check_ascend_lowers_within_ub(ascend_topk, name)
     assert ("int32_t* topk_idx" in source) == name.endswith("_int32")
 
 
-def test_cases_cover_k_edges_and_both_id_dtypes():
+def test_cases_cover_the_edges_of_e_and_k_and_both_id_dtypes():
+    """The same cases on both backends at every hidden size (the gate does not read it)."""
+    want = ["topk_gate_e1_k1", "topk_gate_e256_k8", "topk_gate_e256_k8_int32", "topk_gate_e512_k32",
+            "topk_gate_e72_k6"]
     for module in (cuda_topk, ascend_topk):
-        assert sorted(module.TOPK_GATE.case_keys(512, 4)) == [
-            "topk_gate_k1", "topk_gate_k32", "topk_gate_k8", "topk_gate_k8_int32"]
-        assert list(module.TOPK_GATE.case_keys(1, 4)) == ["topk_gate_k1"]
+        for hidden in limits.MOE_HIDDEN_SIZES:
+            keys = module.TOPK_GATE.case_keys(hidden, 4)
+            assert sorted(keys) == want
+        assert {(key.experts, key.k) for key in keys.values()} >= {(limits.MOE_EXPERTS.low, limits.MOE_TOPK.low),
+                                                                   (limits.MOE_EXPERTS.high, limits.MOE_TOPK.high)}
 
 
 @pytest.mark.parametrize("module", [cuda_topk, ascend_topk], ids=["cuda", "ascend"])
@@ -144,7 +150,8 @@ def test_launcher_passes_the_views_the_kernel_declares(module, monkeypatch):
     keys = set()
     for tokens in (1, 5):
         for int32 in (False, True):
-            key = check_launcher_views(monkeypatch, module, "topk_gate", topk_gate_call(tokens, 72, int32=int32))
+            call = topk_gate_call(tokens, 64, experts=72, int32=int32)
+            key = check_launcher_views(monkeypatch, module, "topk_gate", call)
             assert (key.experts, key.k, key.int32) == (72, 8, int32)
             keys.add(key)
     assert len(keys) == 2  # T is not in the key
@@ -177,7 +184,7 @@ def test_device_bitwise(experts, ties, device, seed):
 @requires_device
 def test_device_zero_tokens_and_opcheck(device, seed):
     assert ops.topk_gate(torch.empty(0, 256, device=device), 8).shape == (0, 8)
-    call = topk_gate_call(5, 256, seed=seed, device=device)
+    call = topk_gate_call(5, 64, seed=seed, device=device)
     torch.library.opcheck(torch.ops.cann_ops_tilelang.topk_gate.default, tuple(call.values()))
 
 

@@ -9,12 +9,16 @@ import torch
 from .. import limits
 from .._checks import OpError, check_bool, check_int, check_tensor
 
-__all__ = ["DENOMINATOR_EPS", "F32", "ID_DTYPES", "check_k", "check_rows", "id_dtype", "pairwise_steps",
-           "require_topk"]
+__all__ = ["DENOMINATOR_EPS", "F32", "ID_DTYPES", "NORMALIZE_CASES", "TOPK_CASES", "check_k", "check_rows", "id_dtype",
+           "pairwise_steps", "require_topk"]
 
 F32 = torch.float32
 # the expert ids' dtypes: int64 by default, int32 when asked (``int32=True``)
 ID_DTYPES = {False: torch.int64, True: torch.int32}
+# the variants both backends' kernels are lowered at in the CPU tier, whatever the hidden size: (E, k, int32) of
+# topk_gate (the edges of E and k, the peer's (72, 6), DeepSeek-V3's (256, 8) with both id dtypes) and k of normalize_weight
+TOPK_CASES = ((1, 1, False), (72, 6, False), (256, 8, False), (256, 8, True), (512, 32, False))
+NORMALIZE_CASES = (1, 6, 32)
 # added to the sum of a row's routing weights before dividing by it (a row of zeros gives zeros, not NaN), as the
 # peer's kernels do (docs/ops/moe.md#normalize_weight)
 DENOMINATOR_EPS = 1e-20

@@ -13,7 +13,7 @@ import tilelang  # noqa: F401  (registers the TileLang frontend before the diale
 from tilelang.ascend import language as T
 
 from ....limits import MOE_TOPK, IntRange
-from ....moe._common import DENOMINATOR_EPS, pairwise_steps
+from ....moe._common import DENOMINATOR_EPS, NORMALIZE_CASES, pairwise_steps
 from ....policy import ASCEND_CASE_CORES
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
@@ -78,7 +78,7 @@ def build_normalize_weight(k: int, num_cores: int):
 
 NORMALIZE_WEIGHT = Kernel("normalize_weight", NormalizeKey, build_normalize_weight,
                           cases=lambda hidden_size, hc_mult: {f"normalize_weight_k{k}": NormalizeKey(k, ASCEND_CASE_CORES)
-                                                              for k in (1, 6, 32)},
+                                                              for k in NORMALIZE_CASES},
                           derive=lambda topk_weights: NormalizeKey(MOE_TOPK.require("normalize_weight",
                                                                                     topk_weights.shape[1]),
                                                                    num_vector_cores()))

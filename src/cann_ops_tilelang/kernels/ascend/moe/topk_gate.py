@@ -14,6 +14,7 @@ import torch
 from tilelang.ascend import language as T
 
 from ....limits import IntRange
+from ....moe._common import TOPK_CASES as CASES
 from ....moe._common import require_topk
 from ....policy import ASCEND_CASE_CORES
 from ..._kernel import Kernel, compile_key, kernel_module
@@ -90,12 +91,10 @@ def build_topk_gate(experts: int, k: int, int32: bool, num_cores: int):
 
 
 def _cases(hidden_size: int, hc_mult: int) -> dict:
-    """At ``E = hidden_size`` on the Ascend 950's cores: the cases of the CUDA module, same names."""
-    cases = {}
-    for k, int32 in ((1, False), (8, False), (8, True), (32, False)):
-        if k <= hidden_size:
-            cases[f"topk_gate_k{k}{'_int32' if int32 else ''}"] = TopkKey(hidden_size, k, int32, ASCEND_CASE_CORES)
-    return cases
+    """Independent of the hidden size on the Ascend 950's cores (the CUDA module's names): the edges of E and k, the peer's (72, 6) and DeepSeek-V3's (256, 8)
+    with both id dtypes."""
+    return {f"topk_gate_e{e}_k{k}{'_int32' if int32 else ''}": TopkKey(e, k, int32, ASCEND_CASE_CORES)
+            for e, k, int32 in CASES}
 
 
 TOPK_GATE = Kernel("topk_gate", TopkKey, build_topk_gate, cases=_cases,

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from ....limits import MOE_TOPK
-from ....moe._common import DENOMINATOR_EPS, pairwise_steps
+from ....moe._common import DENOMINATOR_EPS, NORMALIZE_CASES, pairwise_steps
 from ..._kernel import Kernel, compile_key, kernel_module
 
 
@@ -67,7 +67,7 @@ def build_normalize_weight(k: int):
 
 NORMALIZE_WEIGHT = Kernel("normalize_weight", NormalizeKey, build_normalize_weight,
                           cases=lambda hidden_size, hc_mult: {f"normalize_weight_k{k}": NormalizeKey(k)
-                                                              for k in (1, 6, 32)},
+                                                              for k in NORMALIZE_CASES},
                           derive=lambda topk_weights: NormalizeKey(MOE_TOPK.require("normalize_weight",
                                                                                     topk_weights.shape[1])))
 

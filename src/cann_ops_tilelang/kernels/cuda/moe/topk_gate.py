@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from ....moe._common import TOPK_CASES as CASES
 from ....moe._common import require_topk
 from ..._kernel import Kernel, compile_key, kernel_module
 
@@ -92,12 +93,10 @@ def build_topk_gate(experts: int, k: int, int32: bool):
 
 
 def _cases(hidden_size: int, hc_mult: int) -> dict:
-    """At ``E = hidden_size``: ``k`` of 1, 8 (int64 and int32) and 32, those that fit in ``E``."""
-    cases = {}
-    for k, int32 in ((1, False), (8, False), (8, True), (32, False)):
-        if k <= hidden_size:
-            cases[f"topk_gate_k{k}{'_int32' if int32 else ''}"] = TopkKey(hidden_size, k, int32)
-    return cases
+    """Independent of the hidden size: the edges of E and k, the peer's (72, 6) and DeepSeek-V3's (256, 8)
+    with both id dtypes."""
+    return {f"topk_gate_e{e}_k{k}{'_int32' if int32 else ''}": TopkKey(e, k, int32)
+            for e, k, int32 in CASES}
 
 
 TOPK_GATE = Kernel(
