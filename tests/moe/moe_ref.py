@@ -23,7 +23,7 @@ def pairwise_sum(w):
     """The sum of each row of ``w (T, k <= 32)`` in fp32: the row padded with zeros to 32 lanes, then halved five
     times (lane ``j`` plus lane ``j + span``, span 16, 8, 4, 2, 1). A padded zero adds nothing: ``x + 0 == x``
     but for ``-0``, which the ``1e-20`` added next hides."""
-    acc = torch.zeros(w.shape[0], LANES, dtype=F32)
+    acc = w.new_zeros(w.shape[0], LANES)
     acc[:, : w.shape[1]] = w
     span = LANES // 2
     while span:
@@ -35,7 +35,8 @@ def pairwise_sum(w):
 def normalize_weight_ref(topk_weights):
     """``denominator = fl(1e-20 + pairwise_sum(w))``, ``normalized = fl(w / denominator)``."""
     w = topk_weights.to(F32)
-    denominator = torch.tensor(1e-20, dtype=F32) + pairwise_sum(w)
+    total = pairwise_sum(w)
+    denominator = total.new_tensor(1e-20) + total
     return denominator, w / denominator[:, None]
 
 
