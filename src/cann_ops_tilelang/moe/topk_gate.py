@@ -16,7 +16,7 @@ def topk_gate(scores: Tensor, k: int, int32: bool = False) -> Tensor:
 
     Args:
         scores: ``(T, E)`` fp32, contiguous, finite (the ids of a row holding NaN or an infinity are unspecified,
-            in ``[0, E)``); ``E`` in ``limits.MOE_EXPERTS``, any ``T >= 0``.
+            not even in range); ``E`` in ``limits.MOE_EXPERTS``, any ``T >= 0``.
         k: the experts picked per token, in ``limits.MOE_TOPK`` and at most ``E``.
         int32: int32 ids instead of int64 (torch_npu's convention).
 
