@@ -55,12 +55,16 @@ def check_cuda_compiles_to_sm90a_cubin(module, name: str, threads: int) -> str:
 
 
 def check_ascend_lowers_within_ub(module, name: str) -> str:
-    """The case lowers to AscendC within the SIMT UB budget; returns the source."""
+    """The case lowers to AscendC within the SIMT UB budget, ``T`` dynamic; returns the source."""
+    from tvm import tirx
+
     from cann_ops_tilelang.kernels.ascend import _build as ascend_build
 
     key = _case_keys(module)[name]
     kernel = next(k for k in module.KERNELS.values() if isinstance(key, k.key_type))
-    lowered = ascend_build.lower_ascendc(kernel.prim_func(key))
+    prim_func = kernel.prim_func(key)
+    assert isinstance(prim_func.buffer_map[prim_func.params[0]].shape[0], tirx.Var)
+    lowered = ascend_build.lower_ascendc(prim_func)
     assert "__global__" in lowered.source and lowered.has_simt
     assert 0 < lowered.ub_bytes <= lowered.budget_bytes, (key, lowered.ub_bytes, lowered.budget_bytes)
     return lowered.source
