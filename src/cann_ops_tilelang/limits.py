@@ -29,6 +29,10 @@ __all__ = [
     "MHC_RECOMPUTE_LAYERS",
     "MHC_RMS_GROUPS",
     "MHC_SINKHORN_REPEAT",
+    "MOE_EXPERTS",
+    "MOE_HIDDEN",
+    "MOE_HIDDEN_SIZES",
+    "MOE_TOPK",
     "NORM_ELEMENTS",
     "NORM_HIDDEN",
     "NORM_HIDDEN_SIZES",
@@ -207,3 +211,15 @@ NORM_HIDDEN = IntRange("a hidden size", 64, 32768, multiple_of=64)
 NORM_HIDDEN_SIZES = (64, 2048, 4096, 7168, 32768)
 # both backends index rows with int32 element offsets: T times the row pitch stays below 2**31
 NORM_ELEMENTS = IntRange("elements T * row pitch", 0, 2**31 - 1)
+
+# MoE routing (both backends): E routed experts per token's score row, up to 512 (DeepSeek-V3's 256, the peer's 72
+# and room for replicas); k experts picked per token, with the shared experts appended k + shared <= 32 (one
+# warp's lanes on CUDA, one id per lane).
+MOE_EXPERTS = IntRange("an expert count E", 1, 512)
+MOE_TOPK = IntRange("a top-k count k", 1, 32)
+# H, the model's hidden size: the width of the token rows the family's permutation will move (issue 63; provisional,
+# as the norms' rows until its kernels fix it). The gates do not read it: their kernels are lowered at the expert
+# counts of moe/_common.py (TOPK_CASES) whatever the hidden size (as the Engram hash's), so the sizes that matter are the low edge and
+# DeepSeek-V3's 7168 only (see hidden_sizes).
+MOE_HIDDEN = IntRange("a hidden size", 64, 32768, multiple_of=64)
+MOE_HIDDEN_SIZES = (64, 7168)

@@ -1,0 +1,46 @@
+"""Example calls of the MoE routing ops, the family's cases registry (read through tests/_plugins/cases.py): for each
+op ``<op>_call(tokens, hidden, *, seed=0, device="cpu", ...)`` returns a valid call by argument name in schema
+order. The gates do not read the hidden size (``hidden`` is ignored): their sizes are the expert count ``E`` and
+``k``, options of the calls.
+"""
+
+import torch
+
+import cann_ops_tilelang as ops
+
+F32 = torch.float32
+
+# the family's ops as registered, not listed here (each has an <op>_call below: tests/test_example_calls.py)
+OPS = [name for name, public in ops.registered_ops().items() if public.declaration.family == "moe"]
+# E and k of the example calls (DeepSeek-V3's)
+EXPERTS, TOPK = 256, 8
+
+
+def scores(tokens, experts, *, seed=0, ties=False):
+    """``(T, E)`` fp32 router scores drawn on the CPU; with ``ties`` every score is one of four values, so that most
+    picks break a tie (the smaller id first)."""
+    gen = torch.Generator().manual_seed(seed)
+    if ties:
+        return torch.randint(0, 4, (tokens, experts), generator=gen).to(F32) * 0.25
+    return torch.randn(tokens, experts, generator=gen)
+
+
+def weights(tokens, k, *, seed=0):
+    """``(T, k)`` positive fp32 routing weights of very different magnitudes from row to row."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens, k, generator=gen) * torch.exp(torch.randn(tokens, 1, generator=gen) * 4)
+
+
+def topk_gate_call(tokens, hidden, *, seed=0, device="cpu", experts=EXPERTS, k=TOPK, int32=False, ties=False):
+    """Scores ``(T, E)``, ``k`` and the id dtype's flag."""
+    return {"scores": scores(tokens, experts, seed=seed, ties=ties).to(device), "k": k, "int32": int32}
+
+
+def normalize_weight_call(tokens, hidden, *, seed=0, device="cpu", k=TOPK):
+    """Routing weights ``(T, k)``."""
+    return {"topk_weights": weights(tokens, k, seed=seed).to(device)}
+
+
+# one dim larger, each stays valid (E is free above k, k is free up to 32): their shapes are checked in the op files
+topk_gate_call.any_shape = ("scores",)
+normalize_weight_call.any_shape = ("topk_weights",)
