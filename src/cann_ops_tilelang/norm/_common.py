@@ -12,7 +12,7 @@ from .. import limits
 from .._checks import OpError, describe
 from ..quant._common import backend_of, check_layout
 
-__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "check_cast_layout", "check_like",
+__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "absent_cast", "check_cast_layout", "check_like",
            "check_rows", "pitch_of", "present", "rows", "rows_of"]
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -93,12 +93,22 @@ def check_like(err: OpError, arg: str, t, x: torch.Tensor, arg_x: str = "x", *, 
     return t
 
 
-def check_cast_layout(err: OpError, arg: str, spec, hidden: int):
-    """The per-token :class:`ScaleLayout` of a fused cast whose group divides ``hidden``."""
+def check_cast_layout(err: OpError, arg: str, spec, hidden: int, x: torch.Tensor | None = None):
+    """The per-token :class:`ScaleLayout` of a fused cast whose group divides ``hidden``. On the Ascend backend
+    (``x``'s device) the cast is the quant family's ``per_token_cast`` after the norm, so ``hidden`` must also be in
+    ``limits.QUANT_HIDDEN`` there: refused here, before anything is written."""
     layout = check_layout(err, arg, spec, ("per_token",))
     if hidden % layout.block[1]:
         raise err.value(arg, f"expected a group dividing H = {hidden}, got {spec!r} (groups of {layout.block[1]})")
+    if x is not None and backend_of(x) == "ascend" and hidden not in limits.QUANT_HIDDEN:
+        raise err.value(arg, f"expected H {limits.QUANT_HIDDEN.describe()} for a cast on the Ascend backend (the "
+                             f"per_token_cast op's rows), got H = {hidden}")
     return layout
+
+
+def absent_cast(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(data, sf)`` of an op asked for no cast: ``(0,)`` float8_e4m3fn and fp32 empties (conventions)."""
+    return like.new_empty((0,), dtype=torch.float8_e4m3fn), like.new_empty((0,), dtype=F32)
 
 
 def rows_of(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._checks import OpError, check_bool, check_float, check_same_device, check_tensor, describe
 from .._library import declare
-from ._common import F32, backend_of, check_cast_layout, check_like, check_rows
+from ._common import F32, absent_cast, backend_of, check_cast_layout, check_like, check_rows
 
 __all__ = ["layer_norm_backward", "layer_norm_forward"]
 
@@ -72,13 +72,13 @@ def layer_norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tenso
     if residual is not None:
         check_like(err, "residual", residual, x)
     check_bool(err, "with_y", with_y)
-    spec = None if layout is None else check_cast_layout(err, "layout", layout, hidden)
+    spec = None if layout is None else check_cast_layout(err, "layout", layout, hidden, x)
     stats = tuple(x.shape[:-1])
     mean, rstd = x.new_empty(stats, dtype=F32), x.new_empty(stats, dtype=F32)
     residual_out = _empty(x) if residual is None else x.new_empty(x.shape)
     y = x.new_empty(x.shape) if spec is None or with_y else _empty(x)
     if spec is None:
-        return y, mean, rstd, residual_out, _empty(x), _empty(x)
+        return y, mean, rstd, residual_out, *absent_cast(x)
     return (y, mean, rstd, residual_out, spec.empty_data(tokens, hidden, like=x),
             spec.empty_sf(tokens, hidden, backend_of(x), like=x))
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .._checks import OpError, check_bool, check_float, check_same_device, check_tensor
 from .._library import declare
-from ._common import F32, backend_of, check_cast_layout, check_like, check_rows
+from ._common import F32, absent_cast, backend_of, check_cast_layout, check_like, check_rows
 
 __all__ = ["rms_norm_backward", "rms_norm_forward"]
 
@@ -66,13 +66,13 @@ def rms_norm_forward(x: Tensor, weight: Optional[Tensor], eps: float, residual: 
         check_like(err, "residual", residual, x)
     check_float(err, "out_scale", out_scale, minimum=-float("inf"))
     check_bool(err, "with_y", with_y)
-    cast = None if layout is None else check_cast_layout(err, "layout", layout, hidden)
+    cast = None if layout is None else check_cast_layout(err, "layout", layout, hidden, x)
     empty = x.new_empty((0,))
     y = x.new_empty(x.shape) if cast is None or with_y else empty
     rstd = x.new_empty(x.shape[:-1], dtype=F32)
     residual_out = x.new_empty(x.shape) if residual is not None else x.new_empty((0,))
     if cast is None:
-        return y, rstd, residual_out, x.new_empty((0,), dtype=torch.float8_e4m3fn), x.new_empty((0,), dtype=F32)
+        return y, rstd, residual_out, *absent_cast(x)
     return (y, rstd, residual_out, cast.empty_data(tokens, hidden, like=x),
             cast.empty_sf(tokens, hidden, backend_of(x), like=x))
 

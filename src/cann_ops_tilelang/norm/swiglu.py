@@ -19,7 +19,7 @@ from .._library import declare
 from ..quant._common import check_layout
 from ..quant.cast_back import check_sf
 from ..quant.per_token_cast import per_token_cast
-from ._common import F32, backend_of, check_cast_layout, check_rows
+from ._common import F32, absent_cast, backend_of, check_cast_layout, check_rows
 
 __all__ = ["swiglu_backward", "swiglu_forward"]
 
@@ -120,7 +120,7 @@ def swiglu_forward(x: Tensor, routing_weight: Optional[Tensor] = None, routed_sc
     check_bool(err, "with_y", with_y)
     y_shape = (*x.shape[:-1], hidden)
     if layout is None:
-        return x.new_empty(y_shape), x.new_empty((0,)), x.new_empty((0,))
+        return x.new_empty(y_shape), *absent_cast(x)
     spec = _check_cast(err, layout, hidden, hidden)
     y = x.new_empty(y_shape) if with_y else x.new_empty((0,))
     return y, spec.empty_data(tokens, hidden, like=x), spec.empty_sf(tokens, hidden, backend_of(x), like=x)
@@ -201,12 +201,12 @@ def swiglu_backward(grad_y: Tensor, x: Tensor, routing_weight: Optional[Tensor] 
     check_same_device(err, [("x", x), ("grad_y", grad_y)])
     _check_options(err, x, tokens, routing_weight, routed_scaling_factor, clamp, expert_offsets, alignment)
     check_bool(err, "recompute", recompute)
-    empty = grad_y.new_empty((0,))
     grad_x = grad_y.new_empty((*lead, 2 * hidden))
-    grad_routing_weight = grad_y.new_empty((tokens,), dtype=F32) if routing_weight is not None else empty
+    # fp32 present or absent: the kernels' parameter is fp32 either way
+    grad_routing_weight = grad_y.new_empty((tokens if routing_weight is not None else 0,), dtype=F32)
     y = grad_y.new_empty((*lead, hidden)) if recompute else grad_y.new_empty((0,))
     if layout is None:
-        return grad_x, grad_routing_weight, y, grad_y.new_empty((0,)), grad_y.new_empty((0,))
+        return grad_x, grad_routing_weight, y, *absent_cast(grad_y)
     spec = _check_cast(err, layout, hidden, 2 * hidden)
     return (grad_x, grad_routing_weight, y, spec.empty_data(tokens, 2 * hidden, like=grad_y),
             spec.empty_sf(tokens, 2 * hidden, backend_of(grad_y), like=grad_y))

@@ -374,6 +374,8 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
     hidden = x.shape[-1] // 2
     x2 = rows(x)
     tokens = x2.shape[0]
+    if tokens == 0:  # leading dims with a zero (the op layer skips only a zero first dim)
+        return
     y2 = y.view(tokens, hidden) if y.numel() else x.new_empty((tokens, hidden))
     key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets)
     n_tiles = hidden // forward_tile(hidden, key.in_dtype)
@@ -394,6 +396,8 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
     and the partials of ``grad_routing_weight`` (summed over the hidden tiles ascending, times the factor), then
     the cast of ``grad_x``'s rows."""
     hidden = grad_y.shape[-1]
+    if grad_y.numel() == 0:  # leading dims with a zero (the op layer skips only a zero first dim)
+        return
     if x_sf is not None:
         x2 = cast_back(x, x_sf, x_layout, torch.float32)
     else:

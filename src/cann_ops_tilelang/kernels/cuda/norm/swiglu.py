@@ -569,6 +569,8 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
     hidden = x.shape[-1] // 2
     x2 = rows(x)
     tokens = x2.shape[0]
+    if tokens == 0:  # leading dims with a zero (the op layer skips only a zero first dim)
+        return
     y2 = y.view(tokens, hidden) if y.numel() else x.new_empty((0, hidden))
     counts = x.new_empty((tokens if clamped_count is not None else 0, COUNTERS), dtype=torch.int32)
     key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets, layout, with_y)
@@ -585,6 +587,8 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
     """Launches the backward (``T > 0``): ``grad_x``, ``grad_routing_weight``, ``y`` and the fused cast of
     ``grad_x``'s rows into ``data`` / ``sf``; a quantized ``x`` is dequantized in the kernel."""
     hidden = grad_y.shape[-1]
+    if grad_y.numel() == 0:  # leading dims with a zero (the op layer skips only a zero first dim)
+        return
     x2 = x if x_sf is not None else rows(x)  # a quantized x: its data, dequantized in the kernel
     tokens = x2.shape[0]
     gy2 = rows(grad_y)
