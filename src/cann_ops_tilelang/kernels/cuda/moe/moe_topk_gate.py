@@ -1,0 +1,215 @@
+"""CUDA kernel of ``moe_topk_gate_forward`` (docs/ops/moe.md#moe_topk_gate): the scored top-k gate.
+
+One warp per token, lane ``l`` holding the experts ``l, l + 32, ...`` of its row (as ``topk_gate``). Each lane
+computes ``u = sqrt(softplus(x))`` of its logits (``log1pf(expf(x))`` below 20, ``x`` above; an IEEE square root),
+stores them (the ``scores`` output) and ranks on ``fl(u + b)``. Each of the ``k`` rounds picks the row's maximum and
+the smallest id holding it (a warp max, then a warp min), or reads the fixed id of the round; the ``u`` of the pick
+comes back by a warp max over the one lane holding it (exact). Lane ``j < k`` keeps the pick of round ``j``; the sum
+of the picked ``u`` is the xor-shuffle butterfly (lane 0's order is the contract's pairwise tree, and every lane
+ends with the same bits), the weights ``fl(fl(u / fl(1e-20 + S)) * scale)`` with IEEE operations; lanes ``k ..
+k + shared - 1`` hold the shared experts; then the replica map. Optional tensors the key says are absent are passed
+as one-element placeholders the kernel never reads. ``T`` is dynamic.
+"""
+
+import dataclasses
+
+import torch
+
+from ....moe._common import (DENOMINATOR_EPS, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR, gate_key, placeholder,
+                             require_topk)
+from ..._kernel import Kernel, compile_key, kernel_module
+
+WARP = 32
+
+
+@compile_key
+class GateKey:
+    experts: int
+    k: int
+    shared: int
+    has_mask: bool
+    has_bias: bool
+    has_image: bool
+    has_fixed: bool
+    has_map: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GatePlan:
+    """CTAs of ``warps`` warps, one token per warp."""
+
+    warps: int
+
+
+# 4 tokens per CTA, as topk_gate (not measured yet: the first GPU run of the benchmark sets it, docs/perf/<chip>/moe.md)
+MOE_TOPK_GATE_FORWARD_PLAN = GatePlan(warps=4)
+
+
+def build_moe_topk_gate_forward(experts: int, k: int, shared: int, has_mask: bool, has_bias: bool, has_image: bool,
+                                has_fixed: bool, has_map: bool):
+    """Builds the gate of ``E = experts`` logits per row, ``k`` routed and ``shared`` shared experts.
+
+    Returns:
+        ``T.prim_func(logits (T, E) f32, mask (*,) bool, bias (*,) f32, image_bias (*,) f32, image_token_mask (*,)
+        bool, fix_routing_mask (*,) bool, fixed_topk_idx (*, k) i64, to_physical_map (*, *) i32, logical_count (*,)
+        i32, routed_scaling_factor f32, ep_rank i32, topk_idx (T, k + shared) i64, topk_weights (T, k + shared) f32,
+        unmapped_topk_idx (T, k) i64, scores (T, E) f32)``; the optional tensors have their own dynamic sizes (their
+        placeholders have one element), ``T`` is dynamic.
+    """
+    from tilelang import language as T
+
+    E, K = require_topk("moe_topk_gate_forward", experts, k)
+    W = require_topk("moe_topk_gate_forward", experts + shared, k + shared)[1]
+    per_lane = -(-E // WARP)
+    warps = MOE_TOPK_GATE_FORWARD_PLAN.warps
+    f32, i32, i64 = T.float32, T.int32, T.int64
+    num_tokens = T.dynamic("num_tokens")
+    n_mask, n_bias, n_ibias, n_imask = T.dynamic("n_mask"), T.dynamic("n_bias"), T.dynamic("n_ibias"), T.dynamic("n_imask")
+    n_fmask, n_fixed, n_logical, n_replicas = (T.dynamic("n_fmask"), T.dynamic("n_fixed"), T.dynamic("n_logical"),
+                                               T.dynamic("n_replicas"))
+    n_count = T.dynamic("n_count")
+
+    @T.prim_func
+    def moe_topk_gate_forward_cuda(
+        logits: T.Tensor((num_tokens, E), f32), mask: T.Tensor((n_mask,), T.bool), bias: T.Tensor((n_bias,), f32),
+        image_bias: T.Tensor((n_ibias,), f32), image_token_mask: T.Tensor((n_imask,), T.bool),
+        fix_routing_mask: T.Tensor((n_fmask,), T.bool), fixed_topk_idx: T.Tensor((n_fixed, K), i64),
+        to_physical_map: T.Tensor((n_logical, n_replicas), i32), logical_count: T.Tensor((n_count,), i32),
+        routed_scaling_factor: f32, ep_rank: i32,
+        topk_idx: T.Tensor((num_tokens, W), i64), topk_weights: T.Tensor((num_tokens, W), f32),
+        unmapped_topk_idx: T.Tensor((num_tokens, K), i64), scores: T.Tensor((num_tokens, E), f32),
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
+            tid = T.get_thread_binding()
+            lane = tid % WARP
+            row = bid * warps + tid // WARP
+            u = T.alloc_local((per_lane,), f32)
+            s = T.alloc_local((per_lane,), f32)
+            x = T.alloc_var(f32)
+            routed = T.alloc_var(T.bool)
+            image = T.alloc_var(T.bool)
+            fixed = T.alloc_var(T.bool)
+            top = T.alloc_var(f32)
+            got = T.alloc_var(f32)
+            own = T.alloc_var(i32)
+            pick = T.alloc_var(i32)
+            mine = T.alloc_var(i64)
+            mine_u = T.alloc_var(f32)
+            acc = T.alloc_var(f32)
+            den = T.alloc_var(f32)
+            weight = T.alloc_var(f32)
+            expert = T.alloc_var(i64)
+            mine = -1
+            mine_u = 0.0
+            if row < num_tokens:  # the same for the 32 lanes of a warp: the shuffles see the whole warp
+                routed = True
+                if has_mask:
+                    routed = mask[row]
+                if not routed:
+                    for j in T.unroll(per_lane):
+                        if j * WARP + lane < E:
+                            scores[row, j * WARP + lane] = T.float32(0)
+                    if lane < W:
+                        topk_idx[row, lane] = T.int64(-1)
+                        topk_weights[row, lane] = T.float32(0)
+                    if lane < K:
+                        unmapped_topk_idx[row, lane] = T.int64(-1)
+                else:
+                    image = False
+                    if has_image:
+                        image = image_token_mask[row]
+                    fixed = False
+                    if has_fixed:
+                        fixed = fix_routing_mask[row]
+                    for j in T.unroll(per_lane):
+                        if j * WARP + lane < E:
+                            x = logits[row, j * WARP + lane]
+                            u[j] = T.ieee_fsqrt(T.if_then_else(x > T.float32(SOFTPLUS_LINEAR), x, T.log1p(T.exp(x))))
+                            scores[row, j * WARP + lane] = u[j]
+                            if has_image and image:
+                                s[j] = T.ieee_add(u[j], image_bias[j * WARP + lane])
+                            elif has_bias:
+                                s[j] = T.ieee_add(u[j], bias[j * WARP + lane])
+                            else:
+                                s[j] = u[j]
+                        else:
+                            u[j] = -T.infinity(f32)
+                            s[j] = -T.infinity(f32)
+                    for r in T.unroll(K):
+                        if fixed:
+                            pick = T.cast(fixed_topk_idx[row, r], i32)
+                        else:
+                            top = s[0]
+                            for j in T.unroll(1, per_lane):
+                                top = T.max(top, s[j])
+                            top = T.warp_reduce_max(top)
+                            own = E  # no match in this lane
+                            for jj in T.unroll(per_lane):  # descending: the last match kept is the lane's smallest id
+                                if s[per_lane - 1 - jj] == top:
+                                    own = (per_lane - 1 - jj) * WARP + lane
+                            pick = T.warp_reduce_min(own)
+                            for j in T.unroll(per_lane):
+                                if j * WARP + lane == pick:
+                                    s[j] = -T.infinity(f32)
+                        got = -T.infinity(f32)
+                        for j in T.unroll(per_lane):
+                            if j * WARP + lane == pick:
+                                got = u[j]
+                        got = T.warp_reduce_max(got)  # one lane holds u[pick] (u >= 0); none for a fixed -1
+                        if lane == r:
+                            mine = T.cast(pick, i64)
+                            mine_u = T.max(got, T.float32(0))
+                    acc = mine_u
+                    for span in (16, 8, 4, 2, 1):
+                        acc = T.ieee_add(acc, T.shfl_xor(acc, span))
+                    den = T.ieee_add(T.float32(DENOMINATOR_EPS), acc)
+                    if lane < K:
+                        weight = T.ieee_mul(T.ieee_fdiv(mine_u, den), routed_scaling_factor)
+                        expert = mine
+                        unmapped_topk_idx[row, lane] = mine
+                    else:
+                        weight = T.float32(1)
+                        expert = T.cast(E - K + lane, i64)
+                    if has_map:
+                        if lane < W and expert >= 0:
+                            expert = T.cast(to_physical_map[expert, (T.cast(ep_rank, i64) + T.cast(row, i64) * REPLICA_STRIDE)
+                                                            % T.cast(logical_count[expert], i64)], i64)
+                    if lane < W:
+                        topk_idx[row, lane] = expert
+                        topk_weights[row, lane] = weight
+
+    return moe_topk_gate_forward_cuda
+
+
+def _cases(hidden_size: int, hc_mult: int) -> dict:
+    """Independent of the hidden size: the edges of E and k without options, the peer's (72, 6) with every option and
+    two shared experts, DeepSeek's (256, 8) with a bias and a mask."""
+    return {f"moe_topk_gate_forward_{name}": GateKey(*fields) for name, fields in GATE_CASES.items()}
+
+
+MOE_TOPK_GATE_FORWARD = Kernel(
+    "moe_topk_gate_forward", GateKey, build_moe_topk_gate_forward, cases=_cases,
+    derive=lambda *args: gate_key("moe_topk_gate_forward", GateKey, *args))
+
+
+def moe_topk_gate_forward(logits, k, num_shared_experts, routed_scaling_factor, ep_rank, mask, bias, image_bias,
+                          image_token_mask, fix_routing_mask, fixed_topk_idx, to_physical_map, logical_count,
+                          topk_idx, topk_weights, unmapped_topk_idx, scores) -> None:
+    """Launches the gate on the current stream (arguments validated upstream, ``T > 0``); the absent optional tensors
+    go as placeholders."""
+    key = MOE_TOPK_GATE_FORWARD.key(logits, k, num_shared_experts, mask, bias, image_bias, fixed_topk_idx,
+                                    to_physical_map)
+    dev = logits.device
+
+    def given(t, dtype, width=0):
+        return t if t is not None else placeholder(dev, dtype, width)
+
+    MOE_TOPK_GATE_FORWARD.compiled(key)(
+        logits, given(mask, torch.bool), given(bias, torch.float32), given(image_bias, torch.float32),
+        given(image_token_mask, torch.bool), given(fix_routing_mask, torch.bool),
+        given(fixed_topk_idx, torch.int64, k), given(to_physical_map, torch.int32, 1),
+        given(logical_count, torch.int32), float(routed_scaling_factor), int(ep_rank),
+        topk_idx, topk_weights, unmapped_topk_idx, scores)
+
+
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD)
