@@ -45,3 +45,82 @@ def normalize_weight_f64(topk_weights):
     w = topk_weights.to(F64)
     denominator = w.sum(dim=1) + 1e-20
     return denominator, w / denominator[:, None]
+
+
+# --- moe_topk_gate (docs/ops/moe.md#moe_topk_gate) -----------------------------------------------------------------
+
+# the multiplier of the token's row in the replica choice, and the logit above which softplus(x) is x
+REPLICA_STRIDE = 23333
+SOFTPLUS_LINEAR = 20.0
+
+
+def sqrt_softplus(logits):
+    """``u = sqrt(softplus(x))`` in fp32 as the kernels compute it: ``sqrt(x)`` above 20, ``sqrt(log1p(exp(x)))``
+    else, each function rounded (torch's CPU ``exp``, ``log1p``; the device's differ by an ulp or so: the contract
+    bounds ``u`` against :func:`sqrt_softplus_f64`, not bitwise)."""
+    x = logits.to(F32)
+    return torch.where(x > SOFTPLUS_LINEAR, x, torch.log1p(torch.exp(x))).sqrt()
+
+
+def sqrt_softplus_f64(logits):
+    """The float64 oracle of :func:`sqrt_softplus` (the overflow-free form of softplus)."""
+    x = logits.to(F64)
+    return (x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))).sqrt()
+
+
+def moe_topk_gate_from_scores(scores, k, num_shared_experts=0, routed_scaling_factor=1.0, ep_rank=0, mask=None,
+                              bias=None, image_bias=None, image_token_mask=None, fix_routing_mask=None,
+                              fixed_topk_idx=None, to_physical_map=None, logical_count=None):
+    """The gate after the scores: ``(topk_idx, topk_weights, unmapped_topk_idx)`` from ``u = scores`` (the device
+    tests pass the kernel's own ``u``: the rest is bitwise)."""
+    u = scores.to(F32)
+    tokens, experts = u.shape
+    b = torch.zeros(tokens, experts) if bias is None else bias.to(F32).expand(tokens, experts)
+    if image_bias is not None:
+        b = torch.where(image_token_mask[:, None], image_bias.to(F32)[None, :], b)
+    ranked = u + b if (bias is not None or image_bias is not None) else u
+    ids = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :k]
+    if fix_routing_mask is not None:
+        ids = torch.where(fix_routing_mask[:, None], fixed_topk_idx, ids)
+    picked = torch.where(ids >= 0, u.gather(1, ids.clamp(min=0)), torch.zeros((), dtype=F32))
+    denominator = torch.tensor(1e-20, dtype=F32) + pairwise_sum(picked)
+    weights = picked / denominator[:, None] * torch.tensor(routed_scaling_factor, dtype=F32)
+    shared = torch.arange(experts, experts + num_shared_experts, dtype=torch.int64).expand(tokens, -1)
+    topk_idx = torch.cat([ids, shared], dim=1)
+    topk_weights = torch.cat([weights, torch.ones(tokens, num_shared_experts)], dim=1)
+    if to_physical_map is not None:
+        rows = torch.arange(tokens, dtype=torch.int64)[:, None].expand_as(topk_idx)
+        valid = topk_idx >= 0
+        logical = topk_idx.clamp(min=0)
+        replica = (ep_rank + rows * REPLICA_STRIDE) % logical_count.to(torch.int64)[logical]
+        topk_idx = torch.where(valid, to_physical_map.to(torch.int64)[logical, replica], topk_idx)
+    if mask is not None:
+        off = ~mask[:, None]
+        topk_idx = topk_idx.masked_fill(off, -1)
+        topk_weights = topk_weights.masked_fill(off, 0.0)
+        ids = ids.masked_fill(off, -1)
+    return topk_idx.contiguous(), topk_weights.contiguous(), ids.contiguous()
+
+
+def moe_topk_gate_forward_ref(logits, k, num_shared_experts=0, routed_scaling_factor=1.0, ep_rank=0, mask=None,
+                              bias=None, image_bias=None, image_token_mask=None, fix_routing_mask=None,
+                              fixed_topk_idx=None, to_physical_map=None, logical_count=None):
+    """``(topk_idx, topk_weights, unmapped_topk_idx, scores)``: :func:`sqrt_softplus` (zero on the tokens ``mask``
+    leaves out), then :func:`moe_topk_gate_from_scores`."""
+    u = sqrt_softplus(logits)
+    if mask is not None:
+        u = u.masked_fill(~mask[:, None], 0.0)
+    out = moe_topk_gate_from_scores(u, k, num_shared_experts, routed_scaling_factor, ep_rank, mask, bias, image_bias,
+                                    image_token_mask, fix_routing_mask, fixed_topk_idx, to_physical_map,
+                                    logical_count)
+    return (*out, u.contiguous())
+
+
+def moe_topk_gate_forward_f64(logits, k, routed_scaling_factor=1.0, bias=None):
+    """The float64 oracle of the routed part: ``(u, the top-k ids by u + bias, their weights s u_j / (1e-20 + sum
+    u_j))``, everything in float64 (ids may differ from the fp32 ones where two biased scores are within an ulp)."""
+    u = sqrt_softplus_f64(logits)
+    ranked = u if bias is None else u + bias.to(F64)
+    ids = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :k]
+    picked = u.gather(1, ids)
+    return u, ids, picked / (picked.sum(dim=1, keepdim=True) + 1e-20) * routed_scaling_factor
