@@ -11,7 +11,7 @@ import torch
 from .. import limits
 from .._checks import OpError, check_bool, check_int, check_tensor
 
-__all__ = ["DENOMINATOR_EPS", "F32", "GATE_CASES", "ID_DTYPES", "NORMALIZE_CASES", "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "TOPK_CASES", "check_k", "check_rows", "gate_key",
+__all__ = ["DENOMINATOR_EPS", "F32", "GATE_CASES", "ID_DTYPES", "NORMALIZE_CASES", "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "SOFTPLUS_SERIES", "GATE_BACKWARD_CASES", "TOPK_CASES", "check_k", "check_rows", "gate_key",
            "id_dtype", "pairwise_steps", "placeholder", "require_topk"]
 
 F32 = torch.float32
@@ -35,6 +35,12 @@ DENOMINATOR_EPS = 1e-20
 # (the peer's), and the logit above which softplus(x) is taken as x (fp32's log1p(exp(x)) rounds to x there)
 REPLICA_STRIDE = 23333
 SOFTPLUS_LINEAR = 20.0
+# moe_topk_gate_backward: u'(x) = (1 - exp(-v)) / (2u), v = u^2, is taken from its series u/2 (1 - v/2 + v^2/6 - v^3/24
+# + v^4/120 - v^5/720) below v = 0.1 (where 1 - exp(-v) would cancel), and the variants both backends lower, by case
+# name: (E, k, with grad_scores_sum and mask)
+SOFTPLUS_SERIES = 0.1
+GATE_BACKWARD_CASES = {"e1_k1": (1, 1, False), "e72_k6_aux": (72, 6, True), "e256_k8": (256, 8, False),
+                       "e512_k32_aux": (512, 32, True)}
 
 
 def pairwise_steps(k: int) -> list[tuple[int, int]]:

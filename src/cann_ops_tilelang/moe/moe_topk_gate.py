@@ -11,7 +11,7 @@ from .._checks import OpError, check_float, check_int, check_same_device, check_
 from .._library import declare
 from ._common import F32, check_k, check_rows
 
-__all__ = ["moe_topk_gate_forward"]
+__all__ = ["moe_topk_gate_backward", "moe_topk_gate_forward"]
 
 I32, I64 = torch.int32, torch.int64
 
@@ -123,3 +123,62 @@ def moe_topk_gate_forward(
 # own tokens), so a token-sharded call picks replicas by each shard's rows.
 moe_topk_gate_forward.sharding({"logits": "S0", "mask": "S0", "image_token_mask": "S0", "fix_routing_mask": "S0",
                                 "fixed_topk_idx": "S0", "returns": ("S0", "S0", "S0", "S0")})
+
+
+@declare("moe_topk_gate_backward", tokens="scores", outputs=("grad_logits",))
+def moe_topk_gate_backward(
+    grad_topk_weights: Tensor,
+    scores: Tensor,
+    unmapped_topk_idx: Tensor,
+    topk_weights: Tensor,
+    routed_scaling_factor: float = 1.0,
+    mask: Optional[Tensor] = None,
+    grad_scores_sum: Optional[Tensor] = None,
+) -> Tensor:
+    """The gradient of the forward's routed weights (and of a sequence-level sum of ``u / sum(u)``) with respect to
+    the logits (docs/ops/moe.md#moe_topk_gate has the math and the tolerance).
+
+    ``grad_logits = u'(x) · (route + aux)``: ``route`` scatters ``(s · g_j - <g, w>) / D`` to the routed ids ``j >= 0``
+    (``D = 1e-20 + sum u_j``; repeated ids add up), ``aux = (h - <h, u> / U) / U`` with ``U = sum_e u_e`` and ``h``
+    the row of ``grad_scores_sum`` of the token's sequence (zero for tokens ``mask`` leaves out), ``u'(x) =
+    (1 - exp(-u^2)) / (2u)`` recovered from ``u`` (0 at ``u = 0``).
+
+    Args:
+        grad_topk_weights: ``(T, k)`` fp32, the gradient of the routed columns of ``topk_weights``.
+        scores: ``(T, E)`` fp32, the forward's ``u``; ``E`` in ``limits.MOE_EXPERTS``, any ``T >= 0``.
+        unmapped_topk_idx: ``(T, k)`` int64, the forward's routed logical ids (``-1``: none); ``k`` in
+            ``limits.MOE_TOPK``, at most ``E``.
+        topk_weights: ``(T, k)`` fp32, the forward's routed weights (its first ``k`` columns, contiguous).
+        routed_scaling_factor: the forward's ``s``.
+        mask: ``(T,)`` bool, the tokens routed (default all): the others get no aux term.
+        grad_scores_sum: ``(S, E)`` fp32, the gradient of each sequence's sum of ``u / U`` over its tokens; the
+            ``T`` tokens are ``S`` sequences of ``T / S`` consecutive tokens (``S`` divides ``T``).
+
+    Returns:
+        ``grad_logits`` ``(T, E)`` fp32, contiguous.
+    """
+    err = OpError("moe_topk_gate_backward")
+    tokens, experts = check_rows(err, "scores", scores, limits.MOE_EXPERTS)
+    idx = check_tensor(err, "unmapped_topk_idx", unmapped_topk_idx, dtype=I64, shape=(tokens, None))
+    check_k(err, "unmapped_topk_idx", idx.shape[1], experts)
+    k = idx.shape[1]
+    check_tensor(err, "grad_topk_weights", grad_topk_weights, dtype=F32, shape=(tokens, k))
+    check_tensor(err, "topk_weights", topk_weights, dtype=F32, shape=(tokens, k))
+    check_float(err, "routed_scaling_factor", routed_scaling_factor, minimum=-float("inf"))
+    if mask is not None:
+        check_tensor(err, "mask", mask, dtype=torch.bool, shape=(tokens,))
+    if grad_scores_sum is not None:
+        seqs = check_tensor(err, "grad_scores_sum", grad_scores_sum, dtype=F32, shape=(None, experts)).shape[0]
+        if (seqs < 1 and tokens > 0) or (seqs >= 1 and tokens % seqs):
+            raise err.value("grad_scores_sum", f"expected a number of sequences S >= 1 that divides T = {tokens} "
+                                               f"(T / S tokens each), got shape {tuple(grad_scores_sum.shape)}")
+    check_same_device(err, [("grad_topk_weights", grad_topk_weights), ("scores", scores),
+                            ("unmapped_topk_idx", unmapped_topk_idx), ("topk_weights", topk_weights), ("mask", mask),
+                            ("grad_scores_sum", grad_scores_sum)])
+    return scores.new_empty((tokens, experts))
+
+
+# DTensor sharding: token-wise. The sequences' gradients are sharded with the tokens, which is right where every shard
+# holds whole sequences (the T / S tokens of a sequence on one shard, its row of grad_scores_sum with them).
+moe_topk_gate_backward.sharding({"grad_topk_weights": "S0", "scores": "S0", "unmapped_topk_idx": "S0",
+                                 "topk_weights": "S0", "mask": "S0", "grad_scores_sum": "S0", "returns": "S0"})

@@ -17,8 +17,8 @@ import torch
 from tilelang.ascend import language as T
 
 from ....limits import IntRange
-from ....moe._common import (DENOMINATOR_EPS, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR, gate_key, pairwise_steps,
-                             placeholder, require_topk)
+from ....moe._common import (DENOMINATOR_EPS, GATE_BACKWARD_CASES, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR,
+                             SOFTPLUS_SERIES, gate_key, pairwise_steps, placeholder, require_topk)
 from ....policy import ASCEND_CASE_CORES
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
@@ -226,4 +226,128 @@ def moe_topk_gate_forward(logits, k, num_shared_experts, routed_scaling_factor, 
         topk_idx, topk_weights, unmapped_topk_idx, scores)
 
 
-KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD)
+
+@compile_key
+class GateBackwardKey:
+    experts: int
+    k: int
+    has_aux: bool
+    num_cores: int
+
+
+def build_moe_topk_gate_backward(experts: int, k: int, has_aux: bool, num_cores: int):
+    """prim_func with the CUDA kernel's parameters (``build_moe_topk_gate_backward`` there): tiles of tokens in the
+    UB (scores in, gradients out, the routed ids, weights and their gradients), one SIMT thread per token: the sums
+    of the picked ``u`` and of ``g_j w_j`` in the pairwise order, the route terms added to the row in pick order, the
+    aux term with ``grad_scores_sum`` read from global memory by the thread (the row sums in ascending ids)."""
+    E, K = require_topk("moe_topk_gate_backward", experts, k)
+    cores = IntRange("num_cores", 1).require("moe_topk_gate_backward", num_cores)
+    rows, stages = MOE_TOPK_GATE_FORWARD_PLAN.rows(E), MOE_TOPK_GATE_FORWARD_PLAN.stages
+    f32, i32, i64 = T.float32, T.int32, T.int64
+    num_tokens, num_seqs, n_mask = T.dynamic("num_tokens"), T.dynamic("num_seqs"), T.dynamic("n_mask")
+    mask_len = rows if has_aux else 1
+
+    @T.prim_func
+    def moe_topk_gate_backward_asc(
+        grad_topk_weights: T.Tensor[(num_tokens, K), f32], scores: T.Tensor[(num_tokens, E), f32],
+        unmapped_topk_idx: T.Tensor[(num_tokens, K), i64], topk_weights: T.Tensor[(num_tokens, K), f32],
+        routed_scaling_factor: f32, mask: T.Tensor[(n_mask,), T.bool],
+        grad_scores_sum: T.Tensor[(num_seqs, E), f32], grad_logits: T.Tensor[(num_tokens, E), f32],
+    ):
+        with T.Kernel(cores) as core_id:
+            u_ub = T.alloc_shared((rows, E), f32)
+            out_ub = T.alloc_shared((rows, E), f32)
+            idx_ub = T.alloc_shared((rows, K), i64)
+            w_ub = T.alloc_shared((rows, K), f32)
+            g_ub = T.alloc_shared((rows, K), f32)
+            mask_ub = T.alloc_shared((mask_len,), T.bool)
+            T.annotate_buffer_versions({u_ub: stages, out_ub: stages, idx_ub: stages, w_ub: stages, g_ub: stages})
+            for (blk,) in T.Persistent([T.ceildiv(num_tokens, rows)], cores, core_id, group_size=1,
+                                       num_stages=stages):
+                row = blk * rows
+                valid = T.min(rows, num_tokens - row)
+                T.copy(scores[row : row + valid, :], u_ub[:valid, :])
+                T.copy(unmapped_topk_idx[row : row + valid, :], idx_ub[:valid, :])
+                T.copy(topk_weights[row : row + valid, :], w_ub[:valid, :])
+                T.copy(grad_topk_weights[row : row + valid, :], g_ub[:valid, :])
+                if has_aux:
+                    T.copy(mask[row : row + valid], mask_ub[:valid])
+                with T.SimtVF(threads=rows):
+                    t = T.get_thread_binding()  # rows past `valid` work on stale data, never stored
+                    pu = T.alloc_local((K,), f32)
+                    gw = T.alloc_local((K,), f32)
+                    expert = T.alloc_var(i32)
+                    den = T.alloc_var(f32)
+                    route = T.alloc_var(f32)
+                    usum = T.alloc_var(f32)
+                    hsum = T.alloc_var(f32)
+                    inv = T.alloc_var(f32)
+                    seq = T.alloc_var(i32)
+                    v = T.alloc_var(f32)
+                    x = T.alloc_var(f32)
+                    for e in T.serial(E):
+                        out_ub[t, e] = T.float32(0)
+                    for j in T.serial(K):
+                        pu[j] = T.float32(0)
+                        gw[j] = T.float32(0)
+                        if idx_ub[t, j] >= 0:
+                            pu[j] = u_ub[t, T.cast(idx_ub[t, j], i32)]
+                            gw[j] = g_ub[t, j] * w_ub[t, j]
+                    for dst, src in pairwise_steps(K):
+                        pu[dst] = pu[dst] + pu[src]
+                        gw[dst] = gw[dst] + gw[src]
+                    den = T.float32(DENOMINATOR_EPS) + pu[0]
+                    for j in T.serial(K):
+                        expert = T.cast(idx_ub[t, j], i32)
+                        if expert >= 0:
+                            route = (routed_scaling_factor * g_ub[t, j] - gw[0]) / den
+                            out_ub[t, expert] = out_ub[t, expert] + route
+                    if has_aux:
+                        seq = (row + t) // (num_tokens // num_seqs)
+                        usum = T.float32(0)
+                        hsum = T.float32(0)
+                        for e in T.serial(E):
+                            usum = usum + u_ub[t, e]
+                            hsum = hsum + grad_scores_sum[seq, e] * u_ub[t, e]
+                        inv = T.float32(0)
+                        if mask_ub[t]:
+                            inv = T.float32(1) / usum
+                        for e in T.serial(E):
+                            out_ub[t, e] = out_ub[t, e] + (grad_scores_sum[seq, e] - hsum * inv) * inv
+                    for e in T.serial(E):
+                        x = u_ub[t, e]
+                        v = x * x
+                        out_ub[t, e] = out_ub[t, e] * T.if_then_else(
+                            v < T.float32(SOFTPLUS_SERIES),
+                            T.float32(0.5) * x * (T.float32(1) - v * (T.float32(1 / 2) - v * (T.float32(1 / 6) - v * (
+                                T.float32(1 / 24) - v * (T.float32(1 / 120) - v * T.float32(1 / 720)))))),
+                            (T.float32(1) - T.exp(-v)) / (T.float32(2) * x))
+                T.copy(out_ub[:valid, :], grad_logits[row : row + valid, :])
+
+    return moe_topk_gate_backward_asc
+
+
+MOE_TOPK_GATE_BACKWARD = Kernel(
+    "moe_topk_gate_backward", GateBackwardKey, build_moe_topk_gate_backward,
+    cases=lambda hidden_size, hc_mult: {f"moe_topk_gate_backward_{name}": GateBackwardKey(*fields, ASCEND_CASE_CORES)
+                                        for name, fields in GATE_BACKWARD_CASES.items()},
+    derive=lambda scores, unmapped_topk_idx, grad_scores_sum: GateBackwardKey(
+        *require_topk("moe_topk_gate_backward", scores.shape[1], unmapped_topk_idx.shape[1]),
+        grad_scores_sum is not None, num_vector_cores()))
+
+
+def moe_topk_gate_backward(grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor, mask,
+                           grad_scores_sum, grad_logits) -> None:
+    """Launches the backward on the current stream (arguments validated upstream, ``T > 0``); without
+    ``grad_scores_sum`` the mask and it go as placeholders (never read), a missing mask with it as all-true."""
+    key = MOE_TOPK_GATE_BACKWARD.key(scores, unmapped_topk_idx, grad_scores_sum)
+    dev = scores.device
+    if grad_scores_sum is None:
+        mask, grad_scores_sum = placeholder(dev, torch.bool), placeholder(dev, torch.float32, scores.shape[1])
+    elif mask is None:
+        mask = torch.ones(scores.shape[0], dtype=torch.bool, device=dev)
+    MOE_TOPK_GATE_BACKWARD.compiled(key)(grad_topk_weights, scores, unmapped_topk_idx, topk_weights,
+                                         float(routed_scaling_factor), mask, grad_scores_sum, grad_logits)
+
+
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD, MOE_TOPK_GATE_BACKWARD)

@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from ....moe._common import (DENOMINATOR_EPS, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR, gate_key, placeholder,
-                             require_topk)
+from ....moe._common import (DENOMINATOR_EPS, GATE_BACKWARD_CASES, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR,
+                             SOFTPLUS_SERIES, gate_key, placeholder, require_topk)
 from ..._kernel import Kernel, compile_key, kernel_module
 
 WARP = 32
@@ -212,4 +212,148 @@ def moe_topk_gate_forward(logits, k, num_shared_experts, routed_scaling_factor, 
         topk_idx, topk_weights, unmapped_topk_idx, scores)
 
 
-KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD)
+
+
+@compile_key
+class GateBackwardKey:
+    experts: int
+    k: int
+    has_aux: bool
+
+
+def softplus_derivative(T, u):
+    """``u'(x) = (1 - exp(-u^2)) / (2u)`` from ``u`` (TileLang expression; 0 at ``u = 0``): the series below
+    ``u^2 = SOFTPLUS_SERIES`` (docs/ops/moe.md#moe_topk_gate)."""
+    v = u * u
+    series = T.float32(0.5) * u * (T.float32(1) - v * (T.float32(1 / 2) - v * (T.float32(1 / 6) - v * (
+        T.float32(1 / 24) - v * (T.float32(1 / 120) - v * T.float32(1 / 720))))))
+    return T.if_then_else(v < T.float32(SOFTPLUS_SERIES), series,
+                          (T.float32(1) - T.exp(-v)) / (T.float32(2) * u))
+
+
+def build_moe_topk_gate_backward(experts: int, k: int, has_aux: bool):
+    """Builds the backward of the gate of ``E = experts`` scores, ``k`` routed experts.
+
+    One warp per token, as the forward: lanes ``j < k`` hold the routed ids, weights and gradients, the sums of the
+    picked ``u`` and of ``g_j w_j`` are xor butterflies, the route terms go to the lanes holding their experts one
+    pick after the other (shuffled from lane ``j``: repeated ids add up in pick order, no atomics); with ``has_aux``
+    the lanes' sums of ``u`` and ``h u`` (ascending ids per lane, then a butterfly) give the aux term.
+
+    Returns:
+        ``T.prim_func(grad_topk_weights (T, k) f32, scores (T, E) f32, unmapped_topk_idx (T, k) i64, topk_weights
+        (T, k) f32, routed_scaling_factor f32, mask (*,) bool, grad_scores_sum (S, E) f32, grad_logits (T, E) f32)``;
+        ``T`` and ``S`` dynamic (the placeholders ``(1,)`` and ``(1, E)`` without ``has_aux``).
+    """
+    from tilelang import language as T
+
+    E, K = require_topk("moe_topk_gate_backward", experts, k)
+    per_lane = -(-E // WARP)
+    warps = MOE_TOPK_GATE_FORWARD_PLAN.warps
+    f32, i32, i64 = T.float32, T.int32, T.int64
+    num_tokens, num_seqs, n_mask = T.dynamic("num_tokens"), T.dynamic("num_seqs"), T.dynamic("n_mask")
+
+    @T.prim_func
+    def moe_topk_gate_backward_cuda(
+        grad_topk_weights: T.Tensor((num_tokens, K), f32), scores: T.Tensor((num_tokens, E), f32),
+        unmapped_topk_idx: T.Tensor((num_tokens, K), i64), topk_weights: T.Tensor((num_tokens, K), f32),
+        routed_scaling_factor: f32, mask: T.Tensor((n_mask,), T.bool),
+        grad_scores_sum: T.Tensor((num_seqs, E), f32), grad_logits: T.Tensor((num_tokens, E), f32),
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, warps), threads=warps * WARP) as bid:
+            tid = T.get_thread_binding()
+            lane = tid % WARP
+            row = bid * warps + tid // WARP
+            u = T.alloc_local((per_lane,), f32)
+            h = T.alloc_local((per_lane,), f32)
+            grad = T.alloc_local((per_lane,), f32)
+            expert = T.alloc_var(i32)
+            g = T.alloc_var(f32)
+            pu = T.alloc_var(f32)
+            gw = T.alloc_var(f32)
+            den = T.alloc_var(f32)
+            dot = T.alloc_var(f32)
+            route = T.alloc_var(f32)
+            rid = T.alloc_var(i32)
+            rval = T.alloc_var(f32)
+            usum = T.alloc_var(f32)
+            hsum = T.alloc_var(f32)
+            inv = T.alloc_var(f32)
+            seq = T.alloc_var(i32)
+            if row < num_tokens:  # the same for the 32 lanes of a warp: the shuffles see the whole warp
+                for j in T.unroll(per_lane):
+                    u[j] = T.float32(0)
+                    h[j] = T.float32(0)
+                    grad[j] = T.float32(0)
+                    if j * WARP + lane < E:
+                        u[j] = scores[row, j * WARP + lane]
+                expert = -1
+                g = T.float32(0)
+                pu = T.float32(0)
+                gw = T.float32(0)
+                if lane < K:
+                    expert = T.cast(unmapped_topk_idx[row, lane], i32)
+                    if expert >= 0:
+                        g = grad_topk_weights[row, lane]
+                        pu = scores[row, expert]
+                        gw = T.ieee_mul(g, topk_weights[row, lane])
+                den = pu
+                dot = gw
+                for span in (16, 8, 4, 2, 1):
+                    den = T.ieee_add(den, T.shfl_xor(den, span))
+                    dot = T.ieee_add(dot, T.shfl_xor(dot, span))
+                den = T.ieee_add(T.float32(DENOMINATOR_EPS), den)
+                route = T.ieee_fdiv(T.ieee_add(T.ieee_mul(routed_scaling_factor, g), -dot), den)
+                for r in T.unroll(K):
+                    rid = T.shfl_sync(expert, r)
+                    rval = T.shfl_sync(route, r)
+                    for j in T.unroll(per_lane):
+                        if j * WARP + lane == rid:
+                            grad[j] = T.ieee_add(grad[j], rval)
+                if has_aux:
+                    seq = row // (num_tokens // num_seqs)
+                    usum = T.float32(0)
+                    hsum = T.float32(0)
+                    for j in T.unroll(per_lane):
+                        if j * WARP + lane < E:
+                            h[j] = grad_scores_sum[seq, j * WARP + lane]
+                        usum = T.ieee_add(usum, u[j])
+                        hsum = T.ieee_add(hsum, T.ieee_mul(h[j], u[j]))
+                    for span in (16, 8, 4, 2, 1):
+                        usum = T.ieee_add(usum, T.shfl_xor(usum, span))
+                        hsum = T.ieee_add(hsum, T.shfl_xor(hsum, span))
+                    inv = T.float32(0)
+                    if mask[row]:
+                        inv = T.ieee_fdiv(T.float32(1), usum)
+                    for j in T.unroll(per_lane):
+                        grad[j] = T.ieee_add(grad[j], T.ieee_mul(T.ieee_add(h[j], -T.ieee_mul(hsum, inv)), inv))
+                for j in T.unroll(per_lane):
+                    if j * WARP + lane < E:
+                        grad_logits[row, j * WARP + lane] = T.ieee_mul(softplus_derivative(T, u[j]), grad[j])
+
+    return moe_topk_gate_backward_cuda
+
+
+MOE_TOPK_GATE_BACKWARD = Kernel(
+    "moe_topk_gate_backward", GateBackwardKey, build_moe_topk_gate_backward,
+    cases=lambda hidden_size, hc_mult: {f"moe_topk_gate_backward_{name}": GateBackwardKey(*fields)
+                                        for name, fields in GATE_BACKWARD_CASES.items()},
+    derive=lambda scores, unmapped_topk_idx, grad_scores_sum: GateBackwardKey(
+        *require_topk("moe_topk_gate_backward", scores.shape[1], unmapped_topk_idx.shape[1]),
+        grad_scores_sum is not None))
+
+
+def moe_topk_gate_backward(grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor, mask,
+                           grad_scores_sum, grad_logits) -> None:
+    """Launches the backward on the current stream (arguments validated upstream, ``T > 0``); without
+    ``grad_scores_sum`` the mask and it go as placeholders (never read), a missing mask with it as all-true."""
+    key = MOE_TOPK_GATE_BACKWARD.key(scores, unmapped_topk_idx, grad_scores_sum)
+    dev = scores.device
+    if grad_scores_sum is None:
+        mask, grad_scores_sum = placeholder(dev, torch.bool), placeholder(dev, torch.float32, scores.shape[1])
+    elif mask is None:
+        mask = torch.ones(scores.shape[0], dtype=torch.bool, device=dev)
+    MOE_TOPK_GATE_BACKWARD.compiled(key)(grad_topk_weights, scores, unmapped_topk_idx, topk_weights,
+                                         float(routed_scaling_factor), mask, grad_scores_sum, grad_logits)
+
+
+KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD, MOE_TOPK_GATE_BACKWARD)
