@@ -5,6 +5,7 @@ order. The gates do not read the hidden size (``hidden`` is ignored): their size
 """
 
 import torch
+from moe_ref import moe_topk_gate_forward_ref
 
 import cann_ops_tilelang as ops
 
@@ -76,3 +77,17 @@ def moe_topk_gate_forward_call(tokens, hidden, *, seed=0, device="cpu", experts=
     return call
 
 
+
+
+def moe_topk_gate_backward_call(tokens, hidden, *, seed=0, device="cpu", experts=EXPERTS, k=TOPK, aux=True):
+    """The forward's outputs on :func:`moe_topk_gate_forward_call` (every option, no shared expert), random gradients
+    of the routed weights and, with ``aux``, of one sequence per token (``S = T``, so that any token sharding keeps
+    whole sequences) and the forward's mask."""
+    fwd = moe_topk_gate_forward_call(tokens, hidden, seed=seed, experts=experts, k=k, shared=0)
+    _, w, unmapped, u = moe_topk_gate_forward_ref(**fwd)
+    gen = torch.Generator().manual_seed(seed + 2)
+    call = {"grad_topk_weights": torch.randn(tokens, k, generator=gen), "scores": u, "unmapped_topk_idx": unmapped,
+            "topk_weights": w, "routed_scaling_factor": fwd["routed_scaling_factor"],
+            "mask": fwd["mask"] if aux else None,
+            "grad_scores_sum": torch.randn(tokens, experts, generator=gen) * 0.1 if aux else None}
+    return {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in call.items()}

@@ -124,3 +124,61 @@ def moe_topk_gate_forward_f64(logits, k, routed_scaling_factor=1.0, bias=None):
     ids = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :k]
     picked = u.gather(1, ids)
     return u, ids, picked / (picked.sum(dim=1, keepdim=True) + 1e-20) * routed_scaling_factor
+
+
+def softplus_derivative(u):
+    """``u'(x) = (1 - exp(-v)) / (2u)``, ``v = u^2``, from ``u`` in fp32 as the kernels take it: the series ``u/2 (1 -
+    v/2 + v^2/6 - v^3/24 + v^4/120 - v^5/720)`` below ``v = 0.1`` (0 at ``u = 0``)."""
+    v = u * u
+    c = [torch.tensor(c, dtype=F32) for c in (1 / 2, 1 / 6, 1 / 24, 1 / 120, 1 / 720)]
+    series = 0.5 * u * (1 - v * (c[0] - v * (c[1] - v * (c[2] - v * (c[3] - v * c[4])))))
+    return torch.where(v < 0.1, series, (1 - torch.exp(-v)) / (2 * u))
+
+
+def moe_topk_gate_backward_ref(grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor=1.0,
+                               mask=None, grad_scores_sum=None):
+    """``grad_logits`` in fp32 in the kernels' order: ``D = fl(1e-20 + pairwise_sum(u_j))``, ``<g, w> =
+    pairwise_sum(fl(g_j w_j))``, the route terms ``fl(fl(s g_j - <g, w>) / D)`` added to a zero row in pick order; the
+    aux term from ``U`` and ``<h, u>`` (sums in any order: not bitwise), then times :func:`softplus_derivative`."""
+    u = scores.to(F32)
+    tokens, experts = u.shape
+    valid = unmapped_topk_idx >= 0
+    idx = unmapped_topk_idx.clamp(min=0)
+    zero = torch.zeros((), dtype=F32)
+    g = torch.where(valid, grad_topk_weights, zero)
+    picked = torch.where(valid, u.gather(1, idx), zero)
+    den = torch.tensor(1e-20, dtype=F32) + pairwise_sum(picked)
+    dot = pairwise_sum(torch.where(valid, g * topk_weights, zero))
+    route = torch.where(valid, (routed_scaling_factor * g - dot[:, None]) / den[:, None], zero)
+    grad = torch.zeros(tokens, experts)
+    for j in range(idx.shape[1]):  # pick order: repeated ids add up in it
+        grad.scatter_add_(1, idx[:, j : j + 1], route[:, j : j + 1])
+    if grad_scores_sum is not None and tokens:
+        h = grad_scores_sum.to(F32).repeat_interleave(tokens // grad_scores_sum.shape[0], dim=0)
+        usum = u.sum(dim=1, keepdim=True)
+        hsum = (h * u).sum(dim=1, keepdim=True)
+        routed = torch.ones(tokens, 1, dtype=torch.bool) if mask is None else mask[:, None]
+        inv = torch.where(routed, 1 / usum, zero)
+        grad = grad + (h - hsum * inv) * inv
+    return (softplus_derivative(u) * grad).contiguous()
+
+
+def moe_topk_gate_backward_f64(grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor=1.0,
+                               mask=None, grad_scores_sum=None):
+    """The float64 oracle of :func:`moe_topk_gate_backward_ref` (the given fp32 ``u`` and weights taken as exact;
+    ``u'`` as ``-expm1(-u^2) / (2u)``)."""
+    u = scores.to(F64)
+    tokens, experts = u.shape
+    valid = unmapped_topk_idx >= 0
+    idx = unmapped_topk_idx.clamp(min=0)
+    g = grad_topk_weights.to(F64) * valid
+    den = (u.gather(1, idx) * valid).sum(dim=1, keepdim=True) + 1e-20
+    route = (routed_scaling_factor * g - (g * topk_weights.to(F64)).sum(dim=1, keepdim=True)) / den * valid
+    grad = torch.zeros(tokens, experts, dtype=F64).scatter_add_(1, idx, route)
+    if grad_scores_sum is not None and tokens:
+        h = grad_scores_sum.to(F64).repeat_interleave(tokens // grad_scores_sum.shape[0], dim=0)
+        usum = u.sum(dim=1, keepdim=True)
+        routed = torch.ones(tokens, 1, dtype=torch.bool) if mask is None else mask[:, None]
+        inv = torch.where(routed, 1 / usum, torch.zeros((), dtype=F64))
+        grad = grad + (h - (h * u).sum(dim=1, keepdim=True) * inv) * inv
+    return torch.where(u > 0, -torch.expm1(-u * u) / (2 * u), 0.0) * grad

@@ -1,17 +1,21 @@
-"""``moe_topk_gate_forward`` (docs/ops/moe.md#moe_topk_gate): validation, the reference against its float64 oracle
-(the scores within ulps, the ids and the weights), ties, masked tokens, fixed routing, shared experts and the replica
+"""``moe_topk_gate_forward`` and ``moe_topk_gate_backward`` (docs/ops/moe.md#moe_topk_gate). The forward:
+validation, the reference against its float64 oracle (the scores within ulps, the ids and the weights), ties, masked tokens, fixed routing, shared experts and the replica
 map, the fake on meta tensors, opcheck, torch.compile with a dynamic T and zero tokens (CPU tier, the reference as
 the CPU kernel); the CUDA kernel compiled to sm_90a cubins and the Ascend 950 kernel lowered to AscendC within the UB
 at a few variants, their launch arguments and keys (CPU tier); on the device the scores within ulps of the oracle,
 the rest bitwise against the reference computed from the kernel's own scores, and against the peer (DeepSeek's
-tile_kernels) when it imports (device tier)."""
+tile_kernels) when it imports (device tier). The backward: validation, the reference against its float64 oracle and
+torch's autograd through the float64 forward, repeated ids, masked tokens, the aux term, fakes, opcheck; both
+backends' lowering and launch arguments; on the device the kernel within the tolerance of the oracle and against the
+peer."""
 
 import pytest
 import torch
 from _plugins.device import requires_device
 from _plugins.references import without_cpu_references
-from moe_cases import moe_topk_gate_forward_call
-from moe_ref import (moe_topk_gate_forward_f64, moe_topk_gate_forward_ref, moe_topk_gate_from_scores, pairwise_sum,
+from moe_cases import moe_topk_gate_backward_call, moe_topk_gate_forward_call
+from moe_ref import (moe_topk_gate_backward_f64, moe_topk_gate_backward_ref, moe_topk_gate_forward_f64,
+                     moe_topk_gate_forward_ref, moe_topk_gate_from_scores, pairwise_sum, softplus_derivative,
                      sqrt_softplus, sqrt_softplus_f64)
 from moe_testing import (DEVICE_EXPERTS, DEVICE_TOKENS, HAVE_NVCC, assert_compiles_once, check_ascend_lowers_within_ub,
                          check_cuda_compiles_to_sm90a_cubin, check_zero_tokens_launch_nothing, lowering_cases,
@@ -230,7 +234,7 @@ from cann_ops_tilelang.kernels.cuda.moe import moe_topk_gate as cuda_gate  # noq
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
-@pytest.mark.parametrize("name", lowering_cases(cuda_gate))
+@pytest.mark.parametrize("name", [n for n in lowering_cases(cuda_gate) if "forward" in n])
 def test_cuda_compiles_to_sm90a_cubin(name):
     threads = 32 * cuda_gate.MOE_TOPK_GATE_FORWARD_PLAN.warps
     source = check_cuda_compiles_to_sm90a_cubin(cuda_gate, name, threads)
@@ -243,10 +247,11 @@ def test_cuda_compiles_to_sm90a_cubin(name):
 @pytest.mark.parametrize("name", lowering_cases(ascend_gate))
 def test_ascend_lowers_within_ub(name):
     source = check_ascend_lowers_within_ub(ascend_gate, name)
-    assert "log1p" in source and "exp" in source
+    assert "exp" in source and ("log1p" in source) == ("forward" in name)
 
 
 def test_cases_are_few_and_the_same_on_both_backends():
+    """The forward's variants (the backward's: test_backward_cases_are_the_same_on_both_backends)."""
     want = sorted(f"moe_topk_gate_forward_{n}" for n in ("e1_k1", "e72_k6_s2_all", "e256_k8_bias_mask", "e512_k32"))
     for module in (cuda_gate, ascend_gate):
         for hidden in limits.MOE_HIDDEN_SIZES:
@@ -345,3 +350,220 @@ def test_device_equals_the_peer(experts, k, device, seed):
         logical_count=call["logical_count"], unmapped_topk_idx=theirs_unmapped, scores=theirs_u)
     assert torch.equal(u, theirs_u) and torch.equal(unmapped, theirs_unmapped)
     assert torch.equal(idx, theirs_idx) and torch.equal(w, theirs_w)
+
+
+
+# --- moe_topk_gate_backward ---------------------------------------------------------------------------------------
+
+
+def backward_bound(call):
+    """Per element, ``2^-16`` times the sum of the magnitudes of the terms of the float64 gradient (each sum of at most
+    ``E`` fp32 values, about ``2^-24`` each, far below)."""
+    u = call["scores"].cpu().to(F64)
+    tokens, experts = u.shape
+    idx = call["unmapped_topk_idx"].cpu()
+    valid = idx >= 0
+    g = call["grad_topk_weights"].cpu().to(F64) * valid
+    w = call["topk_weights"].cpu().to(F64)
+    den = (u.gather(1, idx.clamp(min=0)) * valid).sum(1, keepdim=True) + 1e-20
+    route = ((call["routed_scaling_factor"] * g).abs() + (g * w).abs().sum(1, keepdim=True)) / den * valid
+    mag = torch.zeros(tokens, experts, dtype=F64).scatter_add_(1, idx.clamp(min=0), route)
+    if call["grad_scores_sum"] is not None and tokens:
+        h = call["grad_scores_sum"].cpu().to(F64).repeat_interleave(tokens // call["grad_scores_sum"].shape[0], 0)
+        mask = call["mask"]
+        routed = torch.ones(tokens, 1, dtype=torch.bool) if mask is None else mask.cpu()[:, None]
+        inv = torch.where(routed, 1 / u.sum(1, keepdim=True), torch.zeros((), dtype=F64))
+        mag = mag + (h.abs() + (h * u).abs().sum(1, keepdim=True) * inv) * inv
+    return 2.0 ** -16 * torch.where(u > 0, -torch.expm1(-u * u) / (2 * u), 0.0) * mag + 1e-30
+
+
+def check_backward(got, call):
+    want = moe_topk_gate_backward_f64(**{n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in call.items()})
+    err = (got.cpu().to(F64) - want).abs()
+    bound = backward_bound(call)
+    assert (err <= bound).all(), (err / bound).max().item()
+
+
+def _bad_backward_calls():
+    return [
+        ({"scores": torch.zeros(3, 16).double()}, TypeError, r"'scores': expected dtype torch.float32, got "
+                                                              r"torch.float64"),
+        ({"unmapped_topk_idx": torch.zeros(3, 4, dtype=I32)}, TypeError,
+         r"'unmapped_topk_idx': expected dtype torch.int64, got torch.int32"),
+        ({"unmapped_topk_idx": torch.zeros(3, 17, dtype=I64)}, ValueError,
+         r"'unmapped_topk_idx': expected at most E = 16 \(the experts to pick from\), got 17"),
+        ({"unmapped_topk_idx": torch.zeros(2, 4, dtype=I64)}, ValueError,
+         r"'unmapped_topk_idx': expected shape \(3, \*\), got \(2, 4\)"),
+        ({"grad_topk_weights": torch.zeros(3, 5)}, ValueError, r"'grad_topk_weights': expected shape \(3, 4\), got "
+                                                                r"\(3, 5\)"),
+        ({"topk_weights": torch.zeros(3, 4).t().contiguous().t()}, ValueError,
+         r"'topk_weights': expected a contiguous tensor"),
+        ({"routed_scaling_factor": "2"}, TypeError, r"'routed_scaling_factor': expected a float, got str"),
+        ({"mask": torch.ones(4, dtype=torch.bool)}, ValueError, r"'mask': expected shape \(3,\), got \(4,\)"),
+        ({"grad_scores_sum": torch.zeros(2, 16)}, ValueError, r"'grad_scores_sum': expected a number of sequences S "
+                                                               r">= 1 that divides T = 3"),
+        ({"grad_scores_sum": torch.zeros(0, 16)}, ValueError, r"'grad_scores_sum': expected a number of sequences"),
+        ({"grad_scores_sum": torch.zeros(1, 15)}, ValueError, r"'grad_scores_sum': expected shape \(\*, 16\), got "
+                                                               r"\(1, 15\)"),
+    ]
+
+
+@pytest.mark.parametrize("change,error,message", _bad_backward_calls(),
+                         ids=[str(i) for i in range(len(_bad_backward_calls()))])
+def test_backward_validation_names_op_and_argument(change, error, message):
+    call = {**moe_topk_gate_backward_call(3, 64, experts=16, k=4), **change}
+    with without_cpu_references(), pytest.raises(
+            error, match=rf"cann_ops_tilelang::moe_topk_gate_backward: argument {message}"):
+        ops.moe_topk_gate_backward(**call)
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_backward_oracle_is_autograd_through_the_float64_forward(aux, seed):
+    """The oracle's formulas against torch's autograd of ``sum(g w) + sum(h · seq_sum(u / U))`` in float64, through
+    ``u = sqrt(softplus(x))`` with the forward's ids (fixed rows with a -1 included, masked rows in the aux term)."""
+    tokens, experts, k, seqs = 12, 24, 4, 3
+    call = moe_topk_gate_forward_call(tokens, 64, seed=seed, experts=experts, k=k, shared=0)
+    idx = moe_topk_gate_forward_ref(**call)[2]
+    x = call["logits"].to(F64).requires_grad_()
+    u = torch.nn.functional.softplus(x).sqrt()
+    valid = idx >= 0
+    picked = u.gather(1, idx.clamp(min=0)) * valid
+    w = 2.5 * picked / (picked.sum(1, keepdim=True) + 1e-20)
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(tokens, k, generator=gen, dtype=F64)
+    loss = (w * g * valid).sum()
+    h = torch.randn(seqs, experts, generator=gen, dtype=F64) if aux else None
+    mask = call["mask"]
+    if aux:
+        share = u / u.sum(1, keepdim=True) * mask[:, None]
+        loss = loss + (share.reshape(seqs, tokens // seqs, experts).sum(1) * h).sum()
+    loss.backward()
+    want = moe_topk_gate_backward_f64(g, u.detach(), idx, w.detach(), 2.5, mask if aux else None, h)
+    assert torch.allclose(x.grad, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("aux", [False, True])
+@pytest.mark.parametrize("experts,k", [(1, 1), (72, 6), (256, 8), (512, 32)])
+def test_backward_reference_within_the_bound_of_the_oracle(experts, k, aux, seed):
+    call = moe_topk_gate_backward_call(40, 64, seed=seed, experts=experts, k=k, aux=aux)
+    check_backward(moe_topk_gate_backward_ref(**call), call)
+
+
+def test_backward_derivative_series_meets_the_exp_form():
+    u = torch.linspace(0, 4, 40001)
+    got = softplus_derivative(u).to(F64)
+    want = torch.where(u > 0, -torch.expm1(-u.to(F64) ** 2) / (2 * u.to(F64)), 0.0)
+    assert ((got - want).abs() <= 2.0 ** -19 * want.abs() + 1e-38).all()
+
+
+def test_backward_repeated_ids_add_up_and_minus_one_adds_nothing():
+    u = torch.tensor([[0.5, 1.0, 2.0, 0.25]])
+    idx = torch.tensor([[2, 2, -1]])
+    g = torch.tensor([[1.0, 3.0, 100.0]])
+    w = torch.tensor([[0.4, 0.4, 0.0]])
+    got = ops.moe_topk_gate_backward(g, u, idx, w, 2.0)
+    den = 1e-20 + 4.0
+    dot = 0.4 + 1.2
+    route = (2.0 * 1.0 - dot) / den + (2.0 * 3.0 - dot) / den
+    assert got[0, [0, 1, 3]].tolist() == [0.0, 0.0, 0.0]
+    assert got[0, 2].item() == pytest.approx(route * (1 - torch.exp(torch.tensor(-4.0)).item()) / 4.0, rel=1e-6)
+
+
+def test_backward_masked_tokens_get_no_aux_term(seed):
+    call = moe_topk_gate_backward_call(10, 64, seed=seed, experts=72, k=6)
+    got = ops.moe_topk_gate_backward(**call)
+    off = ~call["mask"]
+    assert off.any() and (got[off] == 0).all()  # masked: ids -1 and no aux term
+    assert (got[~off] != 0).any()
+
+
+def test_backward_fake_matches_reference(seed):
+    for tokens in (0, 1, 7):
+        for aux in (False, True):
+            real = ops.moe_topk_gate_backward(**moe_topk_gate_backward_call(tokens, 64, seed=seed, aux=aux))
+            fake = ops.moe_topk_gate_backward(**moe_topk_gate_backward_call(tokens, 64, seed=seed, aux=aux,
+                                                                            device="meta"))
+            assert metadata(fake) == metadata(real) == ((tokens, 256), F32, (256, 1))
+            want = moe_topk_gate_backward_ref(**moe_topk_gate_backward_call(tokens, 64, seed=seed, aux=aux))
+            assert torch.equal(real, want)
+
+
+@pytest.mark.parametrize("tokens", [0, 5])
+def test_backward_opcheck(tokens, seed):
+    call = moe_topk_gate_backward_call(tokens, 64, seed=seed)
+    torch.library.opcheck(torch.ops.cann_ops_tilelang.moe_topk_gate_backward.default, tuple(call.values()))
+
+
+def test_backward_zero_tokens_launch_nothing(monkeypatch):
+    check_zero_tokens_launch_nothing(monkeypatch, "moe_topk_gate_backward", moe_topk_gate_backward_call(0, 64))
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found: cannot build CUDA cubins here")
+@pytest.mark.parametrize("name", [n for n in lowering_cases(cuda_gate) if "backward" in n])
+def test_backward_cuda_compiles_to_sm90a_cubin(name):
+    source = check_cuda_compiles_to_sm90a_cubin(cuda_gate, name, 32 * cuda_gate.MOE_TOPK_GATE_FORWARD_PLAN.warps)
+    # no atomics: the route terms go by shuffles, one pick after the other
+    assert "atomic" not in source and "__shfl_sync(" in source
+    assert ("grad_scores_sum[" in source) == name.endswith("_aux")
+
+
+def test_backward_cases_are_the_same_on_both_backends():
+    want = sorted(f"moe_topk_gate_backward_{n}" for n in ("e1_k1", "e72_k6_aux", "e256_k8", "e512_k32_aux"))
+    for module in (cuda_gate, ascend_gate):
+        assert sorted(module.MOE_TOPK_GATE_BACKWARD.case_keys(4096, 4)) == want
+
+
+@pytest.mark.parametrize("module", [cuda_gate, ascend_gate], ids=["cuda", "ascend"])
+def test_backward_launcher_passes_the_arguments_the_kernel_declares(module, monkeypatch):
+    kernel = module.MOE_TOPK_GATE_BACKWARD
+    seen = []
+    monkeypatch.setattr(kernel, "compiled", lambda key: lambda *args: seen.append((key, args)))
+    keys = set()
+    for tokens in (1, 6):
+        for aux in (False, True):
+            call = moe_topk_gate_backward_call(tokens, 64, experts=72, k=6, aux=aux)
+            grad = ops.registered_ops()["moe_topk_gate_backward"].prepare(**call)
+            module.moe_topk_gate_backward(**call, grad_logits=grad)
+            key, args = seen.pop()
+            keys.add(key)
+            assert (key.experts, key.k, key.has_aux) == (72, 6, aux)
+            prim_func = kernel.prim_func(key)
+            assert len(args) == len(prim_func.params)
+            for param, arg in zip(prim_func.params, args):
+                if isinstance(arg, torch.Tensor):
+                    buffer = prim_func.buffer_map[param]
+                    assert arg.dtype == getattr(torch, str(buffer.dtype)) and arg.is_contiguous(), buffer.name
+            assert args[:4] == (call["grad_topk_weights"], call["scores"], call["unmapped_topk_idx"],
+                                call["topk_weights"])
+            assert args[4] == 2.5 and args[-1] is grad
+            assert (args[5] is call["mask"] and args[6] is call["grad_scores_sum"]) if aux else args[5].numel() == 1
+    assert len(keys) == 2
+
+
+@requires_device
+@pytest.mark.parametrize("experts", DEVICE_EXPERTS)
+@pytest.mark.parametrize("aux", [False, True])
+def test_device_backward_within_the_bound_of_the_oracle(experts, aux, device, seed):
+    for tokens in DEVICE_TOKENS:
+        for k in sorted({1, min(6, experts), min(8, experts), min(32, experts)}):
+            call = moe_topk_gate_backward_call(tokens, 64, seed=seed + tokens, experts=experts, k=k, aux=aux,
+                                               device=device)
+            got = ops.moe_topk_gate_backward(**call)
+            assert got.is_contiguous()
+            check_backward(got, call)
+            again = ops.moe_topk_gate_backward(**call)
+            assert torch.equal(got, again)  # no atomics: the same bits run to run
+
+
+@requires_device
+@pytest.mark.parametrize("experts,k", [(72, 6), (256, 8)])
+def test_device_backward_against_the_peer(experts, k, device, seed):
+    """DeepSeek's tile_kernels (when importable): within the same bound of the oracle as ours (its repeated ids add
+    up by atomics, its derivative is a polynomial: not bitwise)."""
+    peer = pytest.importorskip("tile_kernels.moe")
+    call = moe_topk_gate_backward_call(4001, 64, seed=seed, experts=experts, k=k, device=device)
+    theirs = peer.moe_topk_gate_backward(call["scores"], call["unmapped_topk_idx"], call["topk_weights"],
+                                         call["grad_topk_weights"], 2.5, "sqrtsoftplus", mask=call["mask"],
+                                         grad_scores_sum=call["grad_scores_sum"])
+    check_backward(theirs, call)
+    check_backward(ops.moe_topk_gate_backward(**call), call)
