@@ -1,5 +1,6 @@
-"""Benchmarks of the MoE routing gates (``topk_gate``, ``normalize_weight``, ``moe_topk_gate_forward`` / ``_backward``; run only when
-asked: ``-m benchmark``), side by side in one run: ours, the peer (DeepSeek tile_kernels 2.1.0, when importable), the reference under inductor (``torch.compile(fullgraph=True,
+"""Benchmarks of the MoE routing gates (``topk_gate``, ``normalize_weight``, ``moe_topk_gate_forward`` /
+``_backward``; run only when asked: ``-m benchmark``), side by side in one run: ours, the peer (DeepSeek tile_kernels
+2.1.0, when importable), the reference under inductor (``torch.compile(fullgraph=True,
 dynamic=True)``, one compile per reference and non-tensor arguments). The gates move a few bytes per token (they
 are latency-bound, not bandwidth-bound): no copy ceiling here.
 

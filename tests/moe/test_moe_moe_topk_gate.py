@@ -1,13 +1,15 @@
-"""``moe_topk_gate_forward`` and ``moe_topk_gate_backward`` (docs/ops/moe.md#moe_topk_gate). The forward:
-validation, the reference against its float64 oracle (the scores within ulps, the ids and the weights), ties, masked tokens, fixed routing, shared experts and the replica
-map, the fake on meta tensors, opcheck, torch.compile with a dynamic T and zero tokens (CPU tier, the reference as
-the CPU kernel); the CUDA kernel compiled to sm_90a cubins and the Ascend 950 kernel lowered to AscendC within the UB
-at a few variants, their launch arguments and keys (CPU tier); on the device the scores within ulps of the oracle,
-the rest bitwise against the reference computed from the kernel's own scores, and against the peer (DeepSeek's
-tile_kernels) when it imports (device tier). The backward: validation, the reference against its float64 oracle and
-torch's autograd through the float64 forward, repeated ids, masked tokens, the aux term, fakes, opcheck; both
-backends' lowering and launch arguments; on the device the kernel within the tolerance of the oracle and against the
-peer."""
+"""``moe_topk_gate_forward`` and ``moe_topk_gate_backward`` (docs/ops/moe.md#moe_topk_gate).
+
+The forward: validation, the reference against its float64 oracle (the scores within ulps, the ids and the weights),
+ties, masked tokens, fixed routing, shared experts and the replica map, the fake on meta tensors, opcheck,
+torch.compile with a dynamic T and zero tokens (CPU tier, the reference as the CPU kernel); the CUDA kernel compiled
+to sm_90a cubins and the Ascend 950 kernel lowered to AscendC within the UB at a few variants, their launch arguments
+and keys (CPU tier); on the device the scores within ulps of the oracle, the rest bitwise against the reference
+computed from the kernel's own scores, and against the peer (DeepSeek's tile_kernels) when it imports (device tier).
+The backward: validation, the reference against its float64 oracle and the oracle against torch's autograd through
+the float64 forward, repeated ids, masked tokens, the aux term, fakes, opcheck; both backends' lowering and launch
+arguments; on the device the kernel within the bound of the oracle, run to run bitwise, and the peer's alike.
+"""
 
 import pytest
 import torch
@@ -58,8 +60,10 @@ def _bad_calls():
         ({"logits": torch.zeros(3, 0)}, ValueError, r"'logits': expected an expert count E in \[1, 512\], got 0"),
         ({"k": 17}, ValueError, r"'k': expected at most E = 16 \(the experts to pick from\), got 17"),
         ({"k": 0}, ValueError, r"'k': expected a top-k count k in \[1, 32\], got 0"),
-        ({"num_shared_experts": -1}, ValueError, r"'num_shared_experts': expected 0 to 28 \(k \+ shared <= 32\), got -1"),
-        ({"num_shared_experts": 29}, ValueError, r"'num_shared_experts': expected 0 to 28 \(k \+ shared <= 32\), got 29"),
+        ({"num_shared_experts": -1}, ValueError,
+         r"'num_shared_experts': expected 0 to 28 \(k \+ shared <= 32\), got -1"),
+        ({"num_shared_experts": 29}, ValueError,
+         r"'num_shared_experts': expected 0 to 28 \(k \+ shared <= 32\), got 29"),
         ({"num_shared_experts": 1.0}, TypeError, r"'num_shared_experts': expected an int, got float 1.0"),
         ({"routed_scaling_factor": float("inf")}, ValueError, r"'routed_scaling_factor': expected a number that is "
                                                               r"finite in fp32"),
@@ -91,8 +95,8 @@ def _bad_calls():
 @pytest.mark.parametrize("change,error,message", _bad_calls(), ids=[str(i) for i in range(len(_bad_calls()))])
 def test_validation_names_op_and_argument(change, error, message):
     call = {**moe_topk_gate_forward_call(3, 64, experts=16, k=4, options=False), **change}
-    with without_cpu_references(), pytest.raises(error,
-                                                 match=rf"cann_ops_tilelang::moe_topk_gate_forward: argument {message}"):
+    with without_cpu_references(), pytest.raises(
+            error, match=rf"cann_ops_tilelang::moe_topk_gate_forward: argument {message}"):
         ops.moe_topk_gate_forward(**call)
 
 

@@ -11,7 +11,8 @@ import torch
 from .. import limits
 from .._checks import OpError, check_bool, check_int, check_tensor
 
-__all__ = ["DENOMINATOR_EPS", "F32", "GATE_CASES", "ID_DTYPES", "NORMALIZE_CASES", "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "SOFTPLUS_SERIES", "GATE_BACKWARD_CASES", "TOPK_CASES", "check_k", "check_rows", "gate_key",
+__all__ = ["DENOMINATOR_EPS", "F32", "GATE_BACKWARD_CASES", "GATE_CASES", "ID_DTYPES", "NORMALIZE_CASES",
+           "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "SOFTPLUS_SERIES", "TOPK_CASES", "check_k", "check_rows", "gate_key",
            "id_dtype", "pairwise_steps", "placeholder", "require_topk"]
 
 F32 = torch.float32

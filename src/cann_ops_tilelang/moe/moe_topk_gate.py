@@ -138,8 +138,8 @@ def moe_topk_gate_backward(
     """The gradient of the forward's routed weights (and of a sequence-level sum of ``u / sum(u)``) with respect to
     the logits (docs/ops/moe.md#moe_topk_gate has the math and the tolerance).
 
-    ``grad_logits = u'(x) · (route + aux)``: ``route`` scatters ``(s · g_j - <g, w>) / D`` to the routed ids ``j >= 0``
-    (``D = 1e-20 + sum u_j``; repeated ids add up), ``aux = (h - <h, u> / U) / U`` with ``U = sum_e u_e`` and ``h``
+    ``grad_logits = u'(x) · (route + aux)``: ``route`` scatters ``(s · g_j - <g, w>) / D`` to the routed ids
+    ``j >= 0`` (``D = 1e-20 + sum u_j``; repeated ids add up), ``aux = (h - <h, u> / U) / U`` with ``U = sum_e u_e`` and ``h``
     the row of ``grad_scores_sum`` of the token's sequence (zero for tokens ``mask`` leaves out), ``u'(x) =
     (1 - exp(-u^2)) / (2u)`` recovered from ``u`` (0 at ``u = 0``).
 

@@ -69,7 +69,8 @@ def build_moe_topk_gate_forward(experts: int, k: int, shared: int, has_mask: boo
     rows, stages = MOE_TOPK_GATE_FORWARD_PLAN.rows(E), MOE_TOPK_GATE_FORWARD_PLAN.stages
     f32, i32, i64 = T.float32, T.int32, T.int64
     num_tokens = T.dynamic("num_tokens")
-    n_mask, n_bias, n_ibias, n_imask = T.dynamic("n_mask"), T.dynamic("n_bias"), T.dynamic("n_ibias"), T.dynamic("n_imask")
+    n_mask, n_bias = T.dynamic("n_mask"), T.dynamic("n_bias")
+    n_ibias, n_imask = T.dynamic("n_ibias"), T.dynamic("n_imask")
     n_fmask, n_fixed, n_logical, n_replicas = (T.dynamic("n_fmask"), T.dynamic("n_fixed"), T.dynamic("n_logical"),
                                                T.dynamic("n_replicas"))
     n_count = T.dynamic("n_count")

@@ -64,7 +64,8 @@ def build_moe_topk_gate_forward(experts: int, k: int, shared: int, has_mask: boo
     warps = MOE_TOPK_GATE_FORWARD_PLAN.warps
     f32, i32, i64 = T.float32, T.int32, T.int64
     num_tokens = T.dynamic("num_tokens")
-    n_mask, n_bias, n_ibias, n_imask = T.dynamic("n_mask"), T.dynamic("n_bias"), T.dynamic("n_ibias"), T.dynamic("n_imask")
+    n_mask, n_bias = T.dynamic("n_mask"), T.dynamic("n_bias")
+    n_ibias, n_imask = T.dynamic("n_ibias"), T.dynamic("n_imask")
     n_fmask, n_fixed, n_logical, n_replicas = (T.dynamic("n_fmask"), T.dynamic("n_fixed"), T.dynamic("n_logical"),
                                                T.dynamic("n_replicas"))
     n_count = T.dynamic("n_count")
@@ -172,8 +173,9 @@ def build_moe_topk_gate_forward(experts: int, k: int, shared: int, has_mask: boo
                         expert = T.cast(E - K + lane, i64)
                     if has_map:
                         if lane < W and expert >= 0:
-                            expert = T.cast(to_physical_map[expert, (T.cast(ep_rank, i64) + T.cast(row, i64) * REPLICA_STRIDE)
-                                                            % T.cast(logical_count[expert], i64)], i64)
+                            replica = (T.cast(ep_rank, i64) + T.cast(row, i64) * REPLICA_STRIDE) % T.cast(
+                                logical_count[expert], i64)
+                            expert = T.cast(to_physical_map[expert, replica], i64)
                     if lane < W:
                         topk_idx[row, lane] = expert
                         topk_weights[row, lane] = weight
