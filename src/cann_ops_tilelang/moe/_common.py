@@ -12,8 +12,8 @@ from .. import limits
 from .._checks import OpError, check_bool, check_int, check_tensor
 
 __all__ = ["DENOMINATOR_EPS", "F32", "GATE_BACKWARD_CASES", "GATE_CASES", "ID_DTYPES", "NORMALIZE_CASES",
-           "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "SOFTPLUS_SERIES", "TOPK_CASES", "check_k", "check_rows", "gate_key",
-           "id_dtype", "pairwise_steps", "placeholder", "require_topk"]
+           "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "SOFTPLUS_SERIES", "TOPK_CASES", "check_k", "check_rows",
+           "gate_backward_arguments", "gate_forward_arguments", "gate_key", "id_dtype", "pairwise_steps", "placeholder", "require_topk"]
 
 F32 = torch.float32
 # the expert ids' dtypes: int64 by default, int32 when asked (``int32=True``)
@@ -99,3 +99,33 @@ def placeholder(device: torch.device, dtype: torch.dtype, width: int = 0) -> tor
     """For the kernels of ``moe_topk_gate_forward``: a ``(1,)`` (``width`` 0) or ``(1, width)`` zero tensor standing
     for an absent optional tensor (the kernel's key says it is absent: it is never read)."""
     return torch.zeros((1, width) if width else (1,), dtype=dtype, device=device)
+
+
+def gate_forward_arguments(logits, k, routed_scaling_factor, ep_rank, mask, bias, image_bias, image_token_mask,
+                           fix_routing_mask, fixed_topk_idx, to_physical_map, logical_count, topk_idx, topk_weights,
+                           unmapped_topk_idx, scores) -> tuple:
+    """For the launchers of ``moe_topk_gate_forward`` (both backends' kernels take the same parameters): the kernel's
+    arguments in order, the absent optional tensors as placeholders, the scalars as Python numbers."""
+    dev, f32 = logits.device, torch.float32
+
+    def given(t, dtype, width=0):
+        return t if t is not None else placeholder(dev, dtype, width)
+
+    return (logits, given(mask, torch.bool), given(bias, f32), given(image_bias, f32),
+            given(image_token_mask, torch.bool), given(fix_routing_mask, torch.bool),
+            given(fixed_topk_idx, torch.int64, k), given(to_physical_map, torch.int32, 1),
+            given(logical_count, torch.int32), float(routed_scaling_factor), int(ep_rank),
+            topk_idx, topk_weights, unmapped_topk_idx, scores)
+
+
+def gate_backward_arguments(grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor, mask,
+                            grad_scores_sum, grad_logits) -> tuple:
+    """For the launchers of ``moe_topk_gate_backward``: the kernel's arguments in order; without ``grad_scores_sum``
+    it and the mask go as placeholders (never read), a missing mask with it as all-true."""
+    dev = scores.device
+    if grad_scores_sum is None:
+        mask, grad_scores_sum = placeholder(dev, torch.bool), placeholder(dev, torch.float32, scores.shape[1])
+    elif mask is None:
+        mask = torch.ones(scores.shape[0], dtype=torch.bool, device=dev)
+    return (grad_topk_weights, scores, unmapped_topk_idx, topk_weights, float(routed_scaling_factor), mask,
+            grad_scores_sum, grad_logits)

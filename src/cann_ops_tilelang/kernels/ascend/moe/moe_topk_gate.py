@@ -10,18 +10,17 @@ says are absent are one-element placeholders never read. ``T`` is dynamic.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import dataclasses
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
-import torch
 from tilelang.ascend import language as T
 
 from ....limits import IntRange
 from ....moe._common import (DENOMINATOR_EPS, GATE_BACKWARD_CASES, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR,
-                             SOFTPLUS_SERIES, gate_key, pairwise_steps, placeholder, require_topk)
+                             SOFTPLUS_SERIES, gate_backward_arguments, gate_forward_arguments, gate_key,
+                             pairwise_steps, require_topk)
 from ....policy import ASCEND_CASE_CORES
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
+from ._tiles import RowTilePlan
 
 
 @compile_key
@@ -37,26 +36,9 @@ class GateKey:
     num_cores: int
 
 
-@dataclasses.dataclass(frozen=True)
-class GatePlan:
-    """Tiles of up to ``max_rows`` tokens (one SIMT thread each) whose logits take at most ``tile_bytes`` of UB per
-    stage (the scores tile as much again), ``stages`` tiles in flight."""
-
-    max_rows: int
-    tile_bytes: int
-    stages: int
-
-    def rows(self, experts: int) -> int:
-        """Tokens per tile at ``E = experts``: a power of two, at least 8."""
-        rows = self.max_rows
-        while rows > 8 and rows * experts * 4 > self.tile_bytes:
-            rows //= 2
-        return rows
-
-
 # 128 threads for E <= 64, 16 tokens of 512 logits: 2 x 32 KiB (logits, scores) per stage, two stages (not measured
 # yet: the first NPU run of the benchmark sets it, docs/perf/ascend950/moe.md)
-MOE_TOPK_GATE_FORWARD_PLAN = GatePlan(max_rows=128, tile_bytes=32 * 1024, stages=2)
+MOE_TOPK_GATE_FORWARD_PLAN = RowTilePlan(max_rows=128, tile_bytes=32 * 1024, stages=2)
 
 
 def build_moe_topk_gate_forward(experts: int, k: int, shared: int, has_mask: bool, has_bias: bool, has_image: bool,
@@ -210,22 +192,13 @@ MOE_TOPK_GATE_FORWARD = Kernel(
 def moe_topk_gate_forward(logits, k, num_shared_experts, routed_scaling_factor, ep_rank, mask, bias, image_bias,
                           image_token_mask, fix_routing_mask, fixed_topk_idx, to_physical_map, logical_count,
                           topk_idx, topk_weights, unmapped_topk_idx, scores) -> None:
-    """Launches the gate on the current stream (arguments validated upstream, ``T > 0``); the absent optional tensors
-    go as placeholders."""
+    """Launches the gate on the current stream (arguments validated upstream, ``T > 0``; ``gate_forward_arguments``
+    passes the absent optional tensors as placeholders)."""
     key = MOE_TOPK_GATE_FORWARD.key(logits, k, num_shared_experts, mask, bias, image_bias, fixed_topk_idx,
                                     to_physical_map)
-    dev = logits.device
-
-    def given(t, dtype, width=0):
-        return t if t is not None else placeholder(dev, dtype, width)
-
-    MOE_TOPK_GATE_FORWARD.compiled(key)(
-        logits, given(mask, torch.bool), given(bias, torch.float32), given(image_bias, torch.float32),
-        given(image_token_mask, torch.bool), given(fix_routing_mask, torch.bool),
-        given(fixed_topk_idx, torch.int64, k), given(to_physical_map, torch.int32, 1),
-        given(logical_count, torch.int32), float(routed_scaling_factor), int(ep_rank),
-        topk_idx, topk_weights, unmapped_topk_idx, scores)
-
+    MOE_TOPK_GATE_FORWARD.compiled(key)(*gate_forward_arguments(
+        logits, k, routed_scaling_factor, ep_rank, mask, bias, image_bias, image_token_mask, fix_routing_mask,
+        fixed_topk_idx, to_physical_map, logical_count, topk_idx, topk_weights, unmapped_topk_idx, scores))
 
 
 @compile_key
@@ -342,13 +315,9 @@ def moe_topk_gate_backward(grad_topk_weights, scores, unmapped_topk_idx, topk_we
     """Launches the backward on the current stream (arguments validated upstream, ``T > 0``); without
     ``grad_scores_sum`` the mask and it go as placeholders (never read), a missing mask with it as all-true."""
     key = MOE_TOPK_GATE_BACKWARD.key(scores, unmapped_topk_idx, grad_scores_sum)
-    dev = scores.device
-    if grad_scores_sum is None:
-        mask, grad_scores_sum = placeholder(dev, torch.bool), placeholder(dev, torch.float32, scores.shape[1])
-    elif mask is None:
-        mask = torch.ones(scores.shape[0], dtype=torch.bool, device=dev)
-    MOE_TOPK_GATE_BACKWARD.compiled(key)(grad_topk_weights, scores, unmapped_topk_idx, topk_weights,
-                                         float(routed_scaling_factor), mask, grad_scores_sum, grad_logits)
+    MOE_TOPK_GATE_BACKWARD.compiled(key)(*gate_backward_arguments(
+        grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor, mask, grad_scores_sum,
+        grad_logits))
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD, MOE_TOPK_GATE_BACKWARD)

@@ -11,15 +11,11 @@ k + shared - 1`` hold the shared experts; then the replica map. Optional tensors
 as one-element placeholders the kernel never reads. ``T`` is dynamic.
 """
 
-import dataclasses
-
-import torch
-
 from ....moe._common import (DENOMINATOR_EPS, GATE_BACKWARD_CASES, GATE_CASES, REPLICA_STRIDE, SOFTPLUS_LINEAR,
-                             SOFTPLUS_SERIES, gate_key, placeholder, require_topk)
+                             SOFTPLUS_SERIES, gate_backward_arguments, gate_forward_arguments, gate_key,
+                             require_topk)
 from ..._kernel import Kernel, compile_key, kernel_module
-
-WARP = 32
+from ._warps import WARP, WarpPlan
 
 
 @compile_key
@@ -34,15 +30,8 @@ class GateKey:
     has_map: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class GatePlan:
-    """CTAs of ``warps`` warps, one token per warp."""
-
-    warps: int
-
-
 # 4 tokens per CTA, as topk_gate (not measured yet: the first GPU run of the benchmark sets it, docs/perf/<chip>/moe.md)
-MOE_TOPK_GATE_FORWARD_PLAN = GatePlan(warps=4)
+MOE_TOPK_GATE_FORWARD_PLAN = WarpPlan(warps=4)
 
 
 def build_moe_topk_gate_forward(experts: int, k: int, shared: int, has_mask: bool, has_bias: bool, has_image: bool,
@@ -197,23 +186,13 @@ MOE_TOPK_GATE_FORWARD = Kernel(
 def moe_topk_gate_forward(logits, k, num_shared_experts, routed_scaling_factor, ep_rank, mask, bias, image_bias,
                           image_token_mask, fix_routing_mask, fixed_topk_idx, to_physical_map, logical_count,
                           topk_idx, topk_weights, unmapped_topk_idx, scores) -> None:
-    """Launches the gate on the current stream (arguments validated upstream, ``T > 0``); the absent optional tensors
-    go as placeholders."""
+    """Launches the gate on the current stream (arguments validated upstream, ``T > 0``; ``gate_forward_arguments``
+    passes the absent optional tensors as placeholders)."""
     key = MOE_TOPK_GATE_FORWARD.key(logits, k, num_shared_experts, mask, bias, image_bias, fixed_topk_idx,
                                     to_physical_map)
-    dev = logits.device
-
-    def given(t, dtype, width=0):
-        return t if t is not None else placeholder(dev, dtype, width)
-
-    MOE_TOPK_GATE_FORWARD.compiled(key)(
-        logits, given(mask, torch.bool), given(bias, torch.float32), given(image_bias, torch.float32),
-        given(image_token_mask, torch.bool), given(fix_routing_mask, torch.bool),
-        given(fixed_topk_idx, torch.int64, k), given(to_physical_map, torch.int32, 1),
-        given(logical_count, torch.int32), float(routed_scaling_factor), int(ep_rank),
-        topk_idx, topk_weights, unmapped_topk_idx, scores)
-
-
+    MOE_TOPK_GATE_FORWARD.compiled(key)(*gate_forward_arguments(
+        logits, k, routed_scaling_factor, ep_rank, mask, bias, image_bias, image_token_mask, fix_routing_mask,
+        fixed_topk_idx, to_physical_map, logical_count, topk_idx, topk_weights, unmapped_topk_idx, scores))
 
 
 @compile_key
@@ -349,13 +328,9 @@ def moe_topk_gate_backward(grad_topk_weights, scores, unmapped_topk_idx, topk_we
     """Launches the backward on the current stream (arguments validated upstream, ``T > 0``); without
     ``grad_scores_sum`` the mask and it go as placeholders (never read), a missing mask with it as all-true."""
     key = MOE_TOPK_GATE_BACKWARD.key(scores, unmapped_topk_idx, grad_scores_sum)
-    dev = scores.device
-    if grad_scores_sum is None:
-        mask, grad_scores_sum = placeholder(dev, torch.bool), placeholder(dev, torch.float32, scores.shape[1])
-    elif mask is None:
-        mask = torch.ones(scores.shape[0], dtype=torch.bool, device=dev)
-    MOE_TOPK_GATE_BACKWARD.compiled(key)(grad_topk_weights, scores, unmapped_topk_idx, topk_weights,
-                                         float(routed_scaling_factor), mask, grad_scores_sum, grad_logits)
+    MOE_TOPK_GATE_BACKWARD.compiled(key)(*gate_backward_arguments(
+        grad_topk_weights, scores, unmapped_topk_idx, topk_weights, routed_scaling_factor, mask, grad_scores_sum,
+        grad_logits))
 
 
 KERNELS, lowering_cases, __all__ = kernel_module(__name__, MOE_TOPK_GATE_FORWARD, MOE_TOPK_GATE_BACKWARD)
