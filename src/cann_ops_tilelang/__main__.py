@@ -5,8 +5,8 @@ With a CUDA GPU or an Ascend NPU it runs the Engram gate's ops once at a model s
 (or with ``--lower``) it instead lowers kernels for both targets (AscendC source for Ascend 950, checked
 against the UB budget; an sm_90a cubin for CUDA, checked against the shared-memory budget, when nvcc is
 found) and ends with a summary, so the package can be seen working anywhere. By default it lowers a
-representative set, the first case each kernel module lists (one kernel per module and target, 56 in all),
-which takes well under two minutes on two cores; ``--all`` lowers every kernel variant (285 at H = 4096),
+representative set, the first case each kernel module lists (one kernel per module and target, 58 in all),
+which takes well under two minutes on two cores; ``--all`` lowers every kernel variant (301 at H = 4096),
 ``--match`` those whose name contains a text. The kernels are lowered on ``--jobs`` worker processes (default:
 one per core), a progress row printed as each finishes.
 

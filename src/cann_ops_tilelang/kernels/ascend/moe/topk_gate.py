@@ -7,8 +7,6 @@ go back in one copy. Exact: only comparisons. ``T`` is dynamic.
 """
 
 # NOTE: no `from __future__ import annotations` here: TileLang evaluates the prim_func annotations.
-import dataclasses
-
 import tilelang  # noqa: F401  (registers the TileLang frontend before the dialect import)
 import torch
 from tilelang.ascend import language as T
@@ -19,6 +17,7 @@ from ....moe._common import require_topk
 from ....policy import ASCEND_CASE_CORES
 from ..._kernel import Kernel, compile_key, kernel_module
 from .. import num_vector_cores
+from ._tiles import RowTilePlan
 
 
 @compile_key
@@ -29,26 +28,9 @@ class TopkKey:
     num_cores: int
 
 
-@dataclasses.dataclass(frozen=True)
-class TopkPlan:
-    """Tiles of up to ``max_rows`` tokens (one SIMT thread each) whose scores take at most ``tile_bytes`` of UB per
-    stage, ``stages`` tiles in flight."""
-
-    max_rows: int
-    tile_bytes: int
-    stages: int
-
-    def rows(self, experts: int) -> int:
-        """Tokens per tile at ``E = experts``: a power of two, at least 8."""
-        rows = self.max_rows
-        while rows > 8 and rows * experts * 4 > self.tile_bytes:
-            rows //= 2
-        return rows
-
-
 # 128 threads for E <= 128, 32 tokens of 512 scores: 64 KiB of scores per stage, two stages in the SIMT budget (not
 # measured yet: the first NPU run of the benchmark sets it, docs/perf/ascend950/moe.md)
-TOPK_GATE_PLAN = TopkPlan(max_rows=128, tile_bytes=64 * 1024, stages=2)
+TOPK_GATE_PLAN = RowTilePlan(max_rows=128, tile_bytes=64 * 1024, stages=2)
 
 
 def build_topk_gate(experts: int, k: int, int32: bool, num_cores: int):

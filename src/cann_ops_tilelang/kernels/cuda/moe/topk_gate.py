@@ -8,15 +8,12 @@ the row's ids together. Exact: only comparisons, so the ids are the reference's 
 reductions. ``T`` is dynamic.
 """
 
-import dataclasses
-
 import torch
 
 from ....moe._common import TOPK_CASES as CASES
 from ....moe._common import require_topk
 from ..._kernel import Kernel, compile_key, kernel_module
-
-WARP = 32
+from ._warps import WARP, WarpPlan
 
 
 @compile_key
@@ -26,16 +23,9 @@ class TopkKey:
     int32: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class TopkPlan:
-    """CTAs of ``warps`` warps, one token per warp."""
-
-    warps: int
-
-
 # 4 tokens per CTA: 128 threads, a row of up to 512 scores in 16 registers per lane (not measured yet: the first
 # GPU run of the benchmark sets it, docs/perf/<chip>/moe.md)
-TOPK_GATE_PLAN = TopkPlan(warps=4)
+TOPK_GATE_PLAN = WarpPlan(warps=4)
 
 
 def build_topk_gate(experts: int, k: int, int32: bool):
