@@ -9,11 +9,12 @@ import math
 import torch
 
 from .. import limits
-from .._checks import OpError, describe
+from .._checks import OpError, check_same_device, check_tensor, describe
 from ..quant._common import backend_of, check_layout
 
-__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "absent_cast", "check_cast_layout", "check_like",
-           "check_rows", "pitch_of", "present", "rows", "rows_of"]
+__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "absent_cast", "check_cast_layout",
+           "check_grad_buffer", "check_like", "check_param", "check_rows", "check_stat", "pitch_of", "present", "rows",
+           "rows_of"]
 
 BF16, F32 = torch.bfloat16, torch.float32
 INPUT_DTYPES = (BF16, F32)
@@ -91,6 +92,33 @@ def check_like(err: OpError, arg: str, t, x: torch.Tensor, arg_x: str = "x", *, 
         raise err.value(arg, f"expected a tensor on {x.device} (as {arg_x}), got {t.device}")
     check_rows(err, arg, t, width_range=limits.IntRange("a width", 1, None), dtypes=(want,))
     return t
+
+
+def check_param(err: OpError, arg: str, value, x: torch.Tensor, hidden: int) -> None:
+    """``value`` None or a contiguous ``(H,)`` tensor of ``x``'s dtype on its device (a weight or bias)."""
+    if value is None:
+        return
+    check_tensor(err, arg, value, dtype=x.dtype, shape=(hidden,))
+    check_same_device(err, [("x", x), (arg, value)])
+
+
+def check_stat(err: OpError, arg: str, value, x: torch.Tensor) -> None:
+    """``value`` an fp32 statistic of shape ``x.shape[:-1]`` (one per row), contiguous, on ``x``'s device."""
+    check_tensor(err, arg, value, dtype=F32, shape=tuple(x.shape[:-1]))
+    check_same_device(err, [("x", x), (arg, value)])
+
+
+def check_grad_buffer(err: OpError, arg: str, value, param, param_arg: str | None, hidden: int,
+                      x: torch.Tensor) -> None:
+    """``value`` None or a contiguous fp32 ``(H,)`` gradient buffer on ``x``'s device (accumulated in place), given
+    only with its parameter ``param`` (named ``param_arg``; ``param_arg`` None: a buffer that needs none)."""
+    if value is None:
+        return
+    if param_arg is not None and param is None:
+        raise err.value(arg, f"expected None without a {param_arg} (there is no {param_arg} gradient), got "
+                             f"{describe(value)}")
+    check_tensor(err, arg, value, dtype=F32, shape=(hidden,))
+    check_same_device(err, [("x", x), (arg, value)])
 
 
 def check_cast_layout(err: OpError, arg: str, spec, hidden: int, x: torch.Tensor | None = None):

@@ -10,25 +10,12 @@ from typing import Optional
 
 from torch import Tensor
 
-from .._checks import OpError, check_bool, check_float, check_same_device, check_tensor, describe
+from .._checks import OpError, check_bool, check_float
 from .._library import declare
-from ._common import F32, absent_cast, backend_of, check_cast_layout, check_like, check_rows
+from ._common import (F32, absent_cast, backend_of, check_cast_layout, check_grad_buffer, check_like, check_param,
+                      check_rows, check_stat)
 
 __all__ = ["layer_norm_backward", "layer_norm_forward"]
-
-
-def _check_param(err: OpError, arg: str, t, x: Tensor, hidden: int) -> None:
-    """``t`` None or an ``(H,)`` contiguous tensor of ``x``'s dtype on its device."""
-    if t is None:
-        return
-    check_tensor(err, arg, t, dtype=x.dtype, shape=(hidden,))
-    check_same_device(err, [("x", x), (arg, t)])
-
-
-def _check_stat(err: OpError, arg: str, t, x: Tensor) -> None:
-    """``t`` an fp32 statistic of shape ``x.shape[:-1]``, contiguous, on ``x``'s device."""
-    check_tensor(err, arg, t, dtype=F32, shape=tuple(x.shape[:-1]))
-    check_same_device(err, [("x", x), (arg, t)])
 
 
 def _empty(x: Tensor) -> Tensor:
@@ -66,8 +53,8 @@ def layer_norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tenso
     """
     err = OpError("layer_norm_forward")
     tokens, hidden = check_rows(err, "x", x)
-    _check_param(err, "weight", weight, x, hidden)
-    _check_param(err, "bias", bias, x, hidden)
+    check_param(err, "weight", weight, x, hidden)
+    check_param(err, "bias", bias, x, hidden)
     check_float(err, "eps", eps, minimum=0.0, inclusive=False)
     if residual is not None:
         check_like(err, "residual", residual, x)
@@ -112,18 +99,11 @@ def layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], mea
     err = OpError("layer_norm_backward")
     tokens, hidden = check_rows(err, "x", x)
     check_like(err, "grad_y", grad_y, x)
-    _check_param(err, "weight", weight, x, hidden)
-    _check_stat(err, "mean", mean, x)
-    _check_stat(err, "rstd", rstd, x)
-    if grad_weight is not None:
-        if weight is None:
-            raise err.value("grad_weight", f"expected None without a weight (no weight, no gradient), got "
-                                           f"{describe(grad_weight)}")
-        check_tensor(err, "grad_weight", grad_weight, dtype=F32, shape=(hidden,))
-        check_same_device(err, [("x", x), ("grad_weight", grad_weight)])
-    if grad_bias is not None:
-        check_tensor(err, "grad_bias", grad_bias, dtype=F32, shape=(hidden,))
-        check_same_device(err, [("x", x), ("grad_bias", grad_bias)])
+    check_param(err, "weight", weight, x, hidden)
+    check_stat(err, "mean", mean, x)
+    check_stat(err, "rstd", rstd, x)
+    check_grad_buffer(err, "grad_weight", grad_weight, weight, "weight", hidden, x)
+    check_grad_buffer(err, "grad_bias", grad_bias, None, None, hidden, x)  # no bias argument: needs none
     if grad_residual_out is not None:
         check_like(err, "grad_residual_out", grad_residual_out, x)
     del tokens

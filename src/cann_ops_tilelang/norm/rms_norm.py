@@ -11,24 +11,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._checks import OpError, check_bool, check_float, check_same_device, check_tensor
+from .._checks import OpError, check_bool, check_float
 from .._library import declare
-from ._common import F32, absent_cast, backend_of, check_cast_layout, check_like, check_rows
+from ._common import (F32, absent_cast, backend_of, check_cast_layout, check_grad_buffer, check_like, check_param,
+                      check_rows, check_stat)
 
 __all__ = ["rms_norm_backward", "rms_norm_forward"]
-
-
-def _check_weight(err: OpError, weight, x: Tensor, hidden: int) -> None:
-    """``weight`` None or a contiguous ``(H,)`` tensor of ``x``'s dtype on its device."""
-    if weight is None:
-        return
-    check_tensor(err, "weight", weight, dtype=x.dtype, shape=(hidden,))
-    check_same_device(err, [("x", x), ("weight", weight)])
-
-
-def _check_rstd(err: OpError, rstd, x: Tensor) -> None:
-    check_tensor(err, "rstd", rstd, dtype=F32, shape=tuple(x.shape[:-1]))
-    check_same_device(err, [("x", x), ("rstd", rstd)])
 
 
 @declare("rms_norm_forward", vector_args={"x": 16, "weight": 16, "residual": 16}, tokens="x",
@@ -60,7 +48,7 @@ def rms_norm_forward(x: Tensor, weight: Optional[Tensor], eps: float, residual: 
     """
     err = OpError("rms_norm_forward")
     tokens, hidden = check_rows(err, "x", x)
-    _check_weight(err, weight, x, hidden)
+    check_param(err, "weight", weight, x, hidden)
     check_float(err, "eps", eps, minimum=0.0, inclusive=False)
     if residual is not None:
         check_like(err, "residual", residual, x)
@@ -108,14 +96,9 @@ def rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
     err = OpError("rms_norm_backward")
     tokens, hidden = check_rows(err, "grad_y", grad_y)
     check_like(err, "x", x, grad_y, "grad_y")
-    _check_weight(err, weight, x, hidden)
-    _check_rstd(err, rstd, x)
-    if grad_weight is not None:
-        if weight is None:
-            raise err.value("grad_weight", "expected None without a weight (there is no weight gradient), got a "
-                                           "tensor")
-        check_tensor(err, "grad_weight", grad_weight, dtype=F32, shape=(hidden,))
-        check_same_device(err, [("x", x), ("grad_weight", grad_weight)])
+    check_param(err, "weight", weight, x, hidden)
+    check_stat(err, "rstd", rstd, x)
+    check_grad_buffer(err, "grad_weight", grad_weight, weight, "weight", hidden, x)
     if grad_residual_out is not None:
         check_like(err, "grad_residual_out", grad_residual_out, x)
     check_float(err, "out_scale", out_scale, minimum=-float("inf"))
