@@ -12,9 +12,9 @@ from .. import limits
 from .._checks import OpError, check_same_device, check_tensor, describe
 from ..quant._common import backend_of, check_layout
 
-__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "absent_cast", "check_cast_layout",
-           "check_grad_buffer", "check_like", "check_param", "check_rows", "check_stat", "pitch_of", "present", "rows",
-           "rows_of"]
+__all__ = ["BF16", "F32", "INPUT_DTYPES", "ROW_ALIGN_BYTES", "backend_of", "absent_cast", "cast_outputs",
+           "check_cast_layout", "check_grad_buffer", "check_like", "check_param", "check_rows", "check_stat",
+           "pitch_of", "present", "rows", "rows_of"]
 
 BF16, F32 = torch.bfloat16, torch.float32
 INPUT_DTYPES = (BF16, F32)
@@ -137,6 +137,14 @@ def check_cast_layout(err: OpError, arg: str, spec, hidden: int, x: torch.Tensor
 def absent_cast(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``(data, sf)`` of an op asked for no cast: ``(0,)`` float8_e4m3fn and fp32 empties (conventions)."""
     return like.new_empty((0,), dtype=torch.float8_e4m3fn), like.new_empty((0,), dtype=F32)
+
+
+def cast_outputs(spec, tokens: int, width: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(data, sf)`` of a fused per-token cast of ``(tokens, width)`` rows in ``spec`` (a :class:`ScaleLayout`):
+    uninitialized, the scales in their layout for ``like``'s backend, both on ``like``'s device (``like.new_empty``:
+    fakes can call it)."""
+    return (spec.empty_data(tokens, width, like=like),
+            spec.empty_sf(tokens, width, backend_of(like), like=like))
 
 
 def rows_of(x: torch.Tensor | None) -> torch.Tensor | None:

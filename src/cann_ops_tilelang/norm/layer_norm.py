@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .._checks import OpError, check_bool, check_float
 from .._library import declare
-from ._common import (F32, absent_cast, backend_of, check_cast_layout, check_grad_buffer, check_like, check_param,
+from ._common import (F32, absent_cast, cast_outputs, check_cast_layout, check_grad_buffer, check_like, check_param,
                       check_rows, check_stat)
 
 __all__ = ["layer_norm_backward", "layer_norm_forward"]
@@ -66,8 +66,7 @@ def layer_norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tenso
     y = x.new_empty(x.shape) if spec is None or with_y else _empty(x)
     if spec is None:
         return y, mean, rstd, residual_out, *absent_cast(x)
-    return (y, mean, rstd, residual_out, spec.empty_data(tokens, hidden, like=x),
-            spec.empty_sf(tokens, hidden, backend_of(x), like=x))
+    return y, mean, rstd, residual_out, *cast_outputs(spec, tokens, hidden, x)
 
 
 @declare("layer_norm_backward", mutates_args=("grad_weight", "grad_bias"),

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .._checks import OpError, check_bool, check_float
 from .._library import declare
-from ._common import (F32, absent_cast, backend_of, check_cast_layout, check_grad_buffer, check_like, check_param,
+from ._common import (F32, absent_cast, cast_outputs, check_cast_layout, check_grad_buffer, check_like, check_param,
                       check_rows, check_stat)
 
 __all__ = ["rms_norm_backward", "rms_norm_forward"]
@@ -61,8 +61,7 @@ def rms_norm_forward(x: Tensor, weight: Optional[Tensor], eps: float, residual: 
     residual_out = x.new_empty(x.shape) if residual is not None else x.new_empty((0,))
     if cast is None:
         return y, rstd, residual_out, *absent_cast(x)
-    return (y, rstd, residual_out, cast.empty_data(tokens, hidden, like=x),
-            cast.empty_sf(tokens, hidden, backend_of(x), like=x))
+    return y, rstd, residual_out, *cast_outputs(cast, tokens, hidden, x)
 
 
 # DTensor sharding (docs/distributed.md): token-wise; the weight is replicated. Absent outputs are (0,) empties.

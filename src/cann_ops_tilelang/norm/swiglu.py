@@ -19,7 +19,7 @@ from .._library import declare
 from ..quant._common import check_layout
 from ..quant.cast_back import check_sf
 from ..quant.per_token_cast import per_token_cast
-from ._common import F32, absent_cast, backend_of, check_cast_layout, check_rows
+from ._common import F32, absent_cast, backend_of, cast_outputs, check_cast_layout, check_rows
 
 __all__ = ["swiglu_backward", "swiglu_forward"]
 
@@ -123,7 +123,7 @@ def swiglu_forward(x: Tensor, routing_weight: Optional[Tensor] = None, routed_sc
         return x.new_empty(y_shape), *absent_cast(x)
     spec = _check_cast(err, layout, hidden, hidden)
     y = x.new_empty(y_shape) if with_y else x.new_empty((0,))
-    return y, spec.empty_data(tokens, hidden, like=x), spec.empty_sf(tokens, hidden, backend_of(x), like=x)
+    return y, *cast_outputs(spec, tokens, hidden, x)
 
 
 # DTensor sharding (docs/distributed.md): row-wise; the clamp counters are a sum over rows (P). Expert segments
@@ -208,8 +208,7 @@ def swiglu_backward(grad_y: Tensor, x: Tensor, routing_weight: Optional[Tensor] 
     if layout is None:
         return grad_x, grad_routing_weight, y, *absent_cast(grad_y)
     spec = _check_cast(err, layout, hidden, 2 * hidden)
-    return (grad_x, grad_routing_weight, y, spec.empty_data(tokens, 2 * hidden, like=grad_y),
-            spec.empty_sf(tokens, 2 * hidden, backend_of(grad_y), like=grad_y))
+    return grad_x, grad_routing_weight, y, *cast_outputs(spec, tokens, 2 * hidden, grad_y)
 
 
 swiglu_backward.sharding({"grad_y": "S0", "x": "S0", "x_sf": "S0", "routing_weight": "S0",
