@@ -30,7 +30,7 @@ from ....limits import NORM_HIDDEN, IntRange, LimitError
 from ....policy import NORM_GRAD_WEIGHT_PARTITIONS
 from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
-from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
+from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, sf_view, stored_scale
 
 VEC_BYTES = 16  # one vector access of a row
 WARP = 32
@@ -549,13 +549,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
-def _scales(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
-    """The kernel's view of the cast's scales: col_tma through its transposed (padded) buffer, UE8M0 words as
-    bytes (the parameter of ``sf_param``)."""
-    view = sf.t() if storage == "col_tma" else sf
-    return view.view(torch.uint8) if kind == "ue8m0" else view
-
-
 def _holder(like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A 16-byte placeholder for an absent tensor (never read nor written)."""
     dtype = like.dtype if dtype is None else dtype
@@ -572,7 +565,7 @@ def layer_norm_forward(x, weight, bias, eps, residual, layout, with_y, y, mean, 
         return
     rr = None if residual is None else _rows(residual)
     key = FORWARD.key(xr, weight, bias, rr, layout, with_y)
-    scales = _scales(sf, key.storage, key.sf) if key.group else _holder(x, torch.uint8)
+    scales = sf_view(sf, key.storage, key.sf) if key.group else _holder(x, torch.uint8)
     FORWARD.compiled(key)(
         xr, _holder(x) if weight is None else weight, _holder(x) if bias is None else bias,
         _holder(x) if rr is None else rr, _rows(y) if key.write_y else _holder(x), mean.view(-1), rstd.view(-1),

@@ -27,7 +27,7 @@ from ....norm._common import present, rows, rows_of
 from ....policy import NORM_GRAD_WEIGHT_PARTITIONS
 from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module, variant_prim_func
-from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
+from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, sf_view, stored_scale
 
 VEC_BYTES = 16  # one vector access of a row
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -496,13 +496,6 @@ GRAD_WEIGHT_REDUCE = Kernel(
     "rms_norm_grad_weight_reduce", ReduceKey, build_rms_norm_grad_weight_reduce,
     cases=lambda hidden_size, hc_mult: {"rms_norm_backward_grad_weight_reduce": ReduceKey(
         hidden_size, NORM_GRAD_WEIGHT_PARTITIONS["cuda"])})
-
-
-def sf_view(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
-    """The buffer the kernel takes for the cast's scales: col_tma through the transposed (padded) buffer, UE8M0
-    words as their bytes."""
-    view = sf.t() if storage == "col_tma" else sf
-    return view.view(torch.uint8) if kind == "ue8m0" else view
 
 
 def rms_norm_forward(x, weight, eps, residual, out_scale, layout, with_y, y, rstd, residual_out, data, sf) -> None:

@@ -28,7 +28,7 @@ from ....norm import swiglu as swiglu_op
 from ....norm._common import rows
 from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
-from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale, ue8m0_decode
+from ..quant._common import e2m1_encode, group_scale, sf_index, sf_param, sf_view, stored_scale, ue8m0_decode
 
 # bytes of one vector access of a row
 VEC_BYTES = 16
@@ -203,12 +203,6 @@ def gate_up_loader(T, hidden: int, vec: int, dtype):
                 ur[k, j] = T.cast(0, dtype)
 
     return load
-
-
-def sf_buffer(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
-    """The scales as a fused cast's kernel takes them: col_tma the transposed padded buffer, UE8M0 words as bytes."""
-    view = sf.t() if storage == "col_tma" else sf
-    return view.view(torch.uint8) if kind == "ue8m0" else view
 
 
 def layout_fields(where: str, layout, **extra) -> dict:
@@ -576,7 +570,7 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
     key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets, layout, with_y)
     args = [x2, y2, _optional(routing_weight, x, torch.float32), row_flags(expert_offsets, tokens, alignment, x), counts]
     if layout is not None:  # the cast fused
-        args += [data, sf_buffer(sf, key.storage, key.sf)]
+        args += [data, sf_view(sf, key.storage, key.sf)]
     FORWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
     if clamped_count is not None:
         clamped_count += counts.sum(0, dtype=torch.int64)
@@ -595,11 +589,11 @@ def swiglu_backward(grad_y, x, routing_weight, routed_scaling_factor, clamp, exp
     gx2 = grad_x.view(tokens, 2 * hidden)
     y2 = y.view(tokens, hidden) if recompute else grad_y.new_empty((0, hidden))
     key = BACKWARD.key(x2, grad_y, routing_weight, clamp, expert_offsets, recompute, layout, x_layout)
-    args = [x2] + ([sf_buffer(x_sf, key.x_storage, key.x_sf)] if x_sf is not None else [])
+    args = [x2] + ([sf_view(x_sf, key.x_storage, key.x_sf)] if x_sf is not None else [])
     args += [gy2, gx2, y2, _optional(routing_weight, x2, torch.float32),
              row_flags(expert_offsets, tokens, alignment, x2), grad_routing_weight]
     if layout is not None:  # the cast fused
-        args += [data, sf_buffer(sf, key.storage, key.sf)]
+        args += [data, sf_view(sf, key.storage, key.sf)]
     BACKWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
 
 

@@ -3,15 +3,17 @@
 ``e2m1_encode`` is the e2m1 rounding (comparisons with the grid's midpoints); the decoders widen e2m1 codes and
 UE8M0 bytes to fp32 exactly. ``group_scale``, ``stored_scale``, ``sf_param`` and ``sf_index`` are the per-token
 group's scale and its storage, shared by ``per_token_cast`` and the kernels that fuse a per-token cast (norm,
-SwiGLU).
+SwiGLU); ``sf_view`` is the launch-side view of a scale tensor that those kernels take.
 """
 
 import struct
 
+import torch
+
 from ....quant import AMAX_CLAMP, FORMATS
 
 __all__ = ["E2M1_MIDPOINTS", "e2m1_decode", "e2m1_encode", "f32_bits", "group_scale", "sf_index", "sf_param",
-           "stored_scale", "ue8m0_decode"]
+           "sf_view", "stored_scale", "ue8m0_decode"]
 
 # the e2m1 grid's midpoints, each with whether a tie there rounds up (to the even code above it)
 E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -20,6 +22,13 @@ E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5
 def f32_bits(value: float) -> int:
     """The bits of ``value`` rounded to fp32."""
     return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def sf_view(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
+    """The buffer a kernel takes for a scale tensor (the parameter of ``sf_param``): col_tma through the transposed
+    (padded) buffer, UE8M0 words as their bytes."""
+    view = sf.t() if storage == "col_tma" else sf
+    return view.view(torch.uint8) if kind == "ue8m0" else view
 
 
 def e2m1_encode(T, v):

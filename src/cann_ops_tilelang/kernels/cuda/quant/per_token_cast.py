@@ -29,7 +29,7 @@ import torch
 from ....limits import QUANT_HIDDEN, IntRange, LimitError
 from ....quant import ScaleLayout
 from ..._kernel import Kernel, compile_key, kernel_module
-from ._common import e2m1_encode, group_scale, sf_index, sf_param, stored_scale
+from ._common import e2m1_encode, group_scale, sf_index, sf_param, sf_view, stored_scale
 
 # bytes of one vector access of x
 VEC_BYTES = 16
@@ -366,13 +366,6 @@ PER_TOKEN_CAST_WITH_SF = Kernel("per_token_cast_with_sf", CastKey, build_per_tok
                                 derive=lambda x, layout: cast_key("per_token_cast_with_sf", x.shape[1],
                                                                   _in_dtype(x), ScaleLayout.parse(layout),
                                                                   "with_sf"))
-
-
-def sf_view(sf: torch.Tensor, storage: str, kind: str) -> torch.Tensor:
-    """The buffer a kernel takes for a scale tensor: col_tma through the transposed (padded) buffer, UE8M0 words
-    as their bytes."""
-    view = sf.t() if storage == "col_tma" else sf
-    return view.view(torch.uint8) if kind == "ue8m0" else view
 
 
 def per_token_cast(x: torch.Tensor, layout: str, x_sf: torch.Tensor | None, x_layout: str | None,
