@@ -219,7 +219,7 @@ MOE_EXPERTS = IntRange("an expert count E", 1, 512)
 MOE_TOPK = IntRange("a top-k count k", 1, 32)
 # H, the model's hidden size: the width of the token rows the family's permutation will move (issue 63; provisional,
 # as the norms' rows until its kernels fix it). The gates do not read it: their kernels are lowered at the expert
-# counts of moe/_common.py (TOPK_CASES) whatever the hidden size (as the Engram hash's), so the sizes that matter are the low edge and
-# DeepSeek-V3's 7168 only (see hidden_sizes).
+# counts of moe/_common.py (TOPK_CASES) whatever the hidden size (as the Engram hash's), so the sizes that matter are
+# the low edge and DeepSeek-V3's 7168 only (see hidden_sizes).
 MOE_HIDDEN = IntRange("a hidden size", 64, 32768, multiple_of=64)
 MOE_HIDDEN_SIZES = (64, 7168)

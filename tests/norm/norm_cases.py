@@ -182,8 +182,8 @@ def swiglu_backward_call(tokens, hidden, *, seed=0, device="cpu", dtype=BF16, la
                          weighted=True, clamp=SWIGLU_CLAMP, experts=False, alignment=4, quantized=None, lead=None,
                          pitch=None):
     """``grad_y`` and ``x`` with a routing weight, the clamp, the recomputed ``y`` and (rows of ``2 H`` within the
-    per-token cast's widths) the fused cast of ``grad_x``; ``quantized``: a per-token e4m3 layout spec, ``x`` quantized to it (the reference's
-    CUDA bytes) with its scales."""
+    per-token cast's widths) the fused cast of ``grad_x``; ``quantized``: a per-token e4m3 layout spec, ``x``
+    quantized to it (the reference's CUDA bytes) with its scales."""
     gen = torch.Generator().manual_seed(seed + 2)
     if layout == "auto":
         layout = "1x64/e4m3/ue8m0/row/round" if 2 * hidden <= limits.QUANT_HIDDEN.high else None

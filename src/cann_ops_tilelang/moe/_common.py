@@ -13,22 +13,26 @@ from .._checks import OpError, check_bool, check_int, check_tensor
 
 __all__ = ["DENOMINATOR_EPS", "F32", "GATE_BACKWARD_CASES", "GATE_CASES", "ID_DTYPES", "NORMALIZE_CASES",
            "REPLICA_STRIDE", "SOFTPLUS_LINEAR", "SOFTPLUS_SERIES", "TOPK_CASES", "check_k", "check_rows",
-           "gate_backward_arguments", "gate_forward_arguments", "gate_key", "id_dtype", "pairwise_steps", "placeholder", "require_topk"]
+           "gate_backward_arguments", "gate_forward_arguments", "gate_key", "id_dtype", "pairwise_steps", "placeholder",
+           "require_topk"]
 
 F32 = torch.float32
 # the expert ids' dtypes: int64 by default, int32 when asked (``int32=True``)
 ID_DTYPES = {False: torch.int64, True: torch.int32}
+# the edges of the ranges, read from limits (the cases below lower at both)
+_E, _K = limits.MOE_EXPERTS.high, limits.MOE_TOPK.high
 # the variants both backends' kernels are lowered at in the CPU tier, whatever the hidden size: (E, k, int32) of
-# topk_gate (the edges of E and k, the peer's (72, 6), DeepSeek-V3's (256, 8) with both id dtypes) and k of normalize_weight
-TOPK_CASES = ((1, 1, False), (72, 6, False), (256, 8, False), (256, 8, True), (512, 32, False))
-NORMALIZE_CASES = (1, 6, 32)
+# topk_gate (the edges of E and k, the peer's (72, 6), DeepSeek-V3's (256, 8) with both id dtypes) and k of
+# normalize_weight
+TOPK_CASES = ((1, 1, False), (72, 6, False), (256, 8, False), (256, 8, True), (_E, _K, False))
+NORMALIZE_CASES = (1, 6, _K)
 # the variants of moe_topk_gate_forward both backends lower in the CPU tier, by case name: (E, k, shared experts, then
 # whether a mask, a bias, an image bias, fixed routing and a replica map are given): the edges of E and k bare, the
 # peer's (72, 6) with every option and two shared experts, DeepSeek's (256, 8) with a bias and a mask
 GATE_CASES = {"e1_k1": (1, 1, 0, False, False, False, False, False),
               "e72_k6_s2_all": (72, 6, 2, True, True, True, True, True),
               "e256_k8_bias_mask": (256, 8, 0, True, True, False, False, False),
-              "e512_k32": (512, 32, 0, False, False, False, False, False)}
+              f"e{_E}_k{_K}": (_E, _K, 0, False, False, False, False, False)}
 # added to the sum of a row's routing weights before dividing by it (a row of zeros gives zeros, not NaN), as the
 # peer's kernels do (docs/ops/moe.md#normalize_weight)
 DENOMINATOR_EPS = 1e-20
@@ -41,7 +45,7 @@ SOFTPLUS_LINEAR = 20.0
 # name: (E, k, with grad_scores_sum and mask)
 SOFTPLUS_SERIES = 0.1
 GATE_BACKWARD_CASES = {"e1_k1": (1, 1, False), "e72_k6_aux": (72, 6, True), "e256_k8": (256, 8, False),
-                       "e512_k32_aux": (512, 32, True)}
+                       f"e{_E}_k{_K}_aux": (_E, _K, True)}
 
 
 def pairwise_steps(k: int) -> list[tuple[int, int]]:

@@ -139,9 +139,9 @@ def moe_topk_gate_backward(
     the logits (docs/ops/moe.md#moe_topk_gate has the math and the tolerance).
 
     ``grad_logits = u'(x) · (route + aux)``: ``route`` scatters ``(s · g_j - <g, w>) / D`` to the routed ids
-    ``j >= 0`` (``D = 1e-20 + sum u_j``; repeated ids add up), ``aux = (h - <h, u> / U) / U`` with ``U = sum_e u_e`` and ``h``
-    the row of ``grad_scores_sum`` of the token's sequence (zero for tokens ``mask`` leaves out), ``u'(x) =
-    (1 - exp(-u^2)) / (2u)`` recovered from ``u`` (0 at ``u = 0``).
+    ``j >= 0`` (``D = 1e-20 + sum u_j``; repeated ids add up), ``aux = (h - <h, u> / U) / U`` with
+    ``U = sum_e u_e`` and ``h`` the row of ``grad_scores_sum`` of the token's sequence (zero for tokens ``mask``
+    leaves out), ``u'(x) = (1 - exp(-u^2)) / (2u)`` recovered from ``u`` (0 at ``u = 0``).
 
     Args:
         grad_topk_weights: ``(T, k)`` fp32, the gradient of the routed columns of ``topk_weights``.

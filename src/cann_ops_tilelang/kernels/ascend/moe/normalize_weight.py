@@ -77,8 +77,8 @@ def build_normalize_weight(k: int, num_cores: int):
 
 
 NORMALIZE_WEIGHT = Kernel("normalize_weight", NormalizeKey, build_normalize_weight,
-                          cases=lambda hidden_size, hc_mult: {f"normalize_weight_k{k}": NormalizeKey(k, ASCEND_CASE_CORES)
-                                                              for k in NORMALIZE_CASES},
+                          cases=lambda hidden_size, hc_mult: {
+                              f"normalize_weight_k{k}": NormalizeKey(k, ASCEND_CASE_CORES) for k in NORMALIZE_CASES},
                           derive=lambda topk_weights: NormalizeKey(MOE_TOPK.require("normalize_weight",
                                                                                     topk_weights.shape[1]),
                                                                    num_vector_cores()))

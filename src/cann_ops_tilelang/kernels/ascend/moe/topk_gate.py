@@ -73,8 +73,8 @@ def build_topk_gate(experts: int, k: int, int32: bool, num_cores: int):
 
 
 def _cases(hidden_size: int, hc_mult: int) -> dict:
-    """Independent of the hidden size on the Ascend 950's cores (the CUDA module's names): the edges of E and k, the peer's (72, 6) and DeepSeek-V3's (256, 8)
-    with both id dtypes."""
+    """Independent of the hidden size on the Ascend 950's cores (the CUDA module's names): the edges of E and k, the
+    peer's (72, 6) and DeepSeek-V3's (256, 8) with both id dtypes."""
     return {f"topk_gate_e{e}_k{k}{'_int32' if int32 else ''}": TopkKey(e, k, int32, ASCEND_CASE_CORES)
             for e, k, int32 in CASES}
 

@@ -431,7 +431,8 @@ def rms_norm_forward(x, weight, eps, residual, out_scale, layout, with_y, y, rst
     key = FORWARD.key(x, weight, residual, layout)
     y2 = y.view(x2.shape) if layout is None or with_y else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     FORWARD.compiled(key)(*present(x2, weight, rows_of(residual), y2, rstd.view(x2.shape[0]),
-                                   rows_of(residual_out if residual is not None else None)), float(eps), float(out_scale))
+                                   rows_of(residual_out if residual is not None else None)),
+                          float(eps), float(out_scale))
     if layout is not None:
         cast = torch.ops.cann_ops_tilelang.per_token_cast(y2, layout)
         data.copy_(cast[0])

@@ -568,7 +568,8 @@ def swiglu_forward(x, routing_weight, routed_scaling_factor, clamp, clamped_coun
     y2 = y.view(tokens, hidden) if y.numel() else x.new_empty((0, hidden))
     counts = x.new_empty((tokens if clamped_count is not None else 0, COUNTERS), dtype=torch.int32)
     key = FORWARD.key(x, routing_weight, clamp, clamped_count, expert_offsets, layout, with_y)
-    args = [x2, y2, _optional(routing_weight, x, torch.float32), row_flags(expert_offsets, tokens, alignment, x), counts]
+    args = [x2, y2, _optional(routing_weight, x, torch.float32), row_flags(expert_offsets, tokens, alignment, x),
+            counts]
     if layout is not None:  # the cast fused
         args += [data, sf_view(sf, key.storage, key.sf)]
     FORWARD.compiled(key)(*args, float(routed_scaling_factor), float(clamp or 0.0))
